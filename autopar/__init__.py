@@ -1,0 +1,1 @@
+"""autopar: automatic parallelization planner and compiler for PyTorch training."""

@@ -1,0 +1,1 @@
+"""The machine: devices, links, clusters, and estimators of time and memory."""

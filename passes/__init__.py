@@ -1,0 +1,1 @@
+"""Analyses and transformations of captured torch.fx graphs."""

@@ -1,0 +1,89 @@
+"""Typed records the passes produce and the planner consumes.
+
+All sizes are for the batch the model was captured with (the global batch); the planner
+divides batch-proportional quantities by the data-parallel degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, kw_only=True)
+class Collective:
+    """One collective a strategy issues per step, at the captured (global) batch."""
+
+    kind: str
+    """'all_reduce' | 'all_gather' | 'reduce_scatter'."""
+    nbytes: int
+    """Size of the full (unsharded) tensor, in bytes, at the captured batch."""
+    phase: str
+    """'fwd' or 'bwd'."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class TPOption:
+    """How a layer can be split Megatron-style over a tensor-parallel group."""
+
+    styles: dict[str, str]
+    """Submodule path relative to the layer ('' for the layer itself) -> runtime.plan.TP_STYLES."""
+    divisors: tuple[int, ...]
+    """The TP degree must divide each of these (attention heads, hidden features, vocabulary)."""
+    sharded_param_bytes: int
+    """Parameter bytes split across the group (the rest stay replicated)."""
+    sharded_fwd_flops: float
+    """Forward FLOPs that divide by the degree (matmuls and attention of sharded heads)."""
+    sharded_saved_bytes: int
+    """Saved-for-backward activation bytes that divide by the degree."""
+    collectives: tuple[Collective, ...]
+    """Collectives over the TP group per step (Megatron f/g operators, gathers)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerInfo:
+    """One layer: a module of the user's model, with the costs of its ops."""
+
+    name: str
+    """Fully-qualified module name (``''`` never; root-level ops attach to a neighbour)."""
+    layer_class: str
+    """Identical layers (same code, parameter shapes, op sequence) share this key."""
+    index: int
+    """Position in execution order."""
+    param_count: int
+    param_bytes: int
+    fwd_flops: float
+    bwd_flops: float
+    saved_bytes: int
+    """Activation bytes autograd saves for backward (parameters excluded)."""
+    output_bytes: int
+    """Bytes of the layer's output activation."""
+    mem_bytes: int
+    """Bytes read and written by the forward ops (for the memory-bound roofline term)."""
+    num_ops: int
+    """Forward kernels (for the per-kernel launch floor)."""
+    tp: TPOption | None = None
+    """How this layer can be tensor-parallel, or None if no safe split is known."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerGraph:
+    """The model as the planner sees it: layers in execution order."""
+
+    layers: tuple[LayerInfo, ...]
+    batch_size: int
+    """Global batch the costs were captured at."""
+    seq_len: int | None = None
+    param_dtype: str = "float32"
+    model_name: str = ""
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def classes(self) -> dict[str, list[LayerInfo]]:
+        out: dict[str, list[LayerInfo]] = {}
+        for layer in self.layers:
+            out.setdefault(layer.layer_class, []).append(layer)
+        return out
+
+    @property
+    def param_count(self) -> int:
+        return sum(layer.param_count for layer in self.layers)

@@ -1,0 +1,1 @@
+"""The Plan schema and its execution with torch.distributed."""

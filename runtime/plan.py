@@ -1,0 +1,307 @@
+"""The Plan: the one contract between the planner and the runtime.
+
+A plan is a versioned JSON document that names modules by fully-qualified name. It can be
+written by the planner, saved, diffed, edited by hand and executed by ``runtime`` without
+the planner. Every rank executes the same plan.
+
+Layout of the device mesh: ranks are numbered row-major over ``(pp, dp, tp)``, so the
+``tp`` axis is innermost and a tensor-parallel group is a run of consecutive ranks (the
+devices of one node).
+
+Per-layer strategies (``LayerPlan.strategy``):
+
+- ``replicate``: parameters replicated; gradients all-reduced (DDP semantics).
+- ``fsdp``: parameters, gradients and optimizer states sharded (ZeRO-3 / FSDP2).
+- ``tp``: Megatron tensor parallelism over the ``tp`` axis using ``tp_styles``;
+  gradients all-reduced over ``dp``.
+- ``tp_fsdp``: tensor parallel over ``tp`` and FSDP-sharded over ``dp``.
+
+A layer that is not tensor-parallel computes redundantly inside its tp group (every
+tp rank sees the same micro-batch), so its replicas span the whole world: ``replicate``
+all-reduces and ``fsdp`` shards over all ``dp * tp`` ranks of its stage.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cost_models.errors import ConfigError
+
+PLAN_VERSION = 1
+STRATEGIES = ("replicate", "fsdp", "tp", "tp_fsdp")
+TP_STRATEGIES = ("tp", "tp_fsdp")
+# How one submodule is split for tensor parallelism (see runtime.tensor_parallel):
+#   colwise           Linear split on output features; output stays sharded on the last dim
+#   rowwise           Linear split on input features; output all-reduced (replicated)
+#   colwise_gather    Linear split on output features; output all-gathered (replicated)
+#   embedding_rowwise Embedding split on the vocabulary; output all-reduced (replicated)
+TP_STYLES = ("colwise", "rowwise", "colwise_gather", "embedding_rowwise")
+
+
+class PlanError(ConfigError):
+    """A plan is malformed or does not fit the model or world it is applied to."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Mesh:
+    """Degrees of the device mesh, outermost first: pipeline, data, tensor."""
+
+    pp: int = 1
+    """Pipeline-parallel degree (number of stages)."""
+    dp: int = 1
+    """Data-parallel degree (replicas of one stage, each on its own slice of the batch)."""
+    tp: int = 1
+    """Tensor-parallel degree (devices of one node that split each TP layer)."""
+
+    def __post_init__(self) -> None:
+        for axis in ("pp", "dp", "tp"):
+            value = getattr(self, axis)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"mesh.{axis} must be a positive integer, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp * self.tp
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerPlan:
+    """What one layer (a module, by fully-qualified name) does."""
+
+    module: str
+    """Fully-qualified module name in the user's model, e.g. ``transformer.h.3``."""
+    strategy: str = "replicate"
+    """One of STRATEGIES."""
+    tp_styles: dict[str, str] = field(default_factory=dict)
+    """For TP strategies: submodule path relative to ``module`` ('' for the module itself)
+    to one of TP_STYLES."""
+    stage: int = 0
+    """Pipeline stage that holds this layer."""
+    layer_class: str = ""
+    """Informational: the class of identical layers this one belongs to."""
+    memory_bytes: int | None = None
+    """Informational: modelled per-rank memory of this layer (parameters, gradients,
+    optimizer states, saved activations)."""
+    time_s: float | None = None
+    """Informational: modelled forward + backward time of this layer, communication included."""
+
+    def __post_init__(self) -> None:
+        where = f"layer {self.module!r}"
+        if not isinstance(self.module, str) or not self.module:
+            raise PlanError(f"{where}: 'module' must be a non-empty module path")
+        if self.strategy not in STRATEGIES:
+            raise PlanError(
+                f"{where}: unknown strategy {self.strategy!r}; valid: {', '.join(STRATEGIES)}"
+            )
+        for sub, style in self.tp_styles.items():
+            if style not in TP_STYLES:
+                raise PlanError(
+                    f"{where}: tp_styles[{sub!r}] = {style!r} is not one of "
+                    f"{', '.join(TP_STYLES)}"
+                )
+        if self.strategy in TP_STRATEGIES and not self.tp_styles:
+            raise PlanError(
+                f"{where}: strategy {self.strategy!r} needs tp_styles naming how its "
+                "submodules are split (e.g. {'fc_in': 'colwise', 'fc_out': 'rowwise'})"
+            )
+        if self.strategy not in TP_STRATEGIES and self.tp_styles:
+            raise PlanError(f"{where}: tp_styles given but strategy is {self.strategy!r}")
+        if not isinstance(self.stage, int) or self.stage < 0:
+            raise PlanError(f"{where}: stage must be a non-negative integer")
+
+    @property
+    def is_tp(self) -> bool:
+        return self.strategy in TP_STRATEGIES
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryBreakdown:
+    """Per-rank memory in bytes."""
+
+    params_bytes: int = 0
+    grads_bytes: int = 0
+    optimizer_bytes: int = 0
+    activations_bytes: int = 0
+    buffers_bytes: int = 0
+    """Communication buffers and transient gathers (e.g. one FSDP layer unsharded)."""
+    margin_bytes: int = 0
+    """Allocator fragmentation margin."""
+
+    @property
+    def total_bytes(self) -> int:
+        return (
+            self.params_bytes
+            + self.grads_bytes
+            + self.optimizer_bytes
+            + self.activations_bytes
+            + self.buffers_bytes
+            + self.margin_bytes
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Prediction:
+    """What the cost model expects of this plan, per training step."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    memory: MemoryBreakdown
+    capacity_bytes: int
+    source: str = "modelled"
+    """Where the numbers came from: modelled, calibrated or measured."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolverReport:
+    """The optimisation certificate: objective, LP lower bound and gap."""
+
+    solver: str
+    status: str
+    objective_s: float
+    lower_bound_s: float
+    gap: float
+    solve_time_s: float
+    candidates: int = 1
+    """Mesh shapes considered by the outer search."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    """A complete, executable parallelization plan."""
+
+    version: int = PLAN_VERSION
+    model: str = ""
+    """Name of the model the plan was made for (informational)."""
+    cluster: str = ""
+    """Name of the cluster the plan was made for (informational)."""
+    global_batch: int
+    """Samples per optimizer step, summed over data-parallel replicas."""
+    seq_len: int | None = None
+    mesh: Mesh = field(default_factory=Mesh)
+    layers: tuple[LayerPlan, ...] = ()
+    param_dtype: str = "float32"
+    prediction: Prediction | None = None
+    solver: SolverReport | None = None
+
+    def __post_init__(self) -> None:
+        if self.version != PLAN_VERSION:
+            raise PlanError(
+                f"plan version {self.version} is not supported (this autopar reads version "
+                f"{PLAN_VERSION}); re-plan with `autopar plan`"
+            )
+        if not isinstance(self.global_batch, int) or self.global_batch < 1:
+            raise PlanError(f"global_batch must be a positive integer, got {self.global_batch!r}")
+        if self.global_batch % self.mesh.dp:
+            raise PlanError(
+                f"global_batch {self.global_batch} is not divisible by the data-parallel degree "
+                f"mesh.dp={self.mesh.dp}; choose a batch that is a multiple of {self.mesh.dp}"
+            )
+        seen: set[str] = set()
+        for layer in self.layers:
+            if layer.module in seen:
+                raise PlanError(f"layer {layer.module!r} appears twice in the plan")
+            seen.add(layer.module)
+            if layer.is_tp and self.mesh.tp == 1:
+                raise PlanError(
+                    f"layer {layer.module!r} uses {layer.strategy!r} but mesh.tp is 1; "
+                    "set mesh.tp > 1 or use 'replicate'/'fsdp'"
+                )
+            if layer.stage >= self.mesh.pp:
+                raise PlanError(
+                    f"layer {layer.module!r} is on stage {layer.stage} but mesh.pp={self.mesh.pp}"
+                )
+
+    # -- lookup ---------------------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self.mesh.world_size
+
+    def layer(self, module: str) -> LayerPlan:
+        for layer in self.layers:
+            if layer.module == module:
+                return layer
+        raise KeyError(module)
+
+    # -- JSON -----------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> Plan:
+        if not isinstance(data, dict):
+            raise PlanError(f"{source}: a plan must be a JSON object")
+        try:
+            fields = dict(data)
+            fields["mesh"] = _build(Mesh, fields.get("mesh", {}), f"{source}: mesh")
+            fields["layers"] = tuple(
+                _build(LayerPlan, layer, f"{source}: layers[{i}]")
+                for i, layer in enumerate(fields.get("layers", []))
+            )
+            if fields.get("prediction") is not None:
+                pred = dict(fields["prediction"])
+                pred["memory"] = _build(
+                    MemoryBreakdown, pred.get("memory", {}), f"{source}: prediction.memory"
+                )
+                fields["prediction"] = _build(Prediction, pred, f"{source}: prediction")
+            if fields.get("solver") is not None:
+                fields["solver"] = _build(SolverReport, fields["solver"], f"{source}: solver")
+            return _build(cls, fields, source)
+        except PlanError as e:
+            if str(e).startswith(source):
+                raise
+            raise PlanError(f"{source}: {e}") from e
+
+    @classmethod
+    def from_json(cls, text: str, *, source: str = "plan") -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise PlanError(f"{source}: not valid JSON ({e})") from e
+        return cls.from_dict(data, source=source)
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write atomically: a crash never leaves a half-written plan over a good one."""
+        path = Path(path)
+        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(self.to_json())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Plan:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
+        return cls.from_json(text, source=str(path))
+
+
+def _build(cls: type, data: Any, where: str) -> Any:
+    """Construct a dataclass from a dict, naming unknown or missing fields."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise PlanError(f"{where}: unknown field(s) {unknown}; valid fields: {sorted(names)}")
+    try:
+        return cls(**data)
+    except TypeError as e:
+        raise PlanError(f"{where}: {e}") from e
