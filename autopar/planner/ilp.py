@@ -1,0 +1,183 @@
+r"""The inner integer linear program: strategies for classes of layers on a fixed mesh.
+
+Given a mesh (dp × tp), classes c of identical layers with n_c members, and for each
+allowed strategy s of class c its time t_{c,s} (seconds), resident memory m_{c,s} and
+transient buffer β_{c,s} (bytes per rank):
+
+    variables   y_{c,s} ∈ {0, …, n_c}   how many layers of class c use strategy s
+                u_{c,s} ∈ {0, 1}        some layer of class c uses s (only where β_{c,s} > 0)
+                b ≥ 0                   the largest transient buffer over the plan's layers
+
+    minimise    Σ_c Σ_s t_{c,s} y_{c,s}                               (step time, seconds)
+
+    subject to  count_layers[c]:  Σ_s y_{c,s} = n_c                                  ∀ c
+                uses[c,s]:        y_{c,s} ≤ n_c u_{c,s}                      ∀ c, s: β > 0
+                buffer[c,s]:      b ≥ β_{c,s} u_{c,s}                        ∀ c, s: β > 0
+                memory_fits:      (1 + μ) (Σ_c Σ_s m_{c,s} y_{c,s} + b) ≤ C
+
+where C is the device's memory and μ the allocator margin. Identical layers are
+interchangeable in this objective, so counting them loses nothing against choosing per
+layer, and the program grows with the number of layer classes, not with depth. The LP
+relaxation (y, u continuous) gives the lower bound reported with the plan.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import pulp
+
+from autopar.planner.costs import LayerCost
+
+GIB = 1024**3
+MS = 1e3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassOptions:
+    """One class of identical layers and the cost of each strategy it may take."""
+
+    name: str
+    count: int
+    costs: dict[str, LayerCost]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ILPResult:
+    status: str
+    """'optimal', 'infeasible' or 'not solved' (time limit without a solution)."""
+    objective_s: float
+    lower_bound_s: float
+    choice: dict[str, dict[str, int]]
+    """Class name -> {strategy: number of its layers}."""
+    solver: str
+    solve_time_s: float
+
+
+def make_solver(time_limit_s: float) -> pulp.LpSolver:
+    """HiGHS in-process when highspy is installed (no subprocess per solve), else CBC."""
+    if pulp.HiGHS(msg=False).available():
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+    return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+
+
+class StrategyILP:
+    """Builds and solves the program above; one method per constraint category."""
+
+    def __init__(
+        self,
+        classes: list[ClassOptions],
+        capacity_bytes: float,
+        margin_fraction: float,
+        *,
+        minimise: str = "time",
+        relax: bool = False,
+    ) -> None:
+        self.classes = classes
+        self.capacity_bytes = capacity_bytes
+        self.margin = margin_fraction
+        self.relax = relax
+        self.minimise = minimise
+        self.prob = pulp.LpProblem("autopar_strategies", pulp.LpMinimize)
+        # Variables are named by class index: class names need not be valid LP names.
+        self._index = {c.name: i for i, c in enumerate(classes)}
+        self.y = {
+            (c.name, s): self.prob.add_variable(
+                f"y_{i}_{s}", 0, c.count, pulp.LpContinuous if relax else pulp.LpInteger)
+            for i, c in enumerate(classes)
+            for s in c.costs
+        }
+        self.u = {
+            (c.name, s): self.prob.add_variable(
+                f"u_{i}_{s}", 0, 1, pulp.LpContinuous if relax else pulp.LpBinary)
+            for i, c in enumerate(classes)
+            for s, cost in c.costs.items()
+            if cost.buffer_bytes > 0
+        }
+        # Memory rows are written in GiB and time in milliseconds: with raw bytes (~1e9)
+        # beside seconds (~1e-3) HiGHS returned a non-optimal "optimal" answer that the
+        # brute-force test caught (tests/test_planner.py, seed 12).
+        self.b = self.prob.add_variable("buffer_gib", lowBound=0)
+        self._memory_expr = pulp.lpSum(
+            cost.resident_bytes / GIB * self.y[c.name, s]
+            for c in classes
+            for s, cost in c.costs.items()
+        ) + self.b
+        if minimise == "time":
+            self.add_objective_time()
+            self.add_memory_fits()
+        else:
+            self.prob += self._memory_expr
+        self.add_count_layers()
+        self.add_buffer()
+
+    def add_objective_time(self) -> None:
+        self.prob += pulp.lpSum(
+            cost.time_s * MS * self.y[c.name, s]
+            for c in self.classes
+            for s, cost in c.costs.items()
+        )
+
+    def add_count_layers(self) -> None:
+        for c in self.classes:
+            self.prob += (
+                pulp.lpSum(self.y[c.name, s] for s in c.costs) == c.count,
+                f"count_layers_{self._index[c.name]}",
+            )
+
+    def add_buffer(self) -> None:
+        for (name, s), u in self.u.items():
+            i = self._index[name]
+            count = self.classes[i].count
+            cost = self.classes[i].costs[s]
+            self.prob += (self.y[name, s] <= count * u, f"uses_{i}_{s}")
+            self.prob += (self.b >= cost.buffer_bytes / GIB * u, f"buffer_{i}_{s}")
+
+    def add_memory_fits(self) -> None:
+        self.prob += (
+            (1 + self.margin) * self._memory_expr <= self.capacity_bytes / GIB,
+            "memory_fits",
+        )
+
+    def solve(self, time_limit_s: float = 10.0) -> ILPResult:
+        solver = make_solver(time_limit_s)
+        start = time.perf_counter()
+        self.prob.solve(solver)
+        elapsed = time.perf_counter() - start
+        status = pulp.LpStatus[self.prob.status]
+        if status != "Optimal" or self.prob.objective is None:
+            return ILPResult(status="infeasible" if status == "Infeasible" else "not solved",
+                             objective_s=float("inf"), lower_bound_s=float("inf"), choice={},
+                             solver=solver.name, solve_time_s=elapsed)
+        scale = MS if self.minimise == "time" else 1 / GIB
+        value = float(pulp.value(self.prob.objective)) / scale
+        choice = {
+            c.name: {s: n for s in c.costs if (n := round(self.y[c.name, s].varValue or 0)) > 0}
+            for c in self.classes
+        }
+        return ILPResult(status="optimal", objective_s=value, lower_bound_s=value, choice=choice,
+                         solver=solver.name, solve_time_s=elapsed)
+
+
+def solve_strategies(
+    classes: list[ClassOptions], capacity_bytes: float, margin_fraction: float,
+    time_limit_s: float = 10.0,
+) -> ILPResult:
+    """The integer program, with its LP relaxation's value as the lower bound."""
+    result = StrategyILP(classes, capacity_bytes, margin_fraction).solve(time_limit_s)
+    if result.status != "optimal":
+        return result
+    lp = StrategyILP(classes, capacity_bytes, margin_fraction, relax=True).solve(time_limit_s)
+    bound = min(lp.objective_s, result.objective_s) if lp.status == "optimal" else 0.0
+    return ILPResult(status=result.status, objective_s=result.objective_s, lower_bound_s=bound,
+                     choice=result.choice, solver=result.solver,
+                     solve_time_s=result.solve_time_s + lp.solve_time_s)
+
+
+def min_memory(classes: list[ClassOptions], margin_fraction: float
+               ) -> tuple[float, dict[str, dict[str, int]]]:
+    """The smallest per-rank memory (margin included) any assignment needs on this mesh."""
+    ilp = StrategyILP(classes, float("inf"), margin_fraction, minimise="memory")
+    result = ilp.solve()
+    return (1 + margin_fraction) * result.objective_s, result.choice

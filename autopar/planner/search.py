@@ -1,0 +1,214 @@
+"""The outer search: mesh shapes around the inner ILP.
+
+For every mesh dp × tp with tp inside a node (tp divides the devices per node) and dp
+dividing the global batch, solve the strategy ILP; keep the fastest feasible plan. The
+reported lower bound is the smallest LP-relaxation value over all candidate meshes, so
+it bounds every plan the search space holds.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from autopar.errors import ConfigError, InfeasibleError
+from autopar.planner.costs import LayerCost, allowed_strategies, layer_cost
+from autopar.planner.ilp import ClassOptions, min_memory, solve_strategies
+from cost_models.hardware import Cluster
+from cost_models.memory import Precision, precision
+from passes.records import LayerGraph
+from runtime.plan import (
+    STRATEGIES,
+    LayerPlan,
+    MemoryBreakdown,
+    Mesh,
+    Plan,
+    Prediction,
+    SolverReport,
+)
+
+GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One mesh the search considered, and how it fared."""
+
+    mesh: Mesh
+    status: str
+    """'optimal', 'infeasible' (nothing fits), or 'skipped' (with reason)."""
+    reason: str = ""
+    objective_s: float = float("inf")
+    lower_bound_s: float = float("inf")
+    choice: dict[str, dict[str, int]] = field(default_factory=dict)
+    """Layer class -> {strategy: number of its layers}."""
+    min_memory_bytes: float | None = None
+    """For infeasible meshes: the least per-rank memory any plan on this mesh needs."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchResult:
+    plan: Plan
+    candidates: tuple[Candidate, ...]
+    search_time_s: float
+
+
+def candidate_meshes(cluster: Cluster, global_batch: int) -> list[tuple[Mesh, str]]:
+    """Every (dp, tp) mesh of the cluster, with a reason when it cannot be used."""
+    world = cluster.world_size
+    out = []
+    for tp in range(1, min(cluster.devices_per_node, world) + 1):
+        if cluster.devices_per_node % tp or world % tp:
+            continue
+        mesh = Mesh(dp=world // tp, tp=tp)
+        reason = ""
+        if global_batch % mesh.dp:
+            reason = f"global batch {global_batch} is not divisible by dp={mesh.dp}"
+        out.append((mesh, reason))
+    return out
+
+
+def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision
+                  ) -> list[ClassOptions]:
+    options = []
+    for name, members in graph.classes.items():
+        rep = members[0]
+        costs = {s: layer_cost(rep, s, mesh, cluster, prec) for s in allowed_strategies(rep, mesh)}
+        options.append(ClassOptions(name=name, count=len(members), costs=costs))
+    return options
+
+
+def search(
+    graph: LayerGraph,
+    cluster: Cluster,
+    *,
+    precision_name: str = "float32",
+    mesh: Mesh | None = None,
+    time_limit_s: float = 10.0,
+) -> SearchResult:
+    """The fastest feasible plan for ``graph`` on ``cluster`` (optionally on a fixed mesh)."""
+    start = time.perf_counter()
+    prec = precision(precision_name)
+    cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
+    meshes = candidate_meshes(cluster, graph.batch_size)
+    if mesh is not None:
+        meshes = [(m, r) for m, r in meshes if (m.dp, m.tp) == (mesh.dp, mesh.tp)]
+        if not meshes:
+            raise ConfigError(
+                f"mesh dp={mesh.dp} × tp={mesh.tp} does not fit {cluster.name} with "
+                f"{cluster.world_size} devices ({cluster.devices_per_node} per node; tp must "
+                "divide the devices per node and dp × tp equal the device count)"
+            )
+    usable = [m for m, reason in meshes if not reason]
+    if not usable:
+        dps = sorted({m.dp for m, _ in meshes})
+        raise ConfigError(
+            f"global batch {graph.batch_size} is not divisible by any data-parallel degree "
+            f"possible on {cluster.world_size} devices (dp ∈ {dps}); choose a batch that is a "
+            f"multiple of {min(dps)}"
+        )
+
+    candidates: list[Candidate] = []
+    best: tuple[Candidate, list[ClassOptions]] | None = None
+    for m, reason in meshes:
+        if reason:
+            candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
+            continue
+        options = class_options(graph, m, cluster, prec)
+        result = solve_strategies(options, cluster.device.memory_bytes,
+                                  cluster.memory_margin_fraction, time_limit_s)
+        if result.status != "optimal":
+            need, _ = min_memory(options, cluster.memory_margin_fraction)
+            candidates.append(Candidate(mesh=m, status="infeasible", min_memory_bytes=need,
+                                        reason=f"needs at least {need / GiB:.2f} GiB per rank"))
+            continue
+        cand = Candidate(mesh=m, status="optimal", objective_s=result.objective_s,
+                         lower_bound_s=result.lower_bound_s, choice=result.choice)
+        candidates.append(cand)
+        if best is None or cand.objective_s < best[0].objective_s:
+            best = (cand, options)
+        solver_name = result.solver
+
+    if best is None:
+        raise _infeasible(graph, cluster, candidates)
+    cand, options = best
+    lower = min(c.lower_bound_s for c in candidates if c.status == "optimal")
+    report = SolverReport(
+        solver=solver_name,
+        status="optimal",
+        objective_s=cand.objective_s,
+        lower_bound_s=lower,
+        gap=(cand.objective_s - lower) / cand.objective_s if cand.objective_s else 0.0,
+        solve_time_s=time.perf_counter() - start,
+        candidates=len(candidates),
+    )
+    plan = _make_plan(graph, cluster, prec, cand, options, report)
+    return SearchResult(plan=plan, candidates=tuple(candidates),
+                        search_time_s=time.perf_counter() - start)
+
+
+def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candidate,
+               options: list[ClassOptions], report: SolverReport) -> Plan:
+    costs = assign_layers(graph, cand.choice, options)
+    layers = []
+    for layer, cost in zip(graph.layers, costs, strict=True):
+        styles = dict(layer.tp.styles) if cost.strategy in ("tp", "tp_fsdp") and layer.tp else {}
+        layers.append(LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=styles,
+                                layer_class=layer.layer_class,
+                                memory_bytes=int(cost.resident_bytes), time_s=cost.time_s))
+    memory = plan_memory(costs, cluster.memory_margin_fraction)
+    compute = sum(c.compute_s for c in costs)
+    comm = sum(c.comm_s for c in costs)
+    prediction = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
+                            memory=memory, capacity_bytes=cluster.device.memory_bytes,
+                            source=cluster.provenance)
+    return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
+                f"{cluster.devices_per_node})", global_batch=graph.batch_size,
+                seq_len=graph.seq_len, mesh=cand.mesh, layers=tuple(layers),
+                param_dtype=prec.name, prediction=prediction, solver=report)
+
+
+def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
+                  options: list[ClassOptions]) -> list[LayerCost]:
+    """Per layer, in execution order, the cost of the strategy the ILP gave it.
+
+    Within a class the layers are interchangeable; earlier layers take strategies in the
+    order of STRATEGIES (replicate, fsdp, tp, tp_fsdp).
+    """
+    by_class = {o.name: o for o in options}
+    queues = {
+        name: [s for s in STRATEGIES for _ in range(counts.get(s, 0))]
+        for name, counts in choice.items()
+    }
+    out = []
+    for layer in graph.layers:
+        strategy = queues[layer.layer_class].pop(0)
+        out.append(by_class[layer.layer_class].costs[strategy])
+    return out
+
+
+def plan_memory(costs: list[LayerCost], margin_fraction: float) -> MemoryBreakdown:
+    """Per-rank memory of a plan: resident sums, the largest transient buffer, the margin."""
+    params = sum(c.params_bytes for c in costs)
+    grads = sum(c.grads_bytes for c in costs)
+    optim = sum(c.optimizer_bytes for c in costs)
+    acts = sum(c.activations_bytes for c in costs)
+    buffers = max((c.buffer_bytes for c in costs), default=0.0)
+    margin = margin_fraction * (params + grads + optim + acts + buffers)
+    return MemoryBreakdown(params_bytes=int(params), grads_bytes=int(grads),
+                           optimizer_bytes=int(optim), activations_bytes=int(acts),
+                           buffers_bytes=int(buffers), margin_bytes=int(margin))
+
+
+def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
+                ) -> InfeasibleError:
+    tried = [c for c in candidates if c.status == "infeasible"]
+    least = min(tried, key=lambda c: c.min_memory_bytes or float("inf"))
+    cap = cluster.device.memory_bytes
+    return InfeasibleError(
+        f"no plan fits {graph.model_name or 'the model'} (batch {graph.batch_size}) on "
+        f"{cluster.world_size} × {cluster.device.name} ({cap / GiB:.1f} GiB each): the smallest "
+        f"per-rank memory any plan needs is {least.min_memory_bytes / GiB:.2f} GiB "
+        f"(mesh dp={least.mesh.dp} × tp={least.mesh.tp}, allocator margin included). "
+        "Try more devices or nodes, a smaller batch, or a lower precision (--dtype bfloat16)."
+    )

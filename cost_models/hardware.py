@@ -1,0 +1,263 @@
+"""The machine: devices, links, and clusters of nodes.
+
+Units are in the field names: bytes, seconds, FLOP/s, GB/s (10^9 bytes per second).
+Presets live in ``cost_models/presets/*.toml`` (the same format users write) and cite
+their sources there.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from cost_models.errors import ConfigError
+
+DTYPES = ("float32", "tf32", "bfloat16", "float16")
+LINK_KINDS = ("nvlink", "pcie", "network", "loopback")
+GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    """One accelerator (or one CPU process of the local 'cluster')."""
+
+    name: str
+    peak_flops: dict[str, float]
+    """Dense peak FLOP/s per compute dtype (keys from DTYPES)."""
+    memory_bytes: int
+    """Memory capacity per device."""
+    memory_bandwidth_GBps: float
+    """Main-memory bandwidth (HBM or DRAM), GB/s."""
+    matmul_efficiency: float = 0.7
+    """Achievable fraction of peak for large matrix multiplies."""
+    kernel_floor_s: float = 5e-6
+    """Smallest time of one kernel (launch and tail)."""
+
+    def peak(self, dtype: str) -> float:
+        try:
+            return self.peak_flops[dtype]
+        except KeyError:
+            raise ConfigError(
+                f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}; it lists "
+                f"{', '.join(self.peak_flops) or 'none'}"
+            ) from None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    """A class of link: one device's share of bandwidth, per direction, and latency."""
+
+    kind: str
+    bandwidth_GBps: float
+    latency_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    """``nodes`` × ``devices_per_node`` identical devices, NVLink/PCIe inside, network between."""
+
+    name: str
+    device: Device
+    nodes: int = 1
+    devices_per_node: int = 8
+    intra_node: Link
+    inter_node: Link
+    memory_margin_fraction: float = 0.1
+    """Extra memory kept free for allocator fragmentation, as a fraction of the modelled use."""
+    source: str = ""
+    """Where the numbers came from."""
+    provenance: str = "modelled"
+    """'modelled' (datasheet figures) or 'calibrated' (measured on this machine)."""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def with_nodes(self, nodes: int) -> Cluster:
+        _check_positive_int("nodes", nodes, self.name)
+        return replace(self, nodes=nodes)
+
+    # -- constructors ---------------------------------------------------------------------
+
+    @staticmethod
+    def preset_names() -> list[str]:
+        folder = resources.files("cost_models") / "presets"
+        return sorted(p.name[: -len(".toml")] for p in folder.iterdir() if p.name.endswith(".toml"))
+
+    @classmethod
+    def preset(cls, name: str, *, nodes: int | None = None) -> Cluster:
+        if name == "local":
+            return cls.local()
+        names = cls.preset_names()
+        if name not in names:
+            raise ConfigError(
+                f"unknown cluster preset {name!r}; presets: {', '.join(names + ['local'])}, "
+                "or give a path to a .toml cluster file"
+            )
+        text = (resources.files("cost_models") / "presets" / f"{name}.toml").read_text()
+        cluster = cls.from_toml_text(text, source=f"preset {name}")
+        return cluster.with_nodes(nodes) if nodes is not None else cluster
+
+    @classmethod
+    def from_toml(cls, path: str | os.PathLike, *, nodes: int | None = None) -> Cluster:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read cluster file {path}: {e.strerror}") from e
+        cluster = cls.from_toml_text(text, source=str(path))
+        return cluster.with_nodes(nodes) if nodes is not None else cluster
+
+    @classmethod
+    def from_toml_text(cls, text: str, *, source: str = "cluster") -> Cluster:
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{source}: not valid TOML: {e}") from e
+        return cluster_from_dict(data, source)
+
+    @classmethod
+    def load(cls, name_or_path: str, *, nodes: int | None = None) -> Cluster:
+        """A preset name, 'local', or a path to a .toml file."""
+        if name_or_path.endswith(".toml") or os.sep in name_or_path:
+            return cls.from_toml(name_or_path, nodes=nodes)
+        return cls.preset(name_or_path, nodes=nodes)
+
+    @classmethod
+    def local(cls, nproc: int | None = None) -> Cluster:
+        """The CPU processes of this machine, one 'device' per process.
+
+        Uncalibrated defaults: a process's share of a commodity x86 core (fp32 FMA),
+        DRAM bandwidth, and loopback gloo figures measured on a 2-core machine
+        (TORCH_ON_CPU.md: latency 0.05-0.2 ms, all_reduce ~1.5 GB/s at 2 ranks).
+        """
+        nproc = nproc or os.cpu_count() or 1
+        _check_positive_int("nproc", nproc, "local")
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError):
+            ram = 16 * GiB
+        loopback = Link(kind="loopback", bandwidth_GBps=1.5, latency_s=1e-4)
+        return cls(
+            name="local",
+            device=Device(
+                name="cpu-process",
+                peak_flops={"float32": 50e9, "bfloat16": 25e9},
+                memory_bytes=ram // nproc,
+                memory_bandwidth_GBps=10.0,
+                matmul_efficiency=0.5,
+                kernel_floor_s=2e-5,
+            ),
+            nodes=1,
+            devices_per_node=nproc,
+            intra_node=loopback,
+            inter_node=loopback,
+            source="uncalibrated defaults for local CPU processes",
+        )
+
+
+# -- parsing and validation ---------------------------------------------------------------
+
+_UNITS = {
+    # file key: (field name, multiplier to the field's unit)
+    "memory_gib": ("memory_bytes", GiB),
+    "memory_gb": ("memory_bytes", 1e9),
+    "latency_us": ("latency_s", 1e-6),
+    "kernel_floor_us": ("kernel_floor_s", 1e-6),
+}
+
+
+def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
+    top = _known(data, {f.name for f in fields(Cluster)}, source)
+    for key in ("name", "device", "intra_node", "inter_node"):
+        if key not in top:
+            raise ConfigError(f"{source}: missing field {key!r}")
+    device = _device_from_dict(top.pop("device"), f"{source}: [device]")
+    intra = _link_from_dict(top.pop("intra_node"), f"{source}: [intra_node]")
+    inter = _link_from_dict(top.pop("inter_node"), f"{source}: [inter_node]")
+    for key in ("nodes", "devices_per_node"):
+        if key in top:
+            _check_positive_int(key, top[key], source)
+    margin = top.get("memory_margin_fraction", 0.1)
+    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+        raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")
+    return Cluster(device=device, intra_node=intra, inter_node=inter, **top)
+
+
+def _device_from_dict(data: Any, where: str) -> Device:
+    d = _known(_table(data, where), {f.name for f in fields(Device)}, where)
+    peak = d.pop("peak_tflops", None)
+    if not isinstance(peak, dict) or not peak:
+        raise ConfigError(f"{where}: missing table 'peak_tflops' (e.g. float32 = 19.5)")
+    for dtype, value in peak.items():
+        if dtype not in DTYPES:
+            raise ConfigError(
+                f"{where}: peak_tflops.{dtype} is not a known dtype; valid: {', '.join(DTYPES)}"
+            )
+        _check_positive(f"peak_tflops.{dtype}", value, where)
+    d["peak_flops"] = {k: float(v) * 1e12 for k, v in peak.items()}
+    for key in ("name", "memory_bytes", "memory_bandwidth_GBps"):
+        if key not in d:
+            raise ConfigError(f"{where}: missing field {key!r}")
+    for key in ("memory_bytes", "memory_bandwidth_GBps", "kernel_floor_s"):
+        if key in d:
+            _check_positive(key, d[key], where)
+    d["memory_bytes"] = int(d["memory_bytes"])
+    eff = d.get("matmul_efficiency", 0.7)
+    if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+        raise ConfigError(f"{where}: matmul_efficiency must be in (0, 1], got {eff!r}")
+    return Device(**d)
+
+
+def _link_from_dict(data: Any, where: str) -> Link:
+    d = _known(_table(data, where), {f.name for f in fields(Link)}, where)
+    for key in ("kind", "bandwidth_GBps", "latency_s"):
+        if key not in d:
+            raise ConfigError(f"{where}: missing field {key!r}")
+    if d["kind"] not in LINK_KINDS:
+        raise ConfigError(
+            f"{where}: kind = {d['kind']!r} is not one of {', '.join(LINK_KINDS)}"
+        )
+    _check_positive("bandwidth_GBps", d["bandwidth_GBps"], where)
+    if not isinstance(d["latency_s"], (int, float)) or d["latency_s"] < 0:
+        raise ConfigError(f"{where}: latency must be a non-negative number")
+    return Link(kind=d["kind"], bandwidth_GBps=float(d["bandwidth_GBps"]),
+                latency_s=float(d["latency_s"]))
+
+
+def _table(data: Any, where: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a table, got {type(data).__name__}")
+    return data
+
+
+def _known(data: dict[str, Any], valid: set[str], where: str) -> dict[str, Any]:
+    """Apply unit-suffixed aliases (memory_gib, latency_us, ...) and reject unknown keys."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if key in _UNITS:
+            name, scale = _UNITS[key]
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+                raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
+            out[name] = value * scale
+        elif key in valid or key == "peak_tflops":
+            out[key] = value
+        else:
+            allowed = sorted((valid - {"peak_flops", "extra"}) | set(_UNITS) | {"peak_tflops"})
+            raise ConfigError(f"{where}: unknown field {key!r}; valid fields: {', '.join(allowed)}")
+    return out
+
+
+def _check_positive(key: str, value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{where}: {key} must be a positive number, got {value!r}")
+
+
+def _check_positive_int(key: str, value: Any, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")

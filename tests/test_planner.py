@@ -1,0 +1,182 @@
+"""Planner: the ILP against brute force, plan invariants, and choices as memory shrinks."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from dataclasses import replace
+
+import pytest
+
+from autopar.errors import ConfigError, InfeasibleError
+from autopar.planner import search
+from autopar.planner.costs import allowed_strategies, layer_cost
+from autopar.planner.search import candidate_meshes
+from cost_models.hardware import Link
+from cost_models.memory import precision
+from passes.records import Collective, LayerGraph
+from runtime.plan import TP_STRATEGIES, Plan
+from planner_cases import GiB, graph_of, make_cluster, make_layer
+
+
+def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32") -> float:
+    """Best step time over every mesh and every per-layer strategy assignment."""
+    prec = precision(prec_name)
+    best = float("inf")
+    for mesh, reason in candidate_meshes(cluster, graph.batch_size):
+        if reason:
+            continue
+        options = [
+            [layer_cost(layer, s, mesh, cluster, prec) for s in allowed_strategies(layer, mesh)]
+            for layer in graph.layers
+        ]
+        for combo in itertools.product(*options):
+            resident = sum(c.resident_bytes for c in combo)
+            buffer = max(c.buffer_bytes for c in combo)
+            if (1 + cluster.memory_margin_fraction) * (resident + buffer) > cluster.device.memory_bytes:
+                continue
+            best = min(best, sum(c.time_s for c in combo))
+    return best
+
+
+def random_instance(rng: random.Random) -> tuple[LayerGraph, object]:
+    n_layers = rng.randint(2, 6)
+    n_classes = rng.randint(1, min(3, n_layers))
+    shapes = [
+        dict(params=rng.choice([1, 4, 16, 64]) * 1_000_000,
+             tokens=rng.choice([512, 4096, 16384]), hidden=rng.choice([256, 1024]),
+             tp=rng.random() < 0.7)
+        for _ in range(n_classes)
+    ]
+    layers = []
+    for i in range(n_layers):
+        k = rng.randrange(n_classes) if i >= n_classes else i
+        s = shapes[k]
+        act = s["tokens"] * s["hidden"] * 4
+        layers.append(make_layer(f"l.{i}", f"C{k}", i, params=s["params"],
+                                 fwd_flops=2 * s["params"] * s["tokens"],
+                                 saved_bytes=act * 12, act_bytes=act, tp=s["tp"]))
+    per_node = rng.choice([1, 2, 4, 8])
+    nodes = rng.choice([1, 2]) if per_node * 2 <= 8 else 1
+    world = per_node * nodes
+    batch = world * rng.choice([1, 2])
+    sizes = [c.resident_bytes for c in
+             (layer_cost(layers[0], "replicate", search_mesh(world), make_cluster(), precision("float32")),)]
+    cap = int(sizes[0] * len(layers) * rng.choice([0.3, 0.6, 1.0, 2.0]))
+    cluster = make_cluster(nodes=nodes, per_node=per_node, memory_bytes=max(cap, 1))
+    return graph_of(layers, batch), cluster
+
+
+def search_mesh(world: int):
+    from runtime.plan import Mesh
+    return Mesh(dp=world)
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_ilp_objective_equals_brute_force_on_small_instances(seed):
+    graph, cluster = random_instance(random.Random(seed))
+    expected = brute_force(graph, cluster)
+    if expected == float("inf"):
+        with pytest.raises(InfeasibleError):
+            search(graph, cluster)
+        return
+    result = search(graph, cluster)
+    assert result.plan.solver.objective_s == pytest.approx(expected, rel=1e-6)
+    assert result.plan.prediction.step_time_s == pytest.approx(expected, rel=1e-6)
+    check_invariants(result.plan, graph, cluster)
+
+
+def check_invariants(plan: Plan, graph: LayerGraph, cluster) -> None:
+    mesh = plan.mesh
+    assert mesh.world_size == cluster.world_size
+    assert cluster.devices_per_node % mesh.tp == 0, "tp must stay inside a node"
+    assert plan.global_batch % mesh.dp == 0
+    assert plan.prediction.memory.total_bytes <= cluster.device.memory_bytes
+    assert plan.solver.lower_bound_s <= plan.solver.objective_s * (1 + 1e-9)
+    assert 0 <= plan.solver.gap <= 1
+    assert [lp.module for lp in plan.layers] == [layer.name for layer in graph.layers]
+    for lp, layer in zip(plan.layers, graph.layers, strict=True):
+        if lp.strategy in TP_STRATEGIES:
+            assert layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors)
+            assert lp.tp_styles == layer.tp.styles
+    # The plan survives its own JSON.
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_identical_layers_may_take_different_strategies_when_memory_is_tight():
+    # Four identical blocks: replicated is fastest, but only some of them fit replicated.
+    layers = [make_layer(f"h.{i}", "Block", i, params=50_000_000, fwd_flops=1e12,
+                         saved_bytes=1_000_000, act_bytes=100_000, tp=False) for i in range(4)]
+    graph = graph_of(layers, 4)
+    full = search(graph, make_cluster(per_node=4)).plan
+    need = full.prediction.memory.total_bytes
+    cluster = make_cluster(per_node=4, memory_bytes=int(need * 0.8))
+    plan = search(graph, cluster).plan
+    strategies = [lp.strategy for lp in plan.layers]
+    assert set(strategies) == {"replicate", "fsdp"}, strategies
+    assert plan.solver.objective_s == pytest.approx(brute_force(graph, cluster), rel=1e-6)
+
+
+def large_vocab_model():
+    """8 small blocks and a 262k-vocabulary head on a 4-GPU PCIe box (10 GB/s links)."""
+    h, tokens, vocab = 512, 8192, 262144
+    params = 12 * h * h
+    layers = [
+        make_layer(f"h.{i}", "Block", i, params=params, fwd_flops=2 * params * tokens,
+                   saved_bytes=tokens * h * 4 * 17, act_bytes=tokens * h * 4)
+        for i in range(8)
+    ]
+    layers = [replace(x, tp=replace(x.tp, sharded_saved_bytes=int(x.saved_bytes * 0.9)))
+              for x in layers]
+    head_params = vocab * h
+    head = make_layer("head", "Head", 8, params=head_params, fwd_flops=2 * head_params * tokens,
+                      saved_bytes=tokens * h * 4, act_bytes=tokens * vocab * 4)
+    head = replace(head, tp=replace(
+        head.tp, sharded_param_bytes=head_params * 4, sharded_saved_bytes=0,
+        sharded_fwd_flops=2 * head_params * tokens,
+        collectives=(Collective(kind="all_gather", nbytes=tokens * vocab * 4, phase="fwd"),
+                     Collective(kind="all_reduce", nbytes=tokens * h * 4, phase="bwd"))))
+    return graph_of(layers + [head], 4)
+
+
+def pcie_cluster(memory_gib: float):
+    cluster = make_cluster(per_node=4, memory_bytes=int(memory_gib * GiB))
+    return replace(cluster, intra_node=Link(kind="pcie", bandwidth_GBps=10, latency_s=1e-5))
+
+
+def test_moves_from_replicate_to_fsdp_to_tp_as_memory_shrinks():
+    graph = large_vocab_model()
+    phases = []
+    for gib in (4.0, 3.0, 2.5):
+        plan = search(graph, pcie_cluster(gib)).plan
+        check_invariants(plan, graph, pcie_cluster(gib))
+        used = {lp.strategy for lp in plan.layers}
+        phases.append("tp" if used & set(TP_STRATEGIES) else "fsdp" if "fsdp" in used else "dp")
+    assert phases == ["dp", "fsdp", "tp"]
+
+
+def test_infeasible_error_gives_smallest_memory_any_plan_needs():
+    graph = large_vocab_model()
+    with pytest.raises(InfeasibleError) as info:
+        search(graph, pcie_cluster(1.0))
+    message = str(info.value)
+    assert "smallest per-rank memory any plan needs is" in message
+    needed = float(message.split("needs is ")[1].split(" GiB")[0])
+    # Just above that figure a plan exists; just below, none.
+    search(graph, pcie_cluster(needed * 1.01))
+    with pytest.raises(InfeasibleError):
+        search(graph, pcie_cluster(needed * 0.99))
+
+
+def test_batch_not_divisible_by_any_dp_degree_is_a_clear_error():
+    layers = [make_layer("h.0", "Block", 0, params=1000, fwd_flops=1e6, saved_bytes=10,
+                         act_bytes=10, tp=False)]
+    with pytest.raises(ConfigError, match="not divisible by any data-parallel degree"):
+        search(graph_of(layers, 3), make_cluster(nodes=2, per_node=2))
+
+
+def test_tensor_parallelism_never_crosses_a_node():
+    graph = large_vocab_model()
+    cluster = replace(pcie_cluster(2.5), devices_per_node=2, nodes=2)
+    plan = search(graph, cluster).plan
+    assert plan.mesh.tp <= 2
