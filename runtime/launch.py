@@ -1,0 +1,174 @@
+"""Start ranks: local processes for tests and small runs, or torchrun's environment.
+
+``spawn`` runs a function on ``nproc`` fresh local processes with the default process
+group initialised (127.0.0.1, a free port) and returns each rank's result. A failing rank
+is reported in the parent with its rank, exception and traceback; nothing waits forever:
+the process group has a timeout and the parent gives up after ``timeout_s``.
+
+``init_from_env`` is the torchrun path: it reads RANK / WORLD_SIZE / LOCAL_RANK, picks NCCL
+and the local CUDA device when one is available and gloo on CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from cost_models.errors import AutoparError
+
+logger = logging.getLogger(__name__)
+
+
+class LaunchError(AutoparError, RuntimeError):
+    """A rank failed, or did not answer in time; the message names the rank and the cause."""
+
+
+def free_port() -> int:
+    """A TCP port that was free a moment ago (the usual race is acceptable for local runs)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_local_process_group(
+    rank: int, world_size: int, port: int, *, backend: str = "gloo", timeout_s: float = 60
+) -> None:
+    """Initialise the default process group of one local rank (also used by the test pool)."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(
+        backend,
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
+def _spawn_worker(
+    rank: int,
+    world_size: int,
+    port: int,
+    backend: str,
+    timeout_s: float,
+    fn: Callable[..., Any],
+    args: tuple,
+    results: Any,
+) -> None:
+    try:
+        init_local_process_group(rank, world_size, port, backend=backend, timeout_s=timeout_s)
+        # Plain pickle: tensors travel as bytes, not as shared-memory handles that die
+        # with the child.
+        results.put((rank, True, pickle.dumps(fn(*args))))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
+        results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(
+    fn: Callable[..., Any],
+    nproc: int,
+    *args: Any,
+    backend: str = "gloo",
+    timeout_s: float = 60,
+) -> list[Any]:
+    """Run ``fn(*args)`` on ``nproc`` local ranks; return the results, indexed by rank.
+
+    ``fn`` and ``args`` must be picklable (a module-level function). Raises LaunchError
+    naming the first rank that failed (with its traceback), or the ranks that did not
+    finish within ``timeout_s``.
+    """
+    if nproc < 1:
+        raise ValueError(f"nproc must be >= 1, got {nproc}")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(
+            target=_spawn_worker,
+            args=(rank, nproc, port, backend, timeout_s, fn, args, results),
+            daemon=True,
+        )
+        for rank in range(nproc)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(results, procs, timeout_s)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+
+
+def _collect(results: Any, procs: list, timeout_s: float) -> list[Any]:
+    nproc = len(procs)
+    out: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s + 30  # + process start and import of torch
+    while len(out) < nproc:
+        try:
+            rank, ok, value = results.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
+        except queue.Empty:
+            dead = [r for r, p in enumerate(procs) if r not in out and not p.is_alive()]
+            if dead and results.empty():
+                codes = {r: procs[r].exitcode for r in dead}
+                raise LaunchError(
+                    f"rank(s) {dead} exited without a result (exit codes {codes})"
+                ) from None
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(nproc)) - set(out))
+                raise LaunchError(
+                    f"rank(s) {missing} did not finish within {timeout_s:.0f} s"
+                ) from None
+            continue
+        if not ok:
+            raise LaunchError(f"rank {rank} of {nproc} failed: {value}")
+        out[rank] = pickle.loads(value)
+    return [out[r] for r in range(nproc)]
+
+
+def init_from_env(*, timeout_s: float = 600) -> str:
+    """Initialise the default process group from torchrun's environment; return the device type.
+
+    NCCL on the CUDA device ``LOCAL_RANK`` when CUDA is available, gloo on CPU otherwise.
+    """
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
+    if missing:
+        raise LaunchError(
+            f"environment variable(s) {missing} not set; start the script with torchrun "
+            "(e.g. `torchrun --nproc-per-node 4 train.py`) or use runtime.launch.spawn"
+        )
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    if device_type == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if device_type == "cuda" else "gloo",
+            timeout=datetime.timedelta(seconds=timeout_s),
+        )
+    logger.info(
+        "rank %d/%d initialised (%s, %s)",
+        dist.get_rank(), dist.get_world_size(), dist.get_backend(), device_type,
+    )
+    return device_type
