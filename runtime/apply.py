@@ -1,0 +1,123 @@
+"""Execute a Plan on a model: validate, then apply each parallelism in one order.
+
+The order is torchtitan's, written down once here:
+
+    1. validate        the plan against the model and the world; no collective yet
+    2. mesh            build the (dp, tp) DeviceMesh
+    3. tensor parallel ``parallelize_module`` on the tp axis        (runtime.tensor_parallel)
+    4. (activation checkpointing, compilation: later)
+    5. data parallel   DDP, or FSDP2 per layer then the root       (runtime.data_parallel)
+
+TP comes before FSDP because FSDP2 shards DTensor parameters that TP has already
+distributed (the 2-D pattern); checkpointing wraps modules before FSDP hooks them.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
+from runtime.mesh import build_mesh, data_parallel_meshes
+from runtime.plan import Plan, PlanError
+from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AppliedPlan:
+    """A model with a plan applied, and the mesh it runs on."""
+
+    module: nn.Module
+    """What to call forward on (a DDP wrapper for pure data parallelism)."""
+    model: nn.Module
+    """The user's module, parallelized in place (parameter names unchanged)."""
+    mesh: DeviceMesh
+    plan: Plan
+    device: torch.device
+
+
+def validate_plan(model: nn.Module, plan: Plan) -> None:
+    """Raise PlanError if ``plan`` cannot run ``model`` in this world. Local: no collective."""
+    if plan.mesh.pp != 1:
+        raise PlanError(
+            f"mesh.pp={plan.mesh.pp}: pipeline parallelism is not supported by this runtime "
+            "yet; re-plan with pp=1"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise PlanError(
+            "torch.distributed is not initialised; start ranks with runtime.launch.spawn or "
+            "torchrun and call runtime.launch.init_from_env() first"
+        )
+    world = dist.get_world_size()
+    if plan.world_size != world:
+        raise PlanError(
+            f"the plan's mesh (pp={plan.mesh.pp} x dp={plan.mesh.dp} x tp={plan.mesh.tp}) "
+            f"needs {plan.world_size} ranks but {world} are running; launch "
+            f"{plan.world_size} ranks or re-plan for {world}"
+        )
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise PlanError(
+            f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]!r}); build "
+            "or load the model with real weights (e.g. spec.build(seed=0)) before applying a plan"
+        )
+    _validate_layers(model, plan)
+
+
+def _validate_layers(model: nn.Module, plan: Plan) -> None:
+    for layer in plan.layers:
+        try:
+            model.get_submodule(layer.module)
+        except AttributeError:
+            top = [name for name, _ in model.named_children()]
+            raise PlanError(
+                f"layer {layer.module!r}: no such module in {type(model).__name__}; "
+                f"module paths are fully-qualified names as in model.named_modules() "
+                f"(top level: {top})"
+            ) from None
+        if layer.is_tp:
+            validate_tp_layer(model, layer, plan.mesh.tp)
+    names = sorted(layer.module for layer in plan.layers)
+    for outer, inner in zip(names, names[1:], strict=False):
+        if inner.startswith(outer + "."):
+            raise PlanError(
+                f"layers {outer!r} and {inner!r} nest; each module may be planned once, so "
+                "plan the inner modules or the outer one"
+            )
+
+
+def _device(device_type: str) -> torch.device:
+    if device_type == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device(device_type)
+
+
+def apply(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> AppliedPlan:
+    """Validate, then parallelize ``model`` in place; see the module docstring for the order."""
+    validate_plan(model, plan)
+    device = _device(device_type)
+    model.to(device)
+    mesh = build_mesh(plan.mesh, device_type)
+    logger.info("mesh dp=%d x tp=%d on %s", plan.mesh.dp, plan.mesh.tp, device_type)
+    layers = list(plan.layers)
+    if uses_ddp(layers):
+        return AppliedPlan(apply_ddp(model, device), model, mesh, plan, device)
+    meshes = data_parallel_meshes(mesh)
+    apply_tensor_parallel(model, [la for la in layers if la.is_tp], meshes.tp)
+    apply_fsdp(model, layers, meshes)
+    return AppliedPlan(model, model, mesh, plan, device)
+
+
+def apply_plan(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> nn.Module:
+    """Parallelize ``model`` according to ``plan``; return the module to train.
+
+    Raises PlanError, before any collective, if the plan does not fit the model or world.
+    """
+    return apply(model, plan, device_type=device_type).module

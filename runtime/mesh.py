@@ -1,0 +1,94 @@
+"""The device mesh of a plan, and the sub-meshes the data-parallel engines need.
+
+Ranks are numbered row-major over ``(pp, dp, tp)`` (see ``runtime.plan``): ``tp`` is the
+innermost axis, so a tensor-parallel group is a run of consecutive ranks. The ``pp`` axis
+is only present when the plan has more than one pipeline stage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from runtime.plan import Mesh, PlanError
+
+# Meshes are pure topology, so one per (world, shape) is reused: creating one makes process
+# groups, which cost time and sockets and are never freed before the world is destroyed.
+_MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
+_DP_MESHES: dict[int, tuple[DeviceMesh, DataParallelMeshes]] = {}
+
+
+def build_mesh(plan_mesh: Mesh, device_type: str) -> DeviceMesh:
+    """A DeviceMesh with axes ``("dp", "tp")``, or ``("pp", "dp", "tp")`` when pp > 1.
+
+    Collective: every rank of the default process group must call it.
+    """
+    world = dist.get_world_size()
+    if plan_mesh.world_size != world:
+        raise PlanError(
+            f"plan mesh pp={plan_mesh.pp} x dp={plan_mesh.dp} x tp={plan_mesh.tp} needs "
+            f"{plan_mesh.world_size} ranks but the process group has {world}; launch "
+            f"{plan_mesh.world_size} ranks or re-plan for {world}"
+        )
+    if plan_mesh.pp > 1:
+        shape, names = (plan_mesh.pp, plan_mesh.dp, plan_mesh.tp), ("pp", "dp", "tp")
+    else:
+        shape, names = (plan_mesh.dp, plan_mesh.tp), ("dp", "tp")
+    world_group = dist.group.WORLD
+    cached = _MESHES.get((shape, device_type))
+    if cached is not None and cached[0] is world_group:
+        return cached[1]
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    _MESHES[(shape, device_type)] = (world_group, mesh)
+    return mesh
+
+
+@dataclass(frozen=True)
+class DataParallelMeshes:
+    """Sub-meshes of one pipeline stage, named by what shards or replicates over them.
+
+    FSDP2 takes a 1-D mesh (shard over it) or a 2-D ``(replicate, shard)`` mesh (HSDP).
+    A 2-D mesh whose shard axis has size 1 is pure replication: gradients are all-reduced
+    over the replicate axis, nothing is sharded. That is how ``replicate`` and ``tp``
+    layers join an FSDP2 model (see ``runtime.data_parallel``).
+    """
+
+    dp: DeviceMesh
+    """1-D, the data-parallel axis (``tp_fsdp`` shards over it)."""
+    tp: DeviceMesh
+    """1-D, the tensor-parallel axis."""
+    world: DeviceMesh
+    """1-D, every rank of the stage, dp-major (``fsdp`` shards over it)."""
+    dp_replicate: DeviceMesh
+    """2-D ``(dp, 1)``: replicate over dp, shard over nobody (``tp`` layers)."""
+    world_replicate: DeviceMesh
+    """2-D ``(dp * tp, 1)``: replicate over every rank (``replicate`` layers, the root)."""
+
+
+def data_parallel_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
+    """Derive the sub-meshes from a mesh made by ``build_mesh``. Collective.
+
+    All are slices, flattenings or unflattenings of the one root mesh, so FSDP2 can
+    combine them with the TP mesh into one SPMD mesh (it requires a common root).
+    """
+    cached = _DP_MESHES.get(id(mesh))
+    if cached is not None and cached[0] is mesh:
+        return cached[1]
+    names = mesh.mesh_dim_names or ()
+    if "pp" in names:
+        raise NotImplementedError("pipeline stages: slice the stage's (dp, tp) mesh first")
+    dp, tp = mesh.size(0), mesh.size(1)
+    world = mesh["dp", "tp"]._flatten("dp_tp")
+    dp_replicate = mesh._unflatten("dp", (dp, 1), ("dp_replicate", "dp_shard"))
+    world_replicate = world._unflatten(0, (dp * tp, 1), ("world_replicate", "world_shard"))
+    meshes = DataParallelMeshes(
+        dp=mesh["dp"],
+        tp=mesh["tp"],
+        world=world,
+        dp_replicate=dp_replicate["dp_replicate", "dp_shard"],
+        world_replicate=world_replicate,
+    )
+    _DP_MESHES[id(mesh)] = (mesh, meshes)
+    return meshes
