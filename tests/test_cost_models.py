@@ -1,0 +1,148 @@
+"""Cost models: clusters and their files, collective formulas, compute, ZeRO memory."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from cost_models.comm import Group, all_gather_s, all_reduce_s, group_link, p2p_s, reduce_scatter_s
+from cost_models.compute import roofline_s
+from cost_models.errors import ConfigError
+from cost_models.hardware import GiB, Cluster
+from cost_models.memory import precision, zero_model_states
+
+MINIMAL = """
+name = "mine"
+nodes = 2
+devices_per_node = 4
+[device]
+name = "gpu"
+memory_gib = 24
+memory_bandwidth_GBps = 900
+[device.peak_tflops]
+float32 = 30
+[intra_node]
+kind = "pcie"
+bandwidth_GBps = 20
+latency_us = 10
+[inter_node]
+kind = "network"
+bandwidth_GBps = 5
+latency_us = 20
+"""
+
+
+@pytest.mark.parametrize("name", ["dgx-a100-80g", "dgx-h100", "pcie-8x-a100"])
+def test_presets_load_with_sourced_figures(name):
+    cluster = Cluster.preset(name, nodes=4)
+    assert cluster.world_size == 32
+    assert cluster.device.memory_bytes == 80 * GiB
+    assert cluster.source
+    assert cluster.intra_node.bandwidth_GBps > cluster.inter_node.bandwidth_GBps
+
+
+def test_a100_preset_matches_datasheet():
+    a100 = Cluster.preset("dgx-a100-80g").device
+    assert a100.peak("bfloat16") == 312e12
+    assert a100.peak("float32") == 19.5e12
+    assert a100.memory_bandwidth_GBps == 2039
+
+
+def test_local_cluster_is_one_node_of_processes():
+    local = Cluster.local(4)
+    assert (local.nodes, local.devices_per_node, local.world_size) == (1, 4, 4)
+    assert local.device.memory_bytes > 0
+
+
+def test_cluster_file_round_trips_units(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text(MINIMAL)
+    cluster = Cluster.from_toml(path)
+    assert cluster.world_size == 8
+    assert cluster.device.memory_bytes == 24 * GiB
+    assert cluster.device.peak("float32") == 30e12
+    assert cluster.intra_node.latency_s == pytest.approx(10e-6)
+    assert Cluster.load(str(path), nodes=3).world_size == 12
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda t: t.replace('kind = "pcie"', 'kind = "infiniband"'),
+         "kind = 'infiniband' is not one of nvlink, pcie, network, loopback"),
+        (lambda t: t.replace("memory_gib = 24", "memory_gib = 24\nmemroy = 3"),
+         "[device]: unknown field 'memroy'"),
+        (lambda t: t.replace("bandwidth_GBps = 20", "bandwidth_GBps = -1"),
+         "[intra_node]: bandwidth_GBps must be a positive number"),
+        (lambda t: t.replace("nodes = 2", "nodes = 0"), "nodes must be a positive integer"),
+        (lambda t: t.replace("float32 = 30", "fp8 = 30"), "peak_tflops.fp8 is not a known dtype"),
+        (lambda t: t.replace("[inter_node]", "[inter_nodes]"), "unknown field 'inter_nodes'"),
+        (lambda t: t.replace('name = "mine"', 'name = "mine'), "not valid TOML"),
+    ],
+)
+def test_malformed_cluster_file_names_the_field(tmp_path, edit, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(edit(MINIMAL))
+    with pytest.raises(ConfigError) as info:
+        Cluster.from_toml(path)
+    assert message in str(info.value)
+    assert str(path) in str(info.value)
+
+
+def test_unknown_preset_lists_the_presets():
+    with pytest.raises(ConfigError, match="dgx-a100-80g.*local"):
+        Cluster.preset("dgx-b300")
+
+
+def test_ring_all_reduce_is_2_n_minus_1_over_n_size_over_bandwidth():
+    cluster = Cluster.preset("dgx-a100-80g")
+    size = 1e9
+    expected = 2 * 7 / 8 * size / 300e9 + 2 * 7 * 5e-6
+    assert all_reduce_s(size, Group(8), cluster) == pytest.approx(expected)
+    assert all_gather_s(size, Group(8), cluster) == pytest.approx(expected / 2)
+    assert reduce_scatter_s(size, Group(8), cluster) == pytest.approx(expected / 2)
+    assert all_reduce_s(size, Group(1), cluster) == 0.0
+
+
+def test_group_spanning_nodes_runs_at_network_speed():
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2)
+    assert group_link(cluster, Group(8, 1)).kind == "nvlink"
+    assert group_link(cluster, Group(2, 8)).kind == "network"  # a dp group with tp = 8
+    assert group_link(cluster, Group(16, 1)).kind == "network"
+    inter = 2 * 15 / 16 * 1e9 / 25e9 + 2 * 15 * 10e-6
+    assert all_reduce_s(1e9, Group(16), cluster) == pytest.approx(inter)
+    assert p2p_s(1e9, cluster.inter_node) == pytest.approx(1e9 / 25e9 + 10e-6)
+
+
+@given(st.floats(1, 1e12), st.integers(2, 64), st.integers(1, 8))
+def test_collectives_grow_with_size_and_all_reduce_is_two_passes(size, n, stride):
+    cluster = Cluster.preset("dgx-h100", nodes=64)
+    group = Group(n, stride)
+    assert all_reduce_s(size, group, cluster) == pytest.approx(
+        2 * reduce_scatter_s(size, group, cluster))
+    assert all_reduce_s(2 * size, group, cluster) > all_reduce_s(size, group, cluster)
+
+
+def test_roofline_is_bound_by_the_slower_resource():
+    device = Cluster.preset("dgx-a100-80g").device
+    # A large GEMM: 2·8192³ FLOPs in bf16 at 70% of 312 TFLOP/s.
+    flops = 2 * 8192**3
+    assert roofline_s(flops, 3 * 8192**2 * 2, 1, device, "bfloat16") == pytest.approx(
+        flops / (0.7 * 312e12) + 5e-6)
+    # An elementwise op over 1 GB: memory-bound at 2,039 GB/s.
+    assert roofline_s(1e8, 1e9, 1, device, "bfloat16") == pytest.approx(1e9 / 2039e9 + 5e-6)
+
+
+def test_zero_model_states_match_the_zero_paper():
+    # ZeRO (Rajbhandari et al. 2020), Figure 1: 7.5B parameters, Nd = 64, K = 12.
+    prec = precision("bfloat16")
+    totals = [zero_model_states(7.5e9, s, 64, prec).total_bytes / 1e9 for s in range(4)]
+    assert totals == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.05)
+
+
+def test_unknown_precision_and_dtype_are_clear_errors():
+    with pytest.raises(ConfigError, match="valid: float32, bfloat16, float16"):
+        precision("fp8")
+    with pytest.raises(ConfigError, match="no peak FLOP/s for dtype 'bfloat16'"):
+        Cluster.from_toml_text(MINIMAL).device.peak("bfloat16")
