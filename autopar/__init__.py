@@ -1,1 +1,29 @@
-"""autopar: automatic parallelization planner and compiler for PyTorch training."""
+"""autopar: automatic parallelization planner and compiler for PyTorch training.
+
+    import autopar
+    cluster = autopar.Cluster.preset("dgx-a100-80g", nodes=4)
+    plan = autopar.plan(model, cluster, example_inputs)
+    trainer = autopar.compile(model, cluster, example_inputs, loss_fn=loss_fn)  # on every rank
+"""
+
+from autopar.api import compile, plan, search_plans
+from autopar.errors import AutoparError, CaptureError, ConfigError, InfeasibleError, PlanError
+from autopar.report import format_plan
+from cost_models.hardware import Cluster
+from runtime.plan import LayerPlan, Mesh, Plan
+
+__all__ = [
+    "AutoparError",
+    "CaptureError",
+    "Cluster",
+    "ConfigError",
+    "InfeasibleError",
+    "LayerPlan",
+    "Mesh",
+    "Plan",
+    "PlanError",
+    "compile",
+    "format_plan",
+    "plan",
+    "search_plans",
+]

@@ -1,0 +1,94 @@
+"""The front door. Reads as the data flow:
+
+    capture → annotate → group layers → strategy options → solve → (lower) → execute
+
+``plan`` runs the first five steps on meta/fake tensors and needs no GPU; ``compile``
+runs on every rank of an initialised process group and returns a Trainer that executes
+the plan with torch.distributed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch.distributed as dist
+import torch.nn as nn
+
+from autopar.errors import AutoparError
+from autopar.planner import SearchResult, search
+from cost_models.hardware import Cluster
+from passes.layer_graph import build_layer_graph
+from runtime.plan import Mesh, Plan
+from runtime.train import LossFn, OptimizerFactory, Trainer
+
+
+def as_cluster(cluster: Cluster | str, world_size: int | None = None) -> Cluster:
+    """A Cluster, a preset name, 'local', or a path to a .toml file."""
+    if isinstance(cluster, Cluster):
+        return cluster
+    if cluster == "local":
+        return Cluster.local(world_size)
+    return Cluster.load(cluster)
+
+
+def search_plans(
+    model: nn.Module,
+    cluster: Cluster | str,
+    example_inputs: tuple,
+    *,
+    precision: str = "float32",
+    mesh: Mesh | None = None,
+    opaque: Iterable[str] = (),
+    model_name: str = "",
+    seq_len: int | None = None,
+    time_limit_s: float = 10.0,
+) -> SearchResult:
+    """The best plan and every candidate the search considered.
+
+    ``example_inputs`` is one global batch (real, meta or fake tensors): its dim 0 is the
+    global batch the plan is made for.
+    """
+    cluster = as_cluster(cluster)
+    graph = build_layer_graph(model, tuple(example_inputs), model_name=model_name,
+                              opaque=tuple(opaque), seq_len=seq_len)
+    return search(graph, cluster, precision_name=precision, mesh=mesh, time_limit_s=time_limit_s)
+
+
+def plan(model: nn.Module, cluster: Cluster | str, example_inputs: tuple, **kwargs) -> Plan:
+    """Plan ``model`` for ``cluster``; see ``search_plans`` for the options."""
+    return search_plans(model, cluster, example_inputs, **kwargs).plan
+
+
+def compile(  # noqa: A001 - the public name the architecture promises
+    model: nn.Module,
+    cluster: Cluster | str,
+    example_inputs: tuple,
+    *,
+    loss_fn: LossFn,
+    optimizer_factory: OptimizerFactory | None = None,
+    plan: Plan | None = None,
+    device_type: str = "cpu",
+    **plan_kwargs,
+) -> Trainer:
+    """Plan (on rank 0, shared with every rank) unless ``plan`` is given, then apply it.
+
+    Call on every rank after the process group is initialised (``autopar run``, torchrun
+    or ``runtime.launch.spawn``). Returns a Trainer: ``trainer.train_step(inputs, targets)``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise AutoparError(
+            "autopar.compile runs on every rank of an initialised process group; start the "
+            "ranks with `autopar run`, torchrun, or runtime.launch.spawn, or use autopar.plan "
+            "to plan without executing"
+        )
+    if plan is None:
+        payload: list[str | None] = [None]
+        if dist.get_rank() == 0:
+            world = dist.get_world_size()
+            made = search_plans(model, as_cluster(cluster, world), example_inputs, **plan_kwargs)
+            payload = [made.plan.to_json()]
+        dist.broadcast_object_list(payload, src=0)
+        assert payload[0] is not None
+        plan = Plan.from_json(payload[0], source="plan from rank 0")
+    kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
+    return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)

@@ -1,0 +1,113 @@
+"""The ``autopar`` command: ``plan`` a built-in model for a cluster, ``run`` it on CPU ranks.
+
+Bad input exits with status 2 and one line naming what is wrong, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from autopar.api import search_plans
+from autopar.errors import AutoparError
+from autopar.report import format_plan
+from autopar.zoo import MODELS, get_model
+from cost_models.hardware import Cluster
+from cost_models.memory import PRECISIONS
+from runtime.plan import Plan
+
+EXIT_BAD_INPUT = 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.handler(args)
+    except AutoparError as e:
+        print(f"autopar {args.command}: error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        return 130
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="autopar", description="Plan and run parallel training of PyTorch models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="plan a built-in model for a cluster and print the plan")
+    p.add_argument("--model", default="gpt2-xl", help=f"one of: {', '.join(MODELS)}")
+    p.add_argument("--cluster", default="dgx-a100-80g",
+                   help=f"a preset ({', '.join(Cluster.preset_names())}, local) or a .toml file")
+    p.add_argument("--nodes", type=positive_int, help="override the cluster's node count")
+    p.add_argument("--batch", type=positive_int, help="global batch (samples per step)")
+    p.add_argument("--seq", type=positive_int, help="sequence length (GPT models)")
+    p.add_argument("--dtype", default="float32", choices=list(PRECISIONS),
+                   help="parameter and compute precision to plan for")
+    p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
+    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit, seconds")
+    p.set_defaults(handler=cmd_plan)
+
+    r = sub.add_parser("run", help="train a built-in model on local CPU processes")
+    r.add_argument("--model", default="gpt-small", help=f"one of: {', '.join(MODELS)}")
+    r.add_argument("--nproc", type=positive_int, default=2, help="local processes (ranks)")
+    r.add_argument("--steps", type=positive_int, default=3, help="optimizer steps")
+    r.add_argument("--plan", metavar="PATH", help="a plan JSON (default: plan afresh)")
+    r.add_argument("--batch", type=positive_int, help="global batch (default: the model's)")
+    r.add_argument("--seq", type=positive_int, help="sequence length (GPT models)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--timeout", type=float, default=300, help="seconds before ranks give up")
+    r.set_defaults(handler=cmd_run)
+    return parser
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    spec = get_model(args.model)
+    cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    batch = args.batch or spec.default_batch
+    inputs = spec.example_inputs(batch, args.seq, device="meta")
+    model = spec.build("meta")
+    seq = inputs[0].shape[1] if spec.kind == "gpt" else None
+    result = search_plans(model, cluster, inputs, precision=args.dtype, model_name=spec.name,
+                          seq_len=seq, time_limit_s=args.time_limit)
+    print(format_plan(result.plan))
+    if args.json:
+        result.plan.save(args.json)
+        print(f"\nplan written to {args.json}")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from autopar.training import plan_for_local_run, run_local
+
+    spec = get_model(args.model)
+    batch = args.batch or spec.default_batch
+    if args.plan:
+        plan = Plan.load(args.plan)
+    else:
+        plan = plan_for_local_run(spec, args.nproc, batch, args.seq)
+    losses = run_local(spec, plan, nproc=args.nproc, steps=args.steps, batch=batch,
+                       seq=args.seq, seed=args.seed, timeout_s=args.timeout)
+    print(f"{spec.name} on {args.nproc} CPU rank(s): mesh dp={plan.mesh.dp} × tp={plan.mesh.tp}, "
+          f"global batch {batch}")
+    for layer in plan.layers:
+        print(f"  {layer.module:<12} {layer.strategy}")
+    for step, loss in enumerate(losses, 1):
+        print(f"step {step}  loss {loss:.6f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Train a built-in model under a plan on local CPU ranks (what ``autopar run`` does)."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.api import search_plans
+from autopar.errors import AutoparError
+from autopar.zoo import ModelSpec, get_model
+from cost_models.hardware import Cluster
+from runtime.launch import spawn
+from runtime.plan import Plan
+from runtime.train import Trainer
+
+
+def plan_for_local_run(spec: ModelSpec, nproc: int, batch: int, seq: int | None) -> Plan:
+    """Plan the model for ``nproc`` CPU processes of this machine."""
+    inputs = spec.example_inputs(batch, seq, device="meta")
+    seq_len = inputs[0].shape[1] if spec.kind == "gpt" else None
+    return search_plans(spec.build("meta"), Cluster.local(nproc), inputs, model_name=spec.name,
+                        seq_len=seq_len).plan
+
+
+def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int,
+              seq: int | None, seed: int = 0, timeout_s: float = 300) -> list[float]:
+    """Global mean loss per step, from rank 0."""
+    if plan.world_size != nproc:
+        raise AutoparError(
+            f"the plan is for {plan.world_size} ranks (mesh dp={plan.mesh.dp} × tp={plan.mesh.tp})"
+            f" but --nproc is {nproc}; pass --nproc {plan.world_size} or re-plan"
+        )
+    results = spawn(train_worker, nproc, spec.name, plan.to_json(), steps, batch, seq, seed,
+                    timeout_s=timeout_s)
+    return results[0]
+
+
+def train_worker(model_name: str, plan_json: str, steps: int, batch: int, seq: int | None,
+                 seed: int) -> list[float]:
+    """One rank: build the seeded model, apply the plan, train on seeded global batches."""
+    torch.manual_seed(seed)
+    spec = get_model(model_name)
+    plan = Plan.from_json(plan_json)
+    trainer = Trainer(spec.build(seed=seed), plan, spec.loss_fn)
+    losses = []
+    for step in range(steps):
+        inputs, targets = spec.make_batch(batch, seq, seed=seed + 1 + step)
+        losses.append(trainer.train_step(inputs, targets))
+    return losses

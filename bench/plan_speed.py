@@ -1,0 +1,72 @@
+"""Planning time: capture + layer graph + search, for built-in models on DGX A100 clusters.
+
+    python bench/plan_speed.py            # the full table (about a minute on 2 cores)
+    python bench/plan_speed.py --quick    # gpt2-small and gpt3-175b at 1,024 GPUs only
+
+Each row builds the model on the meta device, captures it, and searches every mesh of the
+cluster. The layer graph is rebuilt per row (nothing is cached between rows), so 'total'
+is what `autopar plan` spends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from autopar.errors import InfeasibleError
+from autopar.planner import search
+from autopar.zoo import get_model
+from cost_models.hardware import Cluster
+from passes.layer_graph import build_layer_graph
+
+ROWS = [
+    # model, global batch, precision
+    ("gpt2-small", 512, "float32"),
+    ("gpt2-xl", 512, "float32"),
+    ("gpt3-1.3b", 512, "float32"),
+    ("gpt3-175b", 128, "bfloat16"),
+]
+GPUS = [8, 64, 256, 1024]
+
+
+def plan_once(model_name: str, batch: int, dtype: str, gpus: int) -> dict:
+    spec = get_model(model_name)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=gpus // 8)
+    t0 = time.perf_counter()
+    model = spec.build("meta")
+    inputs = spec.example_inputs(batch, device="meta")
+    t1 = time.perf_counter()
+    graph = build_layer_graph(model, inputs, model_name=model_name, seq_len=inputs[0].shape[1])
+    t2 = time.perf_counter()
+    try:
+        result = search(graph, cluster, precision_name=dtype)
+        plan = result.plan
+        outcome = (f"dp={plan.mesh.dp} tp={plan.mesh.tp}, "
+                   f"{plan.prediction.step_time_s:.3f} s/step, gap {plan.solver.gap:.1%}")
+    except InfeasibleError as e:
+        outcome = "infeasible: " + str(e).split(": ", 1)[1].split(" (mesh")[0]
+    t3 = time.perf_counter()
+    return dict(model=model_name, gpus=gpus, batch=batch, dtype=dtype, build=t1 - t0,
+                capture=t2 - t1, search=t3 - t2, total=t3 - t0, outcome=outcome)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    rows = [(m, b, d, g) for m, b, d in ROWS for g in GPUS]
+    if args.quick:
+        rows = [("gpt2-small", 512, "float32", 1024), ("gpt3-175b", 128, "bfloat16", 1024)]
+    header = f"{'model':<11} {'GPUs':>5} {'batch':>5} {'dtype':<8} {'build s':>7} " \
+             f"{'capture s':>9} {'search s':>8} {'total s':>7}  plan"
+    print(header)
+    print("-" * len(header))
+    for model, batch, dtype, gpus in rows:
+        r = plan_once(model, batch, dtype, gpus)
+        print(f"{r['model']:<11} {r['gpus']:>5} {r['batch']:>5} {r['dtype']:<8} "
+              f"{r['build']:>7.2f} {r['capture']:>9.2f} {r['search']:>8.2f} {r['total']:>7.2f}"
+              f"  {r['outcome']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""The autopar command: plan output, JSON, run, and exit status 2 on bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from autopar.cli import main
+from autopar.zoo import get_model
+from runtime.plan import Plan
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "autopar.cli", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_plan_prints_layers_step_time_and_memory_and_writes_json(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt2-small", "--cluster", "dgx-a100-80g",
+                 "--batch", "16", "--seq", "512", "--json", str(path)]) == 0
+    out = capsys.readouterr().out
+    plan = Plan.load(path)
+    assert "h.0 … h.11" in out and "Block" in out
+    assert "predicted step time" in out and "peak memory per rank" in out
+    assert f"{plan.prediction.step_time_s * 1e3:.3f} ms" in out
+    assert plan.global_batch == 16 and plan.seq_len == 512
+    assert json.loads(path.read_text())["version"] == 1
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["plan", "--model", "gpt5"], "unknown model 'gpt5'"),
+        (["plan", "--cluster", "dgx-z"], "unknown cluster preset 'dgx-z'"),
+        (["plan", "--model", "gpt2-small", "--nodes", "2", "--batch", "3"],
+         "not divisible by any data-parallel degree"),
+        (["plan", "--model", "gpt3-175b", "--nodes", "1", "--batch", "8", "--seq", "2048"],
+         "smallest per-rank memory any plan needs is"),
+        (["plan", "--model", "gpt2-small", "--seq", "4096"], "exceeds gpt2-small's block_size"),
+        (["run", "--plan", "/nonexistent/plan.json"], "cannot read plan file"),
+    ],
+)
+def test_bad_input_exits_2_with_one_clear_line(args, message, capsys):
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_malformed_cluster_file_exits_2_without_traceback(tmp_path):
+    bad = tmp_path / "cluster.toml"
+    bad.write_text('name = "x"\n[device]\nname = "g"\n')
+    result = run_cli("plan", "--model", "gpt-tiny", "--cluster", str(bad))
+    assert result.returncode == 2
+    assert f"{bad}: missing field 'intra_node'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_run_trains_like_one_process_and_rejects_a_plan_for_another_world(tmp_path, capsys):
+    assert main(["run", "--model", "gpt-tiny", "--nproc", "2", "--steps", "3"]) == 0
+    out = capsys.readouterr().out
+    losses = [float(line.split()[-1]) for line in out.splitlines() if line.startswith("step")]
+    assert losses == pytest.approx(single_process_losses("gpt-tiny", steps=3), rel=1e-5)
+
+    plan_path = tmp_path / "plan4.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local", "--batch", "8",
+                 "--json", str(plan_path)]) == 0
+    plan = Plan.load(plan_path)
+    if plan.world_size != 2:
+        assert main(["run", "--model", "gpt-tiny", "--nproc", "2", "--plan", str(plan_path)]) == 2
+        assert "pass --nproc" in capsys.readouterr().err
+
+
+def single_process_losses(name: str, *, steps: int, seed: int = 0) -> list[float]:
+    spec = get_model(name)
+    model = spec.build(seed=seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(steps):
+        (x,), y = spec.make_batch(spec.default_batch, seed=seed + 1 + step)
+        loss = spec.loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
