@@ -1,0 +1,138 @@
+"""Plans are data: they round-trip through JSON, and bad ones are named and explained."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.plan import (
+    STRATEGIES,
+    TP_STYLES,
+    LayerPlan,
+    MemoryBreakdown,
+    Mesh,
+    Plan,
+    PlanError,
+    Prediction,
+    SolverReport,
+)
+
+finite = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
+sizes = st.integers(min_value=0, max_value=2**40)
+module_names = st.from_regex(r"[a-z_]{1,6}(\.[0-9]{1,2})?(\.[a-z_]{1,6})?", fullmatch=True)
+
+
+@st.composite
+def layer_plans(draw, mesh: Mesh) -> LayerPlan:
+    choices = [s for s in STRATEGIES if mesh.tp > 1 or s not in ("tp", "tp_fsdp")]
+    strategy = draw(st.sampled_from(choices))
+    styles = {}
+    if strategy in ("tp", "tp_fsdp"):
+        styles = draw(st.dictionaries(st.sampled_from(["", "fc_in", "attn.q_proj", "mlp.fc_out"]),
+                                      st.sampled_from(TP_STYLES), min_size=1, max_size=3))
+    return LayerPlan(
+        module=draw(module_names),
+        strategy=strategy,
+        tp_styles=styles,
+        stage=draw(st.integers(0, mesh.pp - 1)),
+        layer_class=draw(st.sampled_from(["", "Block", "Embedding"])),
+        memory_bytes=draw(st.none() | sizes),
+        time_s=draw(st.none() | finite),
+    )
+
+
+@st.composite
+def plans(draw) -> Plan:
+    mesh = Mesh(pp=draw(st.integers(1, 4)), dp=draw(st.integers(1, 8)), tp=draw(st.integers(1, 8)))
+    layers = draw(st.lists(layer_plans(mesh), max_size=6, unique_by=lambda la: la.module))
+    prediction = draw(st.none() | st.builds(
+        Prediction, step_time_s=finite, compute_s=finite, comm_s=finite,
+        memory=st.builds(MemoryBreakdown, params_bytes=sizes, grads_bytes=sizes,
+                         optimizer_bytes=sizes, activations_bytes=sizes),
+        capacity_bytes=sizes, source=st.sampled_from(["modelled", "calibrated", "measured"]),
+    ))
+    solver = draw(st.none() | st.builds(
+        SolverReport, solver=st.just("highs"), status=st.just("Optimal"), objective_s=finite,
+        lower_bound_s=finite, gap=finite, solve_time_s=finite, candidates=st.integers(1, 50),
+    ))
+    return Plan(
+        model=draw(st.sampled_from(["", "gpt-tiny", "gpt2-xl"])),
+        cluster=draw(st.sampled_from(["", "dgx-a100-80g"])),
+        global_batch=mesh.dp * draw(st.integers(1, 64)),
+        seq_len=draw(st.none() | st.integers(1, 8192)),
+        mesh=mesh,
+        layers=tuple(layers),
+        prediction=prediction,
+        solver=solver,
+    )
+
+
+@settings(max_examples=60, deadline=None)
+@given(plans())
+def test_json_round_trip_is_exact(plan):
+    text = plan.to_json()
+    assert Plan.from_json(text) == plan
+    assert Plan.from_json(text).to_json() == text
+
+
+@settings(max_examples=20, deadline=None)
+@given(plans())
+def test_save_then_load_returns_the_same_plan(tmp_path_factory, plan):
+    path = tmp_path_factory.mktemp("plans") / "plan.json"
+    plan.save(path)
+    assert Plan.load(path) == plan
+    assert not [p for p in path.parent.iterdir() if p.name != "plan.json"]  # no temp left
+
+
+def _valid() -> dict:
+    return Plan(
+        global_batch=8, mesh=Mesh(dp=2, tp=2),
+        layers=(LayerPlan(module="h.0", strategy="tp", tp_styles={"mlp.fc_in": "colwise"}),),
+    ).to_dict()
+
+
+def _edit(path: str, value) -> dict:
+    data = _valid()
+    *parents, last = path.split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if key.isdigit() else node[key]
+    node[last] = value
+    return data
+
+
+@pytest.mark.parametrize(("path", "value", "phrases"), [
+    ("version", 99, ["version 99 is not supported", "autopar plan"]),
+    ("colour", "red", ["unknown field(s) ['colour']", "valid fields"]),
+    ("mesh.tp", 0, ["mesh.tp must be a positive integer"]),
+    ("mesh.ep", 2, ["plan: mesh: unknown field(s) ['ep']"]),
+    ("global_batch", 7, ["global_batch 7 is not divisible", "mesh.dp=2"]),
+    ("layers.0.strategy", "zero2", ["layer 'h.0'", "unknown strategy 'zero2'", "tp_fsdp"]),
+    ("layers.0.tp_styles", {"fc": "diagonal"}, ["'diagonal' is not one of", "colwise"]),
+    ("layers.0.tp_styles", {}, ["needs tp_styles"]),
+    ("layers.0.stage", 1, ["on stage 1 but mesh.pp=1"]),
+    ("layers", [{"module": "a"}, {"module": "a"}], ["'a' appears twice"]),
+    ("layers", [{"strategy": "fsdp"}], ["layers[0]", "module"]),
+])
+def test_bad_plan_json_names_the_field(path, value, phrases):
+    with pytest.raises(PlanError) as info:
+        Plan.from_dict(_edit(path, value))
+    for phrase in phrases:
+        assert phrase in str(info.value), (phrase, str(info.value))
+
+
+def test_tp_strategy_needs_a_tp_axis():
+    with pytest.raises(PlanError, match="uses 'tp' but mesh.tp is 1"):
+        Plan.from_dict(_edit("mesh.tp", 1))
+
+
+def test_not_json_and_unreadable_files_are_plan_errors(tmp_path):
+    with pytest.raises(PlanError, match="not valid JSON"):
+        Plan.from_json("{")
+    with pytest.raises(PlanError, match="a plan must be a JSON object"):
+        Plan.from_json(json.dumps([1, 2]))
+    with pytest.raises(PlanError, match="cannot read plan file"):
+        Plan.load(tmp_path / "missing.json")
