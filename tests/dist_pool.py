@@ -128,9 +128,13 @@ class DistPool:
                 dead = [r for r, p in enumerate(self._procs) if not p.is_alive()]
                 if left <= 0 or (dead and self._results.empty()):
                     missing = sorted(set(range(self.world_size)) - set(out) - set(errors))
-                    cause = f"rank(s) {dead} died" if dead else f"no answer in {timeout_s:.0f} s"
-                    errors.update({r: f"{cause} (still waiting for rank(s) {missing})"
-                                   for r in missing})
+                    if dead:
+                        cause = f"no result; rank(s) {dead} died"
+                    elif errors:
+                        cause = "no result; probably stuck in a collective with a failed rank"
+                    else:
+                        cause = f"no result within {timeout_s:.0f} s"
+                    errors.update({r: cause for r in missing})
                     break
                 continue
             if got_id != job_id:

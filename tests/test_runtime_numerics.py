@@ -30,7 +30,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from autopar.zoo import get_model
-from runtime.plan import LayerPlan, Mesh, Plan
+from runtime.plan import LayerPlan, Mesh, Plan, PlanError
 
 STEPS = 3
 LR = 1e-3
@@ -253,3 +253,169 @@ def local_only_job(model: tuple) -> dict:
         opt.zero_grad()
     return {"losses": losses, "grads": grads,
             "params": {n: _full(p) for n, p in net.module.named_parameters()}}
+
+
+def test_strategies_really_shard(pool4):
+    """Guards the numerics above against a plan silently applied as plain replication."""
+    def local_numel(plan_json: str) -> list[int]:
+        return pool4.run(local_numel_job, GPT, plan_json)
+
+    total = sum(p.numel() for p in _spec(GPT).build(seed=0).parameters())
+    assert local_numel(gpt_all("replicate", dp=4)) == [total] * 4
+    fsdp = local_numel(gpt_all("fsdp", dp=4))
+    assert all(n <= total // 4 + 64 for n in fsdp), (fsdp, total)
+    tp4 = local_numel(gpt_tp(dp=1, tp=4))
+    assert all(n < total // 2 for n in tp4), (tp4, total)
+
+
+def local_numel_job(model: tuple, plan_json: str) -> int:
+    from runtime.apply import apply_plan
+
+    net = apply_plan(_spec(model).build(seed=0), Plan.from_json(plan_json))
+    return sum(
+        (p.to_local() if isinstance(p, DTensor) else p).numel() for p in net.parameters()
+    )
+
+
+# -- bad plans: a clear PlanError, raised before any collective ----------------------------
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "new_group", "reduce_scatter")
+
+
+def bad_plan_job(model: tuple, plan_json: str) -> str:
+    """Apply on rank 0 only, with every way into a collective booby-trapped: mesh
+    creation and the usual c10d calls raise. (Anything unpatched would hang rank 0, whose
+    peers take no part, until the process-group timeout, failing the test too.)"""
+    import torch.distributed as dist
+
+    import runtime.apply
+    from runtime.apply import apply_plan
+
+    if dist.get_rank() != 0:
+        return ""
+
+    def trap(*args, **kwargs):
+        raise AssertionError("a collective ran before the plan was validated")
+
+    spec = _spec(model)
+    net = spec.build("meta" if plan_json.endswith("#meta") else "cpu", seed=0)
+    targets = [(runtime.apply, "build_mesh")] + [(dist, name) for name in _COLLECTIVES]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
+    try:
+        for mod, name in targets:
+            setattr(mod, name, trap)
+        apply_plan(net, Plan.from_json(plan_json.removesuffix("#meta")))
+    except PlanError as e:
+        return f"PlanError: {e}"
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+    return "no error"
+
+
+BAD_PLANS = {
+    "unknown module": (
+        GPT, _plan(2, 1, 8, LayerPlan(module="h.7", strategy="fsdp")),
+        ["'h.7'", "no such module", "named_modules"],
+    ),
+    "tp style on a LayerNorm": (
+        GPT, _plan(1, 2, 8, LayerPlan(module="h.0", strategy="tp", tp_styles={"ln_1": "colwise"})),
+        ["'h.0'", "'h.0.ln_1' is a LayerNorm", "nn.Linear"],
+    ),
+    "tp style on a missing submodule": (
+        GPT, _plan(1, 2, 8, LayerPlan(module="h.0", strategy="tp", tp_styles={"attn.qkv": "colwise"})),
+        ["'h.0.attn.qkv'", "no submodule"],
+    ),
+    "embedding style on a Linear": (
+        GPT, _plan(1, 2, 8, LayerPlan(module="lm_head", strategy="tp",
+                                      tp_styles={"": "embedding_rowwise"})),
+        ["'lm_head' is a Linear", "nn.Embedding"],
+    ),
+    "tp degree not dividing heads": (
+        ("gpt-tiny", (("n_embd", 48), ("n_head", 3)), 8, 16),
+        _plan(1, 2, 8, LayerPlan(module="h.0", strategy="tp", tp_styles=BLOCK_TP)),
+        ["'h.0'", "attn.q_proj", "3 heads", "tp=2"],
+    ),
+    "tp degree not dividing a dim": (
+        ("mlp", (("n_classes", 15),), 16, None),
+        _plan(1, 2, 16, LayerPlan(module="head", strategy="tp", tp_styles={"": "colwise_gather"})),
+        ["'head'", "out_features=15", "tp=2"],
+    ),
+    "world size mismatch": (
+        GPT, _plan(4, 1, 8), ["needs 4 ranks", "2 are running"],
+    ),
+    "nested layers": (
+        GPT, _plan(2, 1, 8, LayerPlan(module="h.0", strategy="fsdp"),
+                   LayerPlan(module="h.0.mlp", strategy="replicate")),
+        ["'h.0' and 'h.0.mlp' nest"],
+    ),
+    "meta parameters": (
+        GPT, _plan(2, 1, 8) + "#meta", ["meta device", "real weights"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PLANS))
+def test_bad_plan_is_rejected_before_any_collective(pool2, case):
+    model, plan_json, phrases = BAD_PLANS[case]
+    message = pool2.run(bad_plan_job, model, plan_json)[0]
+    assert message.startswith("PlanError"), message
+    for phrase in phrases:
+        assert phrase in message, (phrase, message)
+
+
+def test_plan_rejects_global_batch_not_divisible_by_dp():
+    with pytest.raises(PlanError, match="global_batch 7 is not divisible.*mesh.dp=2"):
+        Plan(global_batch=7, mesh=Mesh(dp=2))
+
+
+def uneven_batch_job(model: tuple, plan_json: str) -> str:
+    from runtime.train import Trainer
+
+    spec = _spec(model)
+    trainer = Trainer(spec.build(seed=0), Plan.from_json(plan_json), spec.loss_fn)
+    try:
+        trainer.shard_batch(*spec.make_batch(7, 16))
+    except PlanError as e:
+        return str(e)
+    return "no error"
+
+
+def test_shard_batch_rejects_batch_not_divisible_by_dp(pool2):
+    messages = pool2.run(uneven_batch_job, GPT, gpt_all("replicate", dp=2))
+    assert all("batch of 7 samples is not divisible" in m and "dp=2" in m for m in messages)
+
+
+# -- the harness and the launcher ----------------------------------------------------------
+
+
+def rank_job(fail_rank: int | None = None) -> int:
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    if rank == fail_rank:
+        raise ValueError(f"boom on {rank}")
+    if fail_rank is not None:
+        dist.barrier()  # the healthy ranks wait for the failed one: a would-be hang
+    return rank * 10
+
+
+def test_pool_reports_the_failing_rank_and_recovers(pool2):
+    import time
+
+    from dist_pool import DistJobError
+
+    start = time.monotonic()
+    with pytest.raises(DistJobError, match=r"(?s)rank 0 ---\nno result; probably stuck.*rank 1 ---\nValueError: boom on 1"):
+        pool2.run(rank_job, 1)
+    assert time.monotonic() - start < 20  # rank 0 is stuck in a barrier; we did not wait for it
+    assert pool2.run(rank_job) == [0, 10]  # a fresh pool took over
+
+
+def test_spawn_returns_results_by_rank_and_names_a_failing_rank():
+    from runtime.launch import LaunchError, spawn
+
+    assert spawn(rank_job, 2) == [0, 10]
+    with pytest.raises(LaunchError, match=r"(?s)rank 0 of 2 failed: ValueError: boom on 0"):
+        spawn(rank_job, 2, 0, timeout_s=20)
