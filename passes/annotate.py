@@ -1,0 +1,333 @@
+"""Analysis passes that annotate a captured graph, node by node, on meta tensors.
+
+Each pass writes one record under one key of ``passes.meta_keys``. The cost passes
+(``count_flops``, ``count_saved_bytes``, ``count_bytes``) take the nodes to annotate, so
+callers can run them on one representative layer per class of identical layers.
+
+Conventions:
+
+- FLOPs are what ``torch.utils.flop_counter.FlopCounterMode`` counts: matmul-like ops only
+  (mm/addmm/bmm/convolution: 2·m·n·k), elementwise ops and norms count 0. Scaled dot-product
+  attention counts ``4·b·heads·s_q·s_kv·head_dim`` (QKᵀ and PV) whether or not it is causal:
+  the causal mask is not subtracted.
+- Saved bytes: activations autograd keeps for backward, captured with
+  ``torch.autograd.graph.saved_tensors_hooks`` while the nodes run on meta tensors that
+  require grad; parameters and buffers are excluded and storages are deduplicated (three
+  projections of one input save it once). Attention is run as the fused (flash) kernel, as
+  on GPUs: it saves q, k, v, the output and the log-sum-exp, not the s×s probabilities that
+  the math fallback (what meta tensors would otherwise dispatch to) keeps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+from torch.fx import GraphModule, Node
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
+
+from cost_models.errors import AutoparError
+from passes import meta_keys as K
+
+aten = torch.ops.aten
+
+SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
+_NO_KERNEL_FUNCTIONS = {
+    "getitem", "getattr", "sym_size", "sym_numel", "sym_stride", "size", "dim", "alias",
+    "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze",
+    "expand", "expand_as", "split", "split_with_sizes", "chunk", "unbind", "slice", "select",
+    "as_strided", "flatten", "unflatten", "view_as", "detach", "_assert_tensor_metadata",
+    "contiguous", "type_as", "to", "_to_copy", "lift_fresh_copy",
+}
+# Of these, the ones that produce a view of their input (no bytes moved).
+_VIEW_FUNCTIONS = _NO_KERNEL_FUNCTIONS - {"getitem", "getattr", "sym_size", "sym_numel",
+                                          "sym_stride", "size", "dim", "_assert_tensor_metadata"}
+
+
+class PassError(AutoparError):
+    """An analysis pass failed on a node; the message names the pass and the node."""
+
+
+def op_name(node: Node) -> str:
+    """Short op name shared by symbolic_trace and export graphs: 'linear', 'view', 'gelu'."""
+    target = node.target
+    if node.op == "call_method":
+        return str(target)
+    if node.op == "call_module":
+        return "module"
+    if isinstance(target, torch._ops.OpOverload):
+        return target._opname
+    return getattr(target, "__name__", str(target))
+
+
+def fail(pass_name: str, node: Node, err: BaseException) -> PassError:
+    return PassError(f"pass {pass_name} failed on node {node.name!r} ({node.format_node()}): "
+                     f"{type(err).__name__}: {err}")
+
+
+# -- module paths, shapes, op kinds --------------------------------------------------------
+
+
+def annotate_module_paths(gm: GraphModule) -> None:
+    """MODULE_PATH: innermost module of each node's ``nn_module_stack`` ('' = the root)."""
+    for node in gm.graph.nodes:
+        stack = node.meta.get("nn_module_stack") or {}
+        path = ""
+        if stack:
+            path = str(list(stack.values())[-1][0])
+        # export names a module's second call "name@1"; the module is the same.
+        node.meta[K.MODULE_PATH] = path.split("@")[0]
+
+
+def propagate_shapes(gm: GraphModule, example_inputs: tuple) -> dict[Node, object]:
+    """TENSOR on every node; returns the meta value of each node for later passes."""
+    env: dict[Node, object] = {}
+    inputs = iter(example_inputs)
+    with torch.no_grad():
+        for node in gm.graph.nodes:
+            try:
+                if node.op == "placeholder":
+                    env[node] = next(inputs, node.args[0] if node.args else None)
+                elif node.op == "output":
+                    continue
+                else:
+                    args, kwargs = _lookup(node, env)
+                    env[node] = execute(gm, node, args, kwargs)
+            except Exception as e:
+                raise fail("propagate_shapes", node, e) from e
+            node.meta[K.TENSOR] = tensor_meta(env[node])
+    return env
+
+
+def tensor_meta(value: object) -> K.TensorMeta:
+    leaves = [x for x in pytree.tree_leaves(value) if isinstance(x, torch.Tensor)]
+    specs = tuple(
+        K.TensorSpec(shape=tuple(t.shape), stride=tuple(t.stride()), dtype=str(t.dtype)[6:],
+                     nbytes=t.numel() * t.element_size())
+        for t in leaves
+    )
+    return K.TensorMeta(tensors=specs, is_tensor=isinstance(value, torch.Tensor))
+
+
+def count_ops(gm: GraphModule) -> None:
+    """OP_KIND: whether each node launches a kernel, and whether it is a view."""
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method", "call_module"):
+            node.meta[K.OP_KIND] = K.OpKind(is_kernel=False, is_view=False)
+            continue
+        name = op_name(node)
+        # torch.export's unlifted module checks input shapes in a `_guards_fn` submodule.
+        guard = node.op == "call_module" and str(node.target).startswith("_guards")
+        node.meta[K.OP_KIND] = K.OpKind(
+            is_kernel=name not in _NO_KERNEL_FUNCTIONS and not guard,
+            is_view=name in _VIEW_FUNCTIONS,
+        )
+
+
+def count_bytes(gm: GraphModule, nodes: Iterable[Node]) -> None:
+    """MEM_BYTES: bytes of tensor inputs + outputs of each kernel (views move nothing)."""
+    for node in nodes:
+        kind: K.OpKind = node.meta[K.OP_KIND]
+        if not kind.is_kernel:
+            node.meta[K.MEM_BYTES] = 0
+            continue
+        written = node.meta[K.TENSOR].nbytes
+        inputs = {a for a in node.all_input_nodes}
+        weights = [a for a in inputs if a.op == "get_attr"]
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            weights, inputs = list(mod.parameters()) + list(mod.buffers()), inputs
+        read = sum(a.meta[K.TENSOR].nbytes for a in inputs - set(weights) if K.TENSOR in a.meta)
+        if op_name(node) == "embedding" or isinstance(
+            gm.get_submodule(str(node.target)) if node.op == "call_module" else None,
+            torch.nn.Embedding,
+        ):
+            read += written  # an embedding reads the rows it returns, not the table
+        else:
+            read += sum(_value_bytes(gm, w) for w in weights)
+        node.meta[K.MEM_BYTES] = read + written
+
+
+def _value_bytes(gm: GraphModule, w: object) -> int:
+    if isinstance(w, Node):
+        w = fetch_attr(gm, str(w.target))
+    return w.numel() * w.element_size() if isinstance(w, torch.Tensor) else 0
+
+
+# -- FLOPs and saved-for-backward bytes ----------------------------------------------------
+
+
+def _flash_flops(q_shape, k_shape, v_shape, *args, out_shape=None, **kwargs) -> int:
+    return sdpa_flop_count(q_shape, k_shape, v_shape)
+
+
+_FLOP_MAPPING = {aten._scaled_dot_product_flash_attention_for_cpu: _flash_flops}
+
+
+def count_flops(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:
+    """FLOPS: forward FLOPs of each node (FlopCounterMode; see the module docstring)."""
+    counter = FlopCounterMode(display=False, custom_mapping=_FLOP_MAPPING)
+
+    def before(node: Node) -> None:
+        node.meta["_flops_before"] = counter.get_total_flops()
+
+    def after(node: Node, out: object) -> None:
+        node.meta[K.FLOPS] = float(counter.get_total_flops() - node.meta.pop("_flops_before"))
+
+    with counter, torch.no_grad():
+        run_nodes(gm, nodes, env, "count_flops", before=before, after=after, fused_sdpa=True)
+
+
+def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:
+    """SAVED: bytes autograd saves for backward per node (parameters/buffers excluded,
+    storages deduplicated over ``nodes``, attributed to the first node saving them)."""
+    excluded = {StorageWeakRef(t.untyped_storage()) for t in _attr_tensors(gm, nodes)}
+    # storage -> node that produced it ('' for the layer's inputs); a storage first seen
+    # while a node runs (its outputs, or internals such as attention's log-sum-exp) is its.
+    owner: dict[StorageWeakRef, str] = {}
+    seen: set[StorageWeakRef] = set()
+    current: list[tuple[str, int]] = []
+    running = [""]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ref = StorageWeakRef(t.untyped_storage())
+        if ref not in excluded and ref not in seen:
+            seen.add(ref)
+            current.append((owner.get(ref, running[0]), t.untyped_storage().nbytes()))
+        return t
+
+    def on_input(node: Node, value: object) -> None:
+        for t in pytree.tree_leaves(value):
+            if isinstance(t, torch.Tensor):
+                owner.setdefault(StorageWeakRef(t.untyped_storage()), "")
+
+    def before(node: Node) -> None:
+        current.clear()
+        running[0] = node.name
+
+    def after(node: Node, out: object) -> None:
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                owner.setdefault(StorageWeakRef(t.untyped_storage()), node.name)
+        node.meta[K.SAVED] = K.SavedBytes(
+            nbytes=sum(b for _, b in current), producers=tuple(current)
+        )
+
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run_nodes(gm, nodes, env, "count_saved_bytes", before=before, after=after,
+                  on_input=on_input, fresh_inputs=True, fused_sdpa=True)
+
+
+# -- running nodes on meta ------------------------------------------------------------------
+
+
+def run_nodes(
+    gm: GraphModule,
+    nodes: list[Node],
+    env: dict[Node, object],
+    pass_name: str,
+    *,
+    before: Callable[[Node], None] = lambda n: None,
+    after: Callable[[Node, object], None] = lambda n, out: None,
+    on_input: Callable[[Node, object], None] = lambda n, value: None,
+    fresh_inputs: bool = False,
+    fused_sdpa: bool = False,
+) -> dict[Node, object]:
+    """Run ``nodes`` (in graph order) on meta tensors; inputs from outside come from ``env``.
+
+    With ``fresh_inputs``, outside tensors are replaced by new leaf tensors (requiring
+    grad when floating point), so autograd sees the nodes as a graph of their own.
+    """
+    local: dict[Node, object] = {}
+    inside = set(nodes)
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg in local or arg in inside:
+                continue
+            value = env[arg]
+            if arg.op == "get_attr":
+                value = fetch_attr(gm, str(arg.target))
+            elif fresh_inputs and isinstance(value, torch.Tensor):
+                value = _fresh(value)
+            on_input(arg, value)
+            local[arg] = value
+        try:
+            args, kwargs = _lookup(node, local)
+            before(node)
+            out = execute(gm, node, args, kwargs, fused_sdpa=fused_sdpa)
+            after(node, out)
+        except PassError:
+            raise
+        except Exception as e:
+            raise fail(pass_name, node, e) from e
+        local[node] = out
+    return local
+
+
+def execute(gm: GraphModule, node: Node, args: tuple, kwargs: dict, *,
+            fused_sdpa: bool = False) -> object:
+    if node.op == "get_attr":
+        return fetch_attr(gm, str(node.target))
+    if node.op == "call_function":
+        if fused_sdpa and node.target in SDPA_TARGETS:
+            return _fused_sdpa(node.target, args, kwargs)
+        return node.target(*args, **kwargs)
+    if node.op == "call_method":
+        obj, *rest = args
+        return getattr(obj, str(node.target))(*rest, **kwargs)
+    if node.op == "call_module":
+        return gm.get_submodule(str(node.target))(*args, **kwargs)
+    raise AssertionError(f"cannot execute {node.op} node {node.name}")
+
+
+def fetch_attr(gm: GraphModule, target: str) -> object:
+    obj: object = gm
+    for atom in target.split("."):
+        obj = getattr(obj, atom)
+    return obj
+
+
+def _lookup(node: Node, env: dict[Node, object]) -> tuple[tuple, dict]:
+    args = torch.fx.node.map_arg(node.args, lambda n: env[n])
+    kwargs = torch.fx.node.map_arg(node.kwargs, lambda n: env[n])
+    return tuple(args), dict(kwargs)
+
+
+def _fresh(t: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    return out.requires_grad_(t.is_floating_point() or t.is_complex())
+
+
+def _attr_tensors(gm: GraphModule, nodes: list[Node]) -> list[torch.Tensor]:
+    """Parameters and buffers the nodes read (get_attr inputs and called modules)."""
+    out: list[torch.Tensor] = []
+    for node in nodes:
+        for arg in node.all_input_nodes:
+            if arg.op == "get_attr":
+                value = fetch_attr(gm, str(arg.target))
+                if isinstance(value, torch.Tensor):
+                    out.append(value)
+        if node.op == "call_module":
+            mod = gm.get_submodule(str(node.target))
+            out += list(mod.parameters()) + list(mod.buffers())
+    return out
+
+
+def _fused_sdpa(target: object, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Attention as the fused kernel (see module docstring); the original op if the call
+    has arguments the fused kernel does not take."""
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+    bound = dict(zip(names, args, strict=False)) | kwargs
+    if bound.get("enable_gqa") or set(bound) - set(names):
+        return target(*args, **kwargs)
+    out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
+        bound["query"], bound["key"], bound["value"], bound.get("dropout_p", 0.0),
+        bound.get("is_causal", False), attn_mask=bound.get("attn_mask"),
+        scale=bound.get("scale"),
+    )
+    return out
