@@ -1,0 +1,411 @@
+"""Find Megatron tensor-parallel splits of a layer that provably give one device's results.
+
+Detected from the graph, not from class names. A split is offered only when every tensor
+it shards flows through ops that are exact on shards, ending in a row-parallel Linear
+(whose all-reduce restores the full tensor):
+
+- MLP: Linear A (colwise) -> elementwise ops (gelu/relu/silu/dropout/..., or the product
+  of two colwise outputs, as in SwiGLU) -> Linear B (rowwise).
+- Attention: q/k/v Linears (colwise) -> view splitting features into (heads, head_dim) ->
+  transpose -> scaled_dot_product_attention -> transpose -> reshape -> out Linear (rowwise).
+  The degree must divide the number of heads. Limitation: only head *alignment* can be
+  checked; the model's reshapes must read the head count from the tensor (``view(B, T, -1,
+  hd)``, as autopar.zoo does). A literal head count fails loudly on a shard, never silently.
+- A layer that is one ``nn.Linear`` -> ``colwise_gather``; one ``nn.Embedding`` ->
+  ``embedding_rowwise``.
+
+Anything else (fused qkv Conv1D as in Hugging Face GPT-2, a sharded tensor meeting a bias
+add or leaving the layer, tied weights) gets no option.
+
+Collectives (Megatron f/g operators; bytes of the full tensor at the captured batch): each
+rowwise output all-reduced forward; each distinct colwise input all-reduced backward;
+colwise_gather all-gathers its output forward and all-reduces its input backward;
+embedding_rowwise all-reduces its output forward.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections import Counter
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.fx import GraphModule, Node
+
+from passes import meta_keys as K
+from passes.annotate import SDPA_TARGETS, fail, op_name
+from passes.group_layers import LayerGroup
+from passes.records import Collective, TPOption
+
+_UNARY = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "erf", "neg", "contiguous",
+          "clone", "alias", "pow", "mul", "add", "sub", "div", "truediv", "to", "_to_copy",
+          "type_as", "float", "half", "bfloat16", "relu_", "gelu_", "dropout_", "feature_dropout"}
+_BINARY = {"mul", "add", "sub", "div", "truediv"}
+_UNARY_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity)
+_VIEWS = {"view", "reshape", "_unsafe_view"}
+_LINEAR_TARGETS = (torch.ops.aten.linear.default, F.linear)
+_EMBEDDING_TARGETS = (torch.ops.aten.embedding.default, F.embedding)
+
+State = tuple[int, int]  # (sharded dim, unit): the TP degree must divide unit
+
+
+class _Reject(Exception):
+    """This seed set gives no exact split."""
+
+
+def find_tensor_parallel(gm: GraphModule, model: nn.Module, group: LayerGroup
+                         ) -> TPOption | None:
+    """TP_STYLE on the split nodes; returns the option, or None when no exact split is known.
+
+    Needs TENSOR, MODULE_PATH, FLOPS and SAVED on the group's nodes.
+    """
+    if group.tied:
+        return None
+    try:
+        module = model.get_submodule(group.name)
+        if isinstance(module, nn.Linear):
+            return _single_linear(gm, model, group)
+        if isinstance(module, nn.Embedding):
+            return _single_embedding(gm, model, group, module)
+        return _blocks(gm, model, group)
+    except _Reject:
+        return None
+    except Exception as e:
+        raise fail("find_tensor_parallel", group.nodes[0], e) from e
+
+
+# -- single-module layers -------------------------------------------------------------------
+
+
+def _single_linear(gm: GraphModule, model: nn.Module, group: LayerGroup) -> TPOption | None:
+    nodes = [n for n in group.nodes if linear_of(gm, model, n) is not None]
+    if len(nodes) != 1 or linear_of(gm, model, nodes[0])[0] != group.name:
+        return None
+    node = nodes[0]
+    _, lin = linear_of(gm, model, node)
+    node.meta[K.TP_STYLE] = "colwise_gather"
+    return TPOption(
+        styles={"": "colwise_gather"},
+        divisors=(lin.out_features,),
+        sharded_param_bytes=_nbytes(lin.weight) + _nbytes(lin.bias),
+        sharded_fwd_flops=node.meta[K.FLOPS],
+        sharded_saved_bytes=0,
+        collectives=(
+            Collective(kind="all_gather", nbytes=_bytes(node), phase="fwd"),
+            Collective(kind="all_reduce", nbytes=_bytes(node.args[0]), phase="bwd"),
+        ),
+    )
+
+
+def _single_embedding(gm: GraphModule, model: nn.Module, group: LayerGroup,
+                      emb: nn.Embedding) -> TPOption | None:
+    nodes = [n for n in group.nodes if _is_embedding(gm, model, n, group.name)]
+    calls = [n for n in group.nodes if n.meta[K.MODULE_PATH] == group.name
+             and n.op != "get_attr" and op_name(n) not in ("getattr", "getitem")]
+    if len(nodes) != 1 or len(calls) != 1 or emb.max_norm is not None:
+        return None  # max_norm renormalises rows in place, across shards
+    node = nodes[0]
+    node.meta[K.TP_STYLE] = "embedding_rowwise"
+    return TPOption(
+        styles={"": "embedding_rowwise"},
+        divisors=(emb.num_embeddings,),
+        sharded_param_bytes=_nbytes(emb.weight),
+        sharded_fwd_flops=0.0,
+        sharded_saved_bytes=0,
+        collectives=(Collective(kind="all_reduce", nbytes=_bytes(node), phase="fwd"),),
+    )
+
+
+def _is_embedding(gm: GraphModule, model: nn.Module, node: Node, path: str) -> bool:
+    if node.op == "call_module":
+        return node.target == path and isinstance(gm.get_submodule(path), nn.Embedding)
+    return node.target in _EMBEDDING_TARGETS and node.meta[K.MODULE_PATH] == path
+
+
+# -- blocks: column -> row regions -----------------------------------------------------------
+
+
+def _blocks(gm: GraphModule, model: nn.Module, group: LayerGroup) -> TPOption | None:
+    inside = set(group.nodes)
+    linears = [n for n in group.nodes if linear_of(gm, model, n) is not None]
+    colwise: set[Node] = set()
+    rowwise: set[Node] = set()
+    states: dict[Node, State] = {}
+    units: list[int] = []
+    for seed in linears:
+        if seed in colwise or seed in rowwise:
+            continue
+        trial = {seed}
+        for _ in range(len(linears)):
+            try:
+                result = _propagate(gm, model, group, inside, trial)
+            except _Reject:
+                result = None
+                break
+            need, rows, found, found_units = result
+            if not need:
+                break
+            trial |= need
+        if result is None or need or rows & (colwise | trial) or trial & rowwise:
+            continue
+        colwise |= trial
+        rowwise |= rows
+        states |= found
+        units += [u for u in found_units if u not in units]
+    if not colwise:
+        return None
+    return _option(gm, model, group, colwise, rowwise, states, units)
+
+
+def _propagate(gm, model, group, inside, seeds):
+    """Sweep the layer in graph order from colwise ``seeds``.
+
+    Returns (more seeds needed, rowwise linears, sharded states, divisors).
+    """
+    states: dict[Node, State] = {}
+    for s in seeds:
+        states[s] = (_ndim(s) - 1, linear_of(gm, model, s)[1].out_features)
+    need: set[Node] = set()
+    rows: set[Node] = set()
+    units: list[int] = []
+    for node in group.nodes:
+        if node in seeds:
+            if node.args[0] in states:
+                raise _Reject
+            continue
+        sharded = [a for a in node.all_input_nodes if a in states]
+        if not sharded:
+            continue
+        if linear_of(gm, model, node) is not None:
+            dim, unit = states[node.args[0]] if node.args[0] in states else (-1, 0)
+            if node.args[0] not in states or dim != _ndim(node.args[0]) - 1 or len(sharded) > 1:
+                raise _Reject
+            rows.add(node)
+            units.append(unit)
+            continue
+        new = _rule(gm, node, states, need, seeds, model)
+        if new is None:
+            continue  # waiting for co-seeds
+        states[node] = new
+    for node in states:
+        for user in node.users:
+            if user not in inside or user.op == "output":
+                raise _Reject  # a shard would leave the layer
+    return need, rows, states, units
+
+
+def _rule(gm, node: Node, states: dict[Node, State], need: set[Node], seeds, model
+          ) -> State | None:
+    name = op_name(node)
+    if node.op == "call_module":
+        if not isinstance(gm.get_submodule(str(node.target)), _UNARY_MODULES):
+            raise _Reject
+        return states[node.args[0]]
+    if node.op == "call_function" and node.target in SDPA_TARGETS:
+        return _sdpa(node, states, need, seeds, gm, model)
+    if name in _VIEWS:
+        return _view(node, states[node.args[0]])
+    if name == "transpose":
+        return _transpose(node, states[node.args[0]])
+    if name == "permute":
+        dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        dim, unit = states[node.args[0]]
+        return [d % _ndim(node) for d in dims].index(dim), unit
+    if name in _UNARY or name in _BINARY:
+        return _elementwise(node, states, need, seeds, gm, model)
+    raise _Reject
+
+
+def _elementwise(node, states, need, seeds, gm, model) -> State | None:
+    tensors = _tensor_inputs(node)
+    shape = _shape(node)
+    out: State | None = None
+    for a in tensors:
+        if a in states:
+            if _shape(a) != shape:
+                raise _Reject
+            dim, unit = states[a]
+            out = (dim, math.gcd(unit, out[1]) if out else unit)
+    dim = out[0]
+    for a in tensors:
+        if a in states:
+            continue
+        a_shape = _shape(a)
+        offset = len(shape) - len(a_shape)
+        if dim - offset < 0 or a_shape[dim - offset] == 1:
+            continue  # broadcast along the sharded dim: the same on every shard
+        producer = _trace_back(a, gm, model)
+        if producer is None or producer in seeds:
+            raise _Reject
+        need.add(producer)
+        return None
+    return out
+
+
+def _sdpa(node, states, need, seeds, gm, model) -> State | None:
+    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+             "enable_gqa")
+    bound = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+    if bound.get("enable_gqa"):
+        raise _Reject
+    mask = bound.get("attn_mask")
+    if isinstance(mask, Node):
+        m_shape = _shape(mask)
+        if mask in states or (len(m_shape) >= 3 and m_shape[-3] != 1):
+            raise _Reject  # a per-head mask would need sharding too
+    qkv = [bound[k] for k in ("query", "key", "value")]
+    missing = [t for t in qkv if t not in states]
+    for t in missing:
+        producer = _trace_back(t, gm, model)
+        if producer is None or producer in seeds:
+            raise _Reject
+        need.add(producer)
+    if missing:
+        return None
+    found = {states[t] for t in qkv}
+    heads_dim = _ndim(qkv[0]) - 3
+    if any(dim != heads_dim for dim, _ in found):
+        raise _Reject
+    return heads_dim, math.gcd(*(u for _, u in found))
+
+
+def _view(node: Node, state: State) -> State:
+    dim, unit = state
+    s_in, s_out = _shape(node.args[0]), _shape(node)
+    tail = len(s_in) - dim
+    if len(s_out) >= tail and s_in[dim:] == s_out[len(s_out) - tail:]:
+        return len(s_out) - tail, unit  # dims before the sharded one regrouped
+    if s_in[:dim] == s_out[:dim] and len(s_out) == len(s_in) + 1 and \
+            s_out[dim] * s_out[dim + 1] == s_in[dim] and s_in[dim + 1:] == s_out[dim + 2:]:
+        return dim, math.gcd(unit, s_out[dim])  # split into (heads, head_dim)
+    if s_in[:dim] == s_out[:dim] and len(s_out) == len(s_in) - 1 and \
+            s_in[dim] * s_in[dim + 1] == s_out[dim] and s_in[dim + 2:] == s_out[dim + 1:]:
+        return dim, unit  # merge (heads, head_dim), heads outermost
+    raise _Reject
+
+
+def _transpose(node: Node, state: State) -> State:
+    dim, unit = state
+    n = _ndim(node)
+    a, b = node.args[1] % n, node.args[2] % n
+    return (b if dim == a else a if dim == b else dim), unit
+
+
+def _trace_back(node: Node, gm, model) -> Node | None:
+    """The Linear a tensor comes from through single-input views/elementwise ops, if any."""
+    for _ in range(16):
+        if linear_of(gm, model, node) is not None:
+            return node
+        if node.op == "call_function" and node.target in SDPA_TARGETS:
+            return None
+        name = op_name(node)
+        inputs = _tensor_inputs(node)
+        if len(inputs) != 1 or not (name in _VIEWS or name in _UNARY or
+                                    name in ("transpose", "permute") or node.op == "call_module"):
+            return None
+        node = inputs[0]
+    return None
+
+
+# -- the option -----------------------------------------------------------------------------
+
+
+def _option(gm, model, group, colwise, rowwise, states, units) -> TPOption:
+    prefix = group.name + "." if group.name else ""
+    styles: dict[str, str] = {}
+    param_bytes = 0
+    for node, style in [(n, "colwise") for n in colwise] + [(n, "rowwise") for n in rowwise]:
+        path, lin = linear_of(gm, model, node)
+        styles[path.removeprefix(prefix)] = style
+        node.meta[K.TP_STYLE] = style
+        param_bytes += _nbytes(lin.weight) + (_nbytes(lin.bias) if style == "colwise" else 0)
+    sharded = set(states) | rowwise
+    names = {n.name for n in states}
+    saved = sum(b for n in group.nodes if K.SAVED in n.meta
+                for producer, b in n.meta[K.SAVED].producers if producer in names)
+    inputs = list(dict.fromkeys(n.args[0] for n in group.nodes if n in colwise))
+    collectives = [Collective(kind="all_reduce", nbytes=_bytes(n), phase="fwd")
+                   for n in group.nodes if n in rowwise]
+    collectives += [Collective(kind="all_reduce", nbytes=_bytes(x), phase="bwd") for x in inputs]
+    order = {n: i for i, n in enumerate(group.nodes)}
+    return TPOption(
+        styles=dict(sorted(styles.items(), key=lambda kv: order[_node_of(group, kv[0])])),
+        divisors=tuple(units),
+        sharded_param_bytes=param_bytes,
+        sharded_fwd_flops=float(sum(n.meta.get(K.FLOPS, 0.0) for n in sharded)),
+        sharded_saved_bytes=int(saved),
+        collectives=tuple(collectives),
+    )
+
+
+def _node_of(group: LayerGroup, rel: str) -> Node:
+    full = f"{group.name}.{rel}" if group.name else rel
+    for n in group.nodes:
+        if n.meta.get(K.MODULE_PATH) == full and K.TP_STYLE in n.meta:
+            return n
+    raise AssertionError(rel)
+
+
+# -- node helpers ---------------------------------------------------------------------------
+
+
+def linear_of(gm: GraphModule, model: nn.Module, node: Node) -> tuple[str, nn.Linear] | None:
+    """(module path, Linear) when ``node`` is the one call of an nn.Linear on its weight."""
+    if node.op == "call_module":
+        mod = gm.get_submodule(str(node.target))
+        if isinstance(mod, nn.Linear) and _called_once(node):
+            return str(node.target), mod
+        return None
+    if node.op != "call_function" or node.target not in _LINEAR_TARGETS:
+        return None
+    path = node.meta.get(K.MODULE_PATH, "")
+    weight = node.args[1] if len(node.args) > 1 else None
+    try:
+        mod = model.get_submodule(path) if path else None
+    except AttributeError:
+        return None
+    if not isinstance(mod, nn.Linear) or not isinstance(weight, Node):
+        return None
+    if weight.op != "get_attr" or weight.target != f"{path}.weight" or len(weight.users) != 1:
+        return None
+    return path, mod
+
+
+_MODULE_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _called_once(node: Node) -> bool:
+    calls = _MODULE_CALLS.get(node.graph)
+    if calls is None:
+        calls = Counter(n.target for n in node.graph.nodes if n.op == "call_module")
+        _MODULE_CALLS[node.graph] = calls
+    return calls[node.target] == 1
+
+
+def _tensor_inputs(node: Node) -> list[Node]:
+    """Inputs that are tensors (not shape scalars read from tensors)."""
+    return [a for a in node.all_input_nodes if a.meta[K.TENSOR].tensors]
+
+
+def _shape(node: Node) -> tuple[int, ...]:
+    meta: K.TensorMeta = node.meta[K.TENSOR]
+    if len(meta.tensors) != 1:
+        raise _Reject
+    return meta.tensors[0].shape
+
+
+def _ndim(node: Node) -> int:
+    return len(_shape(node))
+
+
+def _bytes(node: Node) -> int:
+    return node.meta[K.TENSOR].nbytes
+
+
+def _nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+__all__ = ["find_tensor_parallel", "linear_of"]
