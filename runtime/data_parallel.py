@@ -13,15 +13,19 @@ inside its tp group, so its replicas span the whole world.
 Averaging identical tp copies of a non-TP gradient over the world equals averaging over dp.
 
 Why FSDP2 for everything once a plan mixes strategies: one engine owns every gradient,
-and its root orchestrates all the per-layer groups in one backward. The alternatives were
-worse: DDP cannot hold DTensor (TP) parameters, so it would cover only some parameters
-and its reducer would have to run beside FSDP2's hooks; ``_composable.replicate`` is
-FSDP2-based but a separate state type the FSDP root does not treat as a peer in every
-version. An HSDP mesh whose shard axis has size 1 is FSDP2's own way of saying
-"replicate": its reduce-scatter is over one rank, so only the all-reduce over the
-replicate axis remains, which is exactly DDP's collective. A plan whose layers are all
-``replicate`` (pure data parallelism) uses DDP itself: bucketed, overlapped, the
-reference implementation.
+and its root orchestrates all the per-layer groups in one backward, so there is one set
+of hooks and one place where reduction happens. An HSDP mesh whose shard axis has size 1
+is FSDP2's own way of saying "replicate": its reduce-scatter is over one rank, so only
+the all-reduce over the replicate axis remains, which is exactly DDP's collective; and
+FSDP2 already knows how to combine such a mesh with TP's DTensor parameters (the
+``tp`` strategy). The alternatives need private or experimental entry points and run
+two engines side by side: DDP over the non-FSDP parameters with FSDP2's excluded via
+``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (and DDP does not
+take DTensor parameters without ``tensor.parallel.ddp._pre_dp_module_transform``), or
+``torch.distributed._composable.replicate`` (FSDP2-based DDP, private). A plan whose
+layers are all ``replicate`` (pure data parallelism) uses DDP itself: bucketed,
+overlapped, the reference implementation. Gradients of every combination are checked
+against one process in tests/test_runtime_numerics.py.
 
 Offloading (``CPUOffloadPolicy``) is never switched on here. On CPU-only machines its
 default ``pin_memory=True`` fails ("Cannot access accelerator device"); a caller that

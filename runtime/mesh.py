@@ -72,6 +72,8 @@ def data_parallel_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
 
     All are slices, flattenings or unflattenings of the one root mesh, so FSDP2 can
     combine them with the TP mesh into one SPMD mesh (it requires a common root).
+    ``DeviceMesh._flatten`` / ``_unflatten`` are private in torch 2.13 (torchtitan uses
+    ``_flatten`` the same way); the numerics tests catch a change in their behaviour.
     """
     cached = _DP_MESHES.get(id(mesh))
     if cached is not None and cached[0] is mesh:
