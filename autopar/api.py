@@ -82,13 +82,20 @@ def compile(  # noqa: A001 - the public name the architecture promises
             "to plan without executing"
         )
     if plan is None:
-        payload: list[str | None] = [None]
+        # Rank 0 plans; every rank gets the plan, or the error, so none waits forever.
+        payload: list[str | AutoparError | None] = [None]
         if dist.get_rank() == 0:
             world = dist.get_world_size()
-            made = search_plans(model, as_cluster(cluster, world), example_inputs, **plan_kwargs)
-            payload = [made.plan.to_json()]
+            try:
+                made = search_plans(model, as_cluster(cluster, world), example_inputs,
+                                    **plan_kwargs)
+                payload = [made.plan.to_json()]
+            except AutoparError as e:
+                payload = [e]
         dist.broadcast_object_list(payload, src=0)
-        assert payload[0] is not None
+        if isinstance(payload[0], AutoparError):
+            raise payload[0]
+        assert isinstance(payload[0], str)
         plan = Plan.from_json(payload[0], source="plan from rank 0")
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)

@@ -19,8 +19,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 
-from autopar.errors import CaptureError
-from passes.trace import GraphCaptureError, trace_module
+from passes.trace import trace_module
 
 
 def capture(
@@ -39,10 +38,7 @@ def capture(
     """
     if not isinstance(example_inputs, tuple):
         example_inputs = (example_inputs,)
-    try:
-        return trace_module(model, example_inputs, opaque=opaque, prefer=prefer)
-    except GraphCaptureError as e:
-        raise CaptureError(str(e)) from e.__cause__
+    return trace_module(model, example_inputs, opaque=opaque, prefer=prefer)
 
 
 __all__ = ["capture"]

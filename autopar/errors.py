@@ -1,11 +1,12 @@
 """Errors autopar raises on purpose, each with a message a user can act on."""
 
 from cost_models.errors import AutoparError, ConfigError
+from passes.trace import GraphCaptureError as CaptureError
 from runtime.plan import PlanError
 
-
-class CaptureError(AutoparError):
-    """The model could not be captured as a graph; the message names the construct and line."""
+# CaptureError (the model could not be captured; the message names the construct, the
+# source line and the `opaque=` remedy) is defined in passes.trace, where capture lives,
+# so that passes/ can raise it without importing from above.
 
 
 class InfeasibleError(AutoparError):

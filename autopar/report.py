@@ -9,6 +9,14 @@ from runtime.plan import TP_STRATEGIES, LayerPlan, Plan
 GiB = 1024**3
 
 
+def human_bytes(n: float) -> str:
+    """Bytes with a binary unit that keeps three significant figures."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
 @dataclass(frozen=True)
 class Row:
     first: str

@@ -2,7 +2,7 @@
 
 This lives in ``passes`` (not ``autopar``) because ``passes.layer_graph.build_layer_graph``
 captures too and ``passes`` may not import ``autopar``. ``autopar.capture.capture`` is the
-public front door; it turns ``GraphCaptureError`` into ``autopar.errors.CaptureError``.
+public front door; ``autopar.errors.CaptureError`` is ``GraphCaptureError``.
 
 Two methods, each keeping ``nn_module_stack`` (module path per node):
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from cost_models.comm import Group, all_gather_s, all_reduce_s, group_link, p2p_s, reduce_scatter_s
 from cost_models.compute import roofline_s
 from cost_models.errors import ConfigError
-from cost_models.hardware import GiB, Cluster
+from cost_models.hardware import Cluster, GiB
 from cost_models.memory import precision, zero_model_states
 
 MINIMAL = """

@@ -7,6 +7,7 @@ import random
 from dataclasses import replace
 
 import pytest
+from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner import search
@@ -16,7 +17,6 @@ from cost_models.hardware import Link
 from cost_models.memory import precision
 from passes.records import Collective, LayerGraph
 from runtime.plan import TP_STRATEGIES, Plan
-from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 
 def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32") -> float:
@@ -161,7 +161,7 @@ def test_infeasible_error_gives_smallest_memory_any_plan_needs():
         search(graph, pcie_cluster(1.0))
     message = str(info.value)
     assert "smallest per-rank memory any plan needs is" in message
-    needed = float(message.split("needs is ")[1].split(" GiB")[0])
+    needed = float(message.split("needs is ")[1].split(" GiB")[0])  # GiB at this size
     # Just above that figure a plan exists; just below, none.
     search(graph, pcie_cluster(needed * 1.01))
     with pytest.raises(InfeasibleError):

@@ -32,6 +32,9 @@ from autopar.planner.costs import LayerCost
 
 GIB = 1024**3
 MS = 1e3
+# Solvers accept rows violated by their feasibility tolerance (HiGHS: 1e-7, i.e. ~100 bytes
+# in GiB units), so the memory row keeps 1 KiB of slack: a plan never exceeds the device.
+FEASIBILITY_SLACK_GIB = 1024 / GIB
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,7 +139,7 @@ class StrategyILP:
 
     def add_memory_fits(self) -> None:
         self.prob += (
-            (1 + self.margin) * self._memory_expr <= self.capacity_bytes / GIB,
+            (1 + self.margin) * self._memory_expr <= self.capacity_bytes / GIB - FEASIBILITY_SLACK_GIB,
             "memory_fits",
         )
 

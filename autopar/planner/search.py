@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner.costs import LayerCost, allowed_strategies, layer_cost
 from autopar.planner.ilp import ClassOptions, min_memory, solve_strategies
+from autopar.report import human_bytes
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision, precision
 from passes.records import LayerGraph
@@ -26,8 +27,6 @@ from runtime.plan import (
     Prediction,
     SolverReport,
 )
-
-GiB = 1024**3
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -120,7 +119,7 @@ def search(
         if result.status != "optimal":
             need, _ = min_memory(options, cluster.memory_margin_fraction)
             candidates.append(Candidate(mesh=m, status="infeasible", min_memory_bytes=need,
-                                        reason=f"needs at least {need / GiB:.2f} GiB per rank"))
+                                        reason=f"needs at least {human_bytes(need)} per rank"))
             continue
         cand = Candidate(mesh=m, status="optimal", objective_s=result.objective_s,
                          lower_bound_s=result.lower_bound_s, choice=result.choice)
@@ -157,6 +156,7 @@ def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candi
                                 layer_class=layer.layer_class,
                                 memory_bytes=int(cost.resident_bytes), time_s=cost.time_s))
     memory = plan_memory(costs, cluster.memory_margin_fraction)
+    assert memory.total_bytes <= cluster.device.memory_bytes, "the ILP's memory row was violated"
     compute = sum(c.compute_s for c in costs)
     comm = sum(c.comm_s for c in costs)
     prediction = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
@@ -207,8 +207,8 @@ def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
     cap = cluster.device.memory_bytes
     return InfeasibleError(
         f"no plan fits {graph.model_name or 'the model'} (batch {graph.batch_size}) on "
-        f"{cluster.world_size} × {cluster.device.name} ({cap / GiB:.1f} GiB each): the smallest "
-        f"per-rank memory any plan needs is {least.min_memory_bytes / GiB:.2f} GiB "
+        f"{cluster.world_size} × {cluster.device.name} ({human_bytes(cap)} each): the smallest "
+        f"per-rank memory any plan needs is {human_bytes(least.min_memory_bytes)} "
         f"(mesh dp={least.mesh.dp} × tp={least.mesh.tp}, allocator margin included). "
         "Try more devices or nodes, a smaller batch, or a lower precision (--dtype bfloat16)."
     )
