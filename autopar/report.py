@@ -13,7 +13,8 @@ def human_bytes(n: float) -> str:
     """Bytes with a binary unit that keeps three significant figures."""
     for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
         if abs(n) >= size:
-            return f"{n / size:.3g} {unit}"
+            value = n / size
+            return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
     return f"{n:.0f} B"
 
 

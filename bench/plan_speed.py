@@ -2,6 +2,7 @@
 
     python bench/plan_speed.py            # the full table (about a minute on 2 cores)
     python bench/plan_speed.py --quick    # gpt2-small and gpt3-175b at 1,024 GPUs only
+    python bench/plan_speed.py --baseline # + capture with torch.export first, same process
 
 Each row builds the model on the meta device, captures it, and searches every mesh of the
 cluster. The layer graph is rebuilt per row (nothing is cached between rows), so 'total'
@@ -53,6 +54,8 @@ def plan_once(model_name: str, batch: int, dtype: str, gpus: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--baseline", action="store_true",
+                        help="also time the layer graph with torch.export tried first")
     args = parser.parse_args()
     rows = [(m, b, d, g) for m, b, d in ROWS for g in GPUS]
     if args.quick:
@@ -66,6 +69,24 @@ def main() -> None:
         print(f"{r['model']:<11} {r['gpus']:>5} {r['batch']:>5} {r['dtype']:<8} "
               f"{r['build']:>7.2f} {r['capture']:>9.2f} {r['search']:>8.2f} {r['total']:>7.2f}"
               f"  {r['outcome']}")
+    if args.baseline:
+        print()
+        print("capture path: symbolic_trace first (default) vs torch.export first, same process")
+        print(f"{'model':<11} {'batch':>5} {'trace s':>8} {'export s':>8} {'export/trace':>12}")
+        for model, batch, _ in ROWS:
+            trace_s = time_layer_graph(model, batch, "symbolic_trace")
+            export_s = time_layer_graph(model, batch, "export")
+            print(f"{model:<11} {batch:>5} {trace_s:>8.2f} {export_s:>8.2f} "
+                  f"{export_s / trace_s:>11.1f}×")
+
+
+def time_layer_graph(model_name: str, batch: int, prefer: str) -> float:
+    spec = get_model(model_name)
+    model = spec.build("meta")
+    inputs = spec.example_inputs(batch, device="meta")
+    start = time.perf_counter()
+    build_layer_graph(model, inputs, model_name=model_name, prefer=prefer)
+    return time.perf_counter() - start
 
 
 if __name__ == "__main__":
