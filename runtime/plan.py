@@ -19,6 +19,14 @@ Per-layer strategies (``LayerPlan.strategy``):
 A layer that is not tensor-parallel computes redundantly inside its tp group (every
 tp rank sees the same micro-batch), so its replicas span the whole world: ``replicate``
 all-reduces and ``fsdp`` shards over all ``dp * tp`` ranks of its stage.
+
+Pipeline parallelism (``mesh.pp > 1``, ``Plan.pipeline``): layers are cut into
+``pp * virtual_stages`` contiguous stages (``LayerPlan.stage``, in execution order). Stage
+``s`` runs on pipeline rank ``stage_rank(s)``: looped placement (``s % pp``) for the
+GPipe / 1F1B / interleaved schedules, V placement for ZBVZeroBubble (stages 0..pp-1 go
+down the ranks, pp..2pp-1 come back up). Each of the ``num_microbatches`` micro-batches
+holds ``global_batch / (dp * num_microbatches)`` samples. Data-parallel strategies act
+within a stage's ``dp * tp`` ranks.
 """
 
 from __future__ import annotations
@@ -42,6 +50,15 @@ TP_STRATEGIES = ("tp", "tp_fsdp")
 #   colwise_gather    Linear split on output features; output all-gathered (replicated)
 #   embedding_rowwise Embedding split on the vocabulary; output all-reduced (replicated)
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "embedding_rowwise")
+# Pipeline schedules, named as torch.distributed.pipelining's Schedule* classes, with the
+# virtual stages per rank each accepts ("v" = any v >= 2).
+SCHEDULES = {
+    "GPipe": (1,),
+    "1F1B": (1,),
+    "Interleaved1F1B": ("v",),
+    "InterleavedZeroBubble": ("v",),
+    "ZBVZeroBubble": (2,),
+}
 
 
 class PlanError(ConfigError):
@@ -71,6 +88,46 @@ class Mesh:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineSpec:
+    """How the stages of a pipeline-parallel plan are scheduled."""
+
+    schedule: str = "1F1B"
+    """One of SCHEDULES."""
+    num_microbatches: int = 1
+    """Micro-batches per optimizer step (per data-parallel replica)."""
+    virtual_stages: int = 1
+    """Stages per pipeline rank (v): 1, or >= 2 for interleaved and V schedules."""
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise PlanError(
+                f"pipeline.schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}"
+            )
+        for name in ("num_microbatches", "virtual_stages"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PlanError(f"pipeline.{name} must be a positive integer, got {value!r}")
+        allowed = SCHEDULES[self.schedule]
+        v = self.virtual_stages
+        if not (v in allowed or ("v" in allowed and v >= 2)):
+            want = "2 or more" if "v" in allowed else " or ".join(map(str, allowed))
+            raise PlanError(
+                f"pipeline.schedule {self.schedule!r} takes virtual_stages = {want}, got {v}"
+            )
+
+    @property
+    def looped(self) -> bool:
+        return self.schedule != "ZBVZeroBubble"
+
+
+def stage_rank(stage: int, pp: int, pipeline: PipelineSpec | None) -> int:
+    """The pipeline rank (coordinate on the pp axis) that runs ``stage``."""
+    if pipeline is None or pipeline.looped:
+        return stage % pp
+    return stage if stage < pp else 2 * pp - 1 - stage
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerPlan:
     """What one layer (a module, by fully-qualified name) does."""
 
@@ -82,7 +139,7 @@ class LayerPlan:
     """For TP strategies: submodule path relative to ``module`` ('' for the module itself)
     to one of TP_STYLES."""
     stage: int = 0
-    """Pipeline stage that holds this layer."""
+    """Pipeline stage that holds this layer (0 .. pp * virtual_stages - 1)."""
     layer_class: str = ""
     """Informational: the class of identical layers this one belongs to."""
     memory_bytes: int | None = None
@@ -187,6 +244,8 @@ class Plan:
     mesh: Mesh = field(default_factory=Mesh)
     layers: tuple[LayerPlan, ...] = ()
     param_dtype: str = "float32"
+    pipeline: PipelineSpec | None = None
+    """Required when mesh.pp > 1."""
     prediction: Prediction | None = None
     solver: SolverReport | None = None
 
@@ -203,6 +262,7 @@ class Plan:
                 f"global_batch {self.global_batch} is not divisible by the data-parallel degree "
                 f"mesh.dp={self.mesh.dp}; choose a batch that is a multiple of {self.mesh.dp}"
             )
+        self._check_pipeline()
         seen: set[str] = set()
         for layer in self.layers:
             if layer.module in seen:
@@ -213,16 +273,42 @@ class Plan:
                     f"layer {layer.module!r} uses {layer.strategy!r} but mesh.tp is 1; "
                     "set mesh.tp > 1 or use 'replicate'/'fsdp'"
                 )
-            if layer.stage >= self.mesh.pp:
+            if layer.stage >= self.num_stages:
                 raise PlanError(
-                    f"layer {layer.module!r} is on stage {layer.stage} but mesh.pp={self.mesh.pp}"
+                    f"layer {layer.module!r} is on stage {layer.stage} but the plan has "
+                    f"{self.num_stages} stage(s) (mesh.pp × pipeline.virtual_stages)"
                 )
+
+    def _check_pipeline(self) -> None:
+        if self.mesh.pp > 1 and self.pipeline is None:
+            raise PlanError("mesh.pp > 1 needs a 'pipeline' section (schedule, num_microbatches)")
+        if self.pipeline is None:
+            return
+        m = self.pipeline.num_microbatches
+        if self.global_batch % (self.mesh.dp * m):
+            raise PlanError(
+                f"global_batch {self.global_batch} is not divisible by dp × num_microbatches = "
+                f"{self.mesh.dp} × {m}; each micro-batch needs the same number of samples"
+            )
+        stages = [layer.stage for layer in self.layers]
+        if stages != sorted(stages):
+            raise PlanError(
+                "pipeline stages must be contiguous runs of layers in execution order; "
+                f"got stages {stages}"
+            )
+        missing = sorted(set(range(self.num_stages)) - set(stages))
+        if self.layers and missing:
+            raise PlanError(f"pipeline stage(s) {missing} hold no layer")
 
     # -- lookup ---------------------------------------------------------------------------
 
     @property
     def world_size(self) -> int:
         return self.mesh.world_size
+
+    @property
+    def num_stages(self) -> int:
+        return self.mesh.pp * (self.pipeline.virtual_stages if self.pipeline else 1)
 
     def layer(self, module: str) -> LayerPlan:
         for layer in self.layers:
@@ -255,6 +341,8 @@ class Plan:
                     MemoryBreakdown, pred.get("memory", {}), f"{source}: prediction.memory"
                 )
                 fields["prediction"] = _build(Prediction, pred, f"{source}: prediction")
+            if fields.get("pipeline") is not None:
+                fields["pipeline"] = _build(PipelineSpec, fields["pipeline"], f"{source}: pipeline")
             if fields.get("solver") is not None:
                 fields["solver"] = _build(SolverReport, fields["solver"], f"{source}: solver")
             return _build(cls, fields, source)

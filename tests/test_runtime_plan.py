@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.plan import (
+    SCHEDULES,
     STRATEGIES,
     TP_STYLES,
     LayerPlan,
     MemoryBreakdown,
     Mesh,
+    PipelineSpec,
     Plan,
     PlanError,
     Prediction,
@@ -37,7 +41,6 @@ def layer_plans(draw, mesh: Mesh) -> LayerPlan:
         module=draw(module_names),
         strategy=strategy,
         tp_styles=styles,
-        stage=draw(st.integers(0, mesh.pp - 1)),
         layer_class=draw(st.sampled_from(["", "Block", "Embedding"])),
         memory_bytes=draw(st.none() | sizes),
         time_s=draw(st.none() | finite),
@@ -47,7 +50,19 @@ def layer_plans(draw, mesh: Mesh) -> LayerPlan:
 @st.composite
 def plans(draw) -> Plan:
     mesh = Mesh(pp=draw(st.integers(1, 4)), dp=draw(st.integers(1, 8)), tp=draw(st.integers(1, 8)))
-    layers = draw(st.lists(layer_plans(mesh), max_size=6, unique_by=lambda la: la.module))
+    pipeline = None
+    if mesh.pp > 1:
+        schedule = draw(st.sampled_from(sorted(SCHEDULES)))
+        v = {"ZBVZeroBubble": 2}.get(schedule, 1)
+        if schedule.startswith("Interleaved"):
+            v = draw(st.integers(2, 3))
+        pipeline = PipelineSpec(schedule=schedule, num_microbatches=draw(st.integers(1, 8)),
+                                virtual_stages=v)
+    num_stages = mesh.pp * (pipeline.virtual_stages if pipeline else 1)
+    layers = draw(st.lists(layer_plans(mesh), min_size=num_stages if pipeline else 0,
+                           max_size=max(6, num_stages), unique_by=lambda la: la.module))
+    # Stages are contiguous runs in execution order and every stage holds a layer.
+    layers = [replace(la, stage=i * num_stages // len(layers)) for i, la in enumerate(layers)]
     prediction = draw(st.none() | st.builds(
         Prediction, step_time_s=finite, compute_s=finite, comm_s=finite,
         memory=st.builds(MemoryBreakdown, params_bytes=sizes, grads_bytes=sizes,
@@ -61,10 +76,12 @@ def plans(draw) -> Plan:
     return Plan(
         model=draw(st.sampled_from(["", "gpt-tiny", "gpt2-xl"])),
         cluster=draw(st.sampled_from(["", "dgx-a100-80g"])),
-        global_batch=mesh.dp * draw(st.integers(1, 64)),
+        global_batch=mesh.dp * (pipeline.num_microbatches if pipeline else 1)
+        * draw(st.integers(1, 64)),
         seq_len=draw(st.none() | st.integers(1, 8192)),
         mesh=mesh,
         layers=tuple(layers),
+        pipeline=pipeline,
         prediction=prediction,
         solver=solver,
     )
@@ -113,7 +130,7 @@ def _edit(path: str, value) -> dict:
     ("layers.0.strategy", "zero2", ["layer 'h.0'", "unknown strategy 'zero2'", "tp_fsdp"]),
     ("layers.0.tp_styles", {"fc": "diagonal"}, ["'diagonal' is not one of", "colwise"]),
     ("layers.0.tp_styles", {}, ["needs tp_styles"]),
-    ("layers.0.stage", 1, ["on stage 1 but mesh.pp=1"]),
+    ("layers.0.stage", 1, ["on stage 1 but the plan has 1 stage(s)"]),
     ("layers", [{"module": "a"}, {"module": "a"}], ["'a' appears twice"]),
     ("layers", [{"strategy": "fsdp"}], ["layers[0]", "module"]),
 ])
@@ -136,3 +153,24 @@ def test_not_json_and_unreadable_files_are_plan_errors(tmp_path):
         Plan.from_json(json.dumps([1, 2]))
     with pytest.raises(PlanError, match="cannot read plan file"):
         Plan.load(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize(
+    "pipeline, stages, message",
+    [
+        (None, [0, 1], "mesh.pp > 1 needs a 'pipeline' section"),
+        (dict(schedule="1F1B", num_microbatches=3), [0, 1], "not divisible by dp × num_microbatches"),
+        (dict(schedule="1F1B", num_microbatches=2), [1, 0], "contiguous runs of layers"),
+        (dict(schedule="Interleaved1F1B", num_microbatches=2, virtual_stages=2), [0, 1],
+         "stage(s) [2, 3] hold no layer"),
+        (dict(schedule="ZBVZeroBubble", num_microbatches=2), [0, 1], "takes virtual_stages = 2"),
+        (dict(schedule="PipeDream", num_microbatches=2), [0, 1], "is not one of GPipe, 1F1B"),
+    ],
+)
+def test_bad_pipeline_sections_are_named(pipeline, stages, message):
+    data = {
+        "global_batch": 8, "mesh": {"pp": 2, "dp": 2}, "pipeline": pipeline,
+        "layers": [{"module": f"h.{i}", "stage": s} for i, s in enumerate(stages)],
+    }
+    with pytest.raises(PlanError, match=re.escape(message)):
+        Plan.from_dict(data)
