@@ -207,12 +207,18 @@ class Prediction:
     """What the cost model expects of this plan, per training step."""
 
     step_time_s: float
+    """compute_s + comm_s + bubble_s."""
     compute_s: float
     comm_s: float
+    """Communication not hidden behind compute."""
     memory: MemoryBreakdown
     capacity_bytes: int
     source: str = "modelled"
     """Where the numbers came from: modelled, calibrated or measured."""
+    bubble_s: float = 0.0
+    """Time pipeline ranks sit idle in the schedule's fill and drain."""
+    bubble_fraction: float = 0.0
+    """bubble_s / step_time_s as the schedule model computes it (0 without pipelining)."""
 
 
 @dataclass(frozen=True, kw_only=True)
