@@ -41,4 +41,205 @@ class Timeline:
     bubble_fraction: float
     """Idle share of rank-time: 1 - busy / (num_ranks · step_time)."""
     peak_inflight: tuple[int, ...]
-    """Per rank, the most micro-batches whose activations were held at once."""
+    """Per rank, the most stage micro-batches whose activations were held at once."""
+    peak_activation_bytes: tuple[float, ...] = ()
+    """Per rank, the most activation bytes held at once (StageTimes.activation_bytes)."""
+
+
+# -- the simulator ------------------------------------------------------------------------
+#
+# Each rank runs its actions in a fixed order (the schedule); an action starts when its rank
+# is free and its inputs have arrived (previous stage's F plus a point-to-point transfer,
+# next stage's B likewise). Zero-bubble schedules split the backward into B (input
+# gradients, on the critical path) and W (weight gradients), and run a pending W whenever
+# the rank would otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
+
+SIM_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTimes:
+    """Per micro-batch times of one stage, seconds."""
+
+    fwd_s: float
+    bwd_s: float
+    """Input-gradient part of the backward (the whole backward when W is not split off)."""
+    wgrad_s: float = 0.0
+    """Weight-gradient part; folded into B by schedules that do not split it."""
+    activation_bytes: float = 0.0
+    """Activations one micro-batch holds on this stage between its F and its last backward."""
+
+
+def stage_ranks(schedule: str, num_ranks: int, num_stages: int) -> list[int]:
+    """Pipeline rank of each stage: looped, or V-shaped for ZBVZeroBubble."""
+    if schedule == "ZBVZeroBubble":
+        return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
+    return [s % num_ranks for s in range(num_stages)]
+
+
+def rank_orders(schedule: str, num_ranks: int, v: int, m: int) -> list[list[tuple[str, int, int]]]:
+    """Per rank, the (action, stage, micro-batch) sequence of F and B actions (fixed-order
+    schedules; ZBVZeroBubble's order is chosen while simulating)."""
+    p = num_ranks
+    orders = []
+    for r in range(p):
+        if schedule == "GPipe":
+            order = [("F", r, i) for i in range(m)] + [("B", r, i) for i in range(m)]
+        elif schedule == "1F1B" or (schedule == "InterleavedZeroBubble" and v == 1):
+            order = _one_f_one_b([("F", r, i) for i in range(m)], [("B", r, i) for i in range(m)],
+                                 warmup=min(p - r - 1, m))
+        elif schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+            # Narayanan et al. (SC'21), section 2.2: micro-batches advance in groups of p
+            # through the rank's chunks; warm-up is (p - r - 1)·2 + (v - 1)·p forwards.
+            def virtual(k: int, backward: bool, r: int = r) -> tuple[int, int]:
+                chunk = (k // p) % v
+                chunk = v - 1 - chunk if backward else chunk
+                return r + chunk * p, (k // (p * v)) * p + k % p
+            fwd = [("F", *virtual(k, False)) for k in range(m * v)]
+            bwd = [("B", *virtual(k, True)) for k in range(m * v)]
+            order = _one_f_one_b(fwd, bwd, warmup=min((p - r - 1) * 2 + (v - 1) * p, m * v))
+        else:  # ZBVZeroBubble is built greedily in simulate(); see _zbv_candidates.
+            order = []
+        orders.append(order)
+    return orders
+
+
+def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
+    order = list(fwd[:warmup])
+    for i in range(len(fwd) - warmup):
+        order.append(fwd[warmup + i])
+        order.append(bwd[i])
+    order.extend(bwd[len(fwd) - warmup:])
+    return order
+
+
+def simulate(
+    schedule: str,
+    num_ranks: int,
+    num_microbatches: int,
+    stages: list[StageTimes],
+    p2p_s: float = 0.0,
+) -> Timeline:
+    """Simulate one step; ``stages`` lists every stage (num_ranks × virtual stages)."""
+    if schedule not in SIM_SCHEDULES:
+        raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SIM_SCHEDULES)}")
+    p, m = num_ranks, num_microbatches
+    v, rem = divmod(len(stages), p)
+    if rem or v < 1:
+        raise ValueError(f"{len(stages)} stages do not divide over {p} ranks")
+    split_w = "ZeroBubble" in schedule
+    owner = stage_ranks(schedule, p, len(stages))
+    orders = rank_orders(schedule, p, v, m)
+    last = len(stages) - 1
+
+    done: dict[tuple[str, int, int], float] = {}
+    clock = [0.0] * p
+    pos = [0] * p
+    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
+    slots: list[Slot] = []
+
+    def arrival(action: str, stage: int, mb: int) -> float | None:
+        if action == "F":
+            deps = [] if stage == 0 else [("F", stage - 1, mb)]
+        else:
+            deps = [("F", stage, mb)] + ([] if stage == last else [("B", stage + 1, mb)])
+        times = []
+        for dep in deps:
+            if dep not in done:
+                return None
+            hop = p2p_s if owner[dep[1]] != owner[stage] else 0.0
+            times.append(done[dep] + hop)
+        return max(times, default=0.0)
+
+    def duration(action: str, stage: int) -> float:
+        t = stages[stage]
+        if action == "F":
+            return t.fwd_s
+        if action == "W":
+            return t.wgrad_s
+        return t.bwd_s if split_w else t.bwd_s + t.wgrad_s
+
+    greedy = schedule == "ZBVZeroBubble"
+    held = [0] * p
+    next_mb = {(a, st): 0 for a in "FB" for st in range(len(stages))}
+    total = 2 * m * len(stages)
+
+    def candidates(r: int) -> list[tuple[str, int, int]]:
+        if not greedy:
+            return [orders[r][pos[r]]] if pos[r] < len(orders[r]) else []
+        # ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): each
+        # rank holds stage r going down and stage 2p-1-r coming back; backwards first, and
+        # forwards only while fewer than 2p stage micro-batches are held (1F1B's memory).
+        out = []
+        for st in (2 * p - 1 - r, r):
+            if next_mb["B", st] < m:
+                out.append(("B", st, next_mb["B", st]))
+        if held[r] < 2 * p:
+            for st in (2 * p - 1 - r, r):
+                if next_mb["F", st] < m:
+                    out.append(("F", st, next_mb["F", st]))
+        return out
+
+    while True:
+        best = None
+        for r in range(p):
+            choice = None
+            for priority, (action, stage, mb) in enumerate(candidates(r)):
+                ready = arrival(action, stage, mb)
+                if ready is None or (pending_w[r] and ready > clock[r]):
+                    continue
+                option = (max(clock[r], ready), priority, r, (action, stage, mb))
+                if choice is None or option[:2] < choice[:2]:
+                    choice = option
+            if choice is not None:
+                choice = (choice[0], r, choice[3])
+            if choice is None and pending_w[r]:
+                stage, mb = pending_w[r][0]
+                choice = (clock[r], r, ("W", stage, mb))
+            if choice and (best is None or choice[:2] < best[:2]):
+                best = choice
+        if best is None:
+            break
+        start, r, (action, stage, mb) = best
+        end = start + duration(action, stage)
+        slots.append(Slot(rank=r, stage=stage, action=action, microbatch=mb,
+                          start_s=start, end_s=end))
+        clock[r] = end
+        if action == "W":
+            pending_w[r].pop(0)
+            held[r] -= 1
+        else:
+            done[(action, stage, mb)] = end
+            pos[r] += 1
+            next_mb[action, stage] += 1
+            held[r] += 1 if action == "F" else 0
+            if action == "B" and split_w:
+                pending_w[r].append((stage, mb))
+            elif action == "B":
+                held[r] -= 1
+    if len(done) < total:
+        raise AssertionError(f"{schedule} deadlocked after {len(done)} of {total} actions")
+    return _timeline(schedule, p, m, slots, stages, split_w)
+
+
+def _timeline(schedule: str, p: int, m: int, slots: list[Slot], stages: list[StageTimes],
+              split_w: bool) -> Timeline:
+    makespan = max(s.end_s for s in slots) - min(s.start_s for s in slots)
+    busy = sum(s.end_s - s.start_s for s in slots)
+    releases = "W" if split_w else "B"
+    peak_count, peak_bytes = [0] * p, [0.0] * p
+    for r in range(p):
+        count, held = 0, 0.0
+        for s in sorted((s for s in slots if s.rank == r), key=lambda s: s.start_s):
+            if s.action == "F":
+                count += 1
+                held += stages[s.stage].activation_bytes
+                peak_count[r] = max(peak_count[r], count)
+                peak_bytes[r] = max(peak_bytes[r], held)
+            elif s.action == releases:
+                count -= 1
+                held -= stages[s.stage].activation_bytes
+    return Timeline(schedule=schedule, num_ranks=p, num_microbatches=m,
+                    slots=tuple(sorted(slots, key=lambda s: (s.start_s, s.rank))),
+                    step_time_s=makespan, bubble_fraction=1 - busy / (p * makespan),
+                    peak_inflight=tuple(peak_count), peak_activation_bytes=tuple(peak_bytes))
