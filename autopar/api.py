@@ -15,7 +15,9 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from autopar.errors import AutoparError
+from autopar.explain import attach_rationale
 from autopar.planner import SearchResult, search
+from autopar.planner.search import ProgressFn
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
 from runtime.plan import Mesh, Plan
@@ -42,16 +44,21 @@ def search_plans(
     model_name: str = "",
     seq_len: int | None = None,
     time_limit_s: float = 10.0,
+    progress: ProgressFn | None = None,
 ) -> SearchResult:
     """The best plan and every candidate the search considered.
 
     ``example_inputs`` is one global batch (real, meta or fake tensors): its dim 0 is the
-    global batch the plan is made for.
+    global batch the plan is made for. ``progress`` is called after each candidate the
+    search evaluates (see ``autopar.progress``). The plan carries its rationale: every
+    option's cost per layer class and the best alternatives (``autopar.explain``).
     """
     cluster = as_cluster(cluster)
     graph = build_layer_graph(model, tuple(example_inputs), model_name=model_name,
                               opaque=tuple(opaque), seq_len=seq_len)
-    return search(graph, cluster, precision_name=precision, mesh=mesh, time_limit_s=time_limit_s)
+    result = search(graph, cluster, precision_name=precision, mesh=mesh,
+                    time_limit_s=time_limit_s, progress=progress)
+    return attach_rationale(result, graph, cluster, precision)
 
 
 def plan(model: nn.Module, cluster: Cluster | str, example_inputs: tuple, **kwargs) -> Plan:

@@ -236,6 +236,73 @@ class SolverReport:
 
 
 @dataclass(frozen=True, kw_only=True)
+class OptionCost:
+    """What one strategy would cost one layer of a class, on the plan's mesh (modelled)."""
+
+    strategy: str
+    compute_s: float
+    comm_s: float
+    """Forward + backward + optimizer step; communication not overlapped."""
+    params_bytes: int
+    grads_bytes: int
+    optimizer_bytes: int
+    activations_bytes: int
+    buffer_bytes: int
+    """Transient (an FSDP layer's gathered parameters); the plan holds the largest, not the sum."""
+
+    @property
+    def time_s(self) -> float:
+        return self.compute_s + self.comm_s
+
+    @property
+    def resident_bytes(self) -> int:
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClassCosts:
+    """Every strategy the planner could give a class of identical layers, with its cost."""
+
+    layer_class: str
+    count: int
+    options: tuple[OptionCost, ...]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Alternative:
+    """Another plan the search considered (one candidate mesh / pipeline shape)."""
+
+    mesh: Mesh
+    status: str
+    """'optimal' (the best plan on that shape), 'infeasible' or 'skipped'."""
+    step_time_s: float | None = None
+    """Modelled step time of the best plan on that shape (None when none fits)."""
+    min_memory_bytes: int | None = None
+    """For infeasible shapes: the least per-rank memory any plan on it needs."""
+    reason: str = ""
+    pipeline: PipelineSpec | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rationale:
+    """Why the plan is what it is: the machine and model as the planner saw them, the cost
+    of every option per layer class, and the other shapes the search considered. Optional;
+    compact (per class, not per layer). Reports, ``autopar explain`` and exports read it."""
+
+    model_flops_per_step: float
+    """Forward + backward FLOPs of one step from the layer graph (no recomputation)."""
+    peak_flops_per_device: float
+    """Dense peak FLOP/s of one device at the plan's compute dtype (datasheet)."""
+    nodes: int
+    devices_per_node: int
+    memory_margin_fraction: float
+    cluster_provenance: str = "modelled"
+    classes: tuple[ClassCosts, ...] = ()
+    alternatives: tuple[Alternative, ...] = ()
+    """Best first; the chosen plan's own shape included."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Plan:
     """A complete, executable parallelization plan."""
 
@@ -254,6 +321,8 @@ class Plan:
     """Required when mesh.pp > 1."""
     prediction: Prediction | None = None
     solver: SolverReport | None = None
+    rationale: Rationale | None = None
+    """Optional: per-class option costs and alternatives, for reports and explanations."""
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
@@ -316,6 +385,12 @@ class Plan:
     def num_stages(self) -> int:
         return self.mesh.pp * (self.pipeline.virtual_stages if self.pipeline else 1)
 
+    def report(self, *, top_k: int = 5) -> str:
+        """The plan as a human-readable report (see runtime.plan_report)."""
+        from runtime.plan_report import format_report
+
+        return format_report(self, top_k=top_k)
+
     def layer(self, module: str) -> LayerPlan:
         for layer in self.layers:
             if layer.module == module:
@@ -351,6 +426,9 @@ class Plan:
                 fields["pipeline"] = _build(PipelineSpec, fields["pipeline"], f"{source}: pipeline")
             if fields.get("solver") is not None:
                 fields["solver"] = _build(SolverReport, fields["solver"], f"{source}: solver")
+            if fields.get("rationale") is not None:
+                fields["rationale"] = _rationale_from_dict(fields["rationale"],
+                                                           f"{source}: rationale")
             return _build(cls, fields, source)
         except PlanError as e:
             if str(e).startswith(source):
@@ -385,6 +463,31 @@ class Plan:
         except OSError as e:
             raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
         return cls.from_json(text, source=str(path))
+
+
+def _rationale_from_dict(data: Any, where: str) -> Rationale:
+    if not isinstance(data, dict):
+        raise PlanError(f"{where}: expected a JSON object, got {type(data).__name__}")
+    fields = dict(data)
+    fields["classes"] = tuple(
+        _build(ClassCosts, {**c, "options": tuple(
+            _build(OptionCost, o, f"{where}: classes[{i}].options[{j}]")
+            for j, o in enumerate(c.get("options", []) if isinstance(c, dict) else []))},
+            f"{where}: classes[{i}]")
+        for i, c in enumerate(fields.get("classes", []))
+    )
+    alternatives = []
+    for i, a in enumerate(fields.get("alternatives", [])):
+        here = f"{where}: alternatives[{i}]"
+        if not isinstance(a, dict):
+            raise PlanError(f"{here}: expected a JSON object, got {type(a).__name__}")
+        a = dict(a)
+        a["mesh"] = _build(Mesh, a.get("mesh", {}), f"{here}.mesh")
+        if a.get("pipeline") is not None:
+            a["pipeline"] = _build(PipelineSpec, a["pipeline"], f"{here}.pipeline")
+        alternatives.append(_build(Alternative, a, here))
+    fields["alternatives"] = tuple(alternatives)
+    return _build(Rationale, fields, where)
 
 
 def _build(cls: type, data: Any, where: str) -> Any:

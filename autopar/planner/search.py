@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner.costs import LayerCost, allowed_strategies, layer_cost
@@ -43,6 +44,11 @@ class Candidate:
     """Layer class -> {strategy: number of its layers}."""
     min_memory_bytes: float | None = None
     """For infeasible meshes: the least per-rank memory any plan on this mesh needs."""
+
+
+class ProgressFn(Protocol):
+    def __call__(self, *, evaluated: int, total: int, best_s: float | None,
+                 candidate: Candidate) -> None: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,8 +90,12 @@ def search(
     precision_name: str = "float32",
     mesh: Mesh | None = None,
     time_limit_s: float = 10.0,
+    progress: ProgressFn | None = None,
 ) -> SearchResult:
-    """The fastest feasible plan for ``graph`` on ``cluster`` (optionally on a fixed mesh)."""
+    """The fastest feasible plan for ``graph`` on ``cluster`` (optionally on a fixed mesh).
+
+    ``progress``, if given, is called after each candidate is evaluated (for a terminal
+    display; see ``autopar.progress``)."""
     start = time.perf_counter()
     prec = precision(precision_name)
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
@@ -110,6 +120,7 @@ def search(
     candidates: list[Candidate] = []
     best: tuple[Candidate, list[ClassOptions]] | None = None
     for m, reason in meshes:
+        _tell(progress, candidates, len(meshes), best)
         if reason:
             candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
             continue
@@ -127,6 +138,7 @@ def search(
         if best is None or cand.objective_s < best[0].objective_s:
             best = (cand, options)
         solver_name = result.solver
+    _tell(progress, candidates, len(meshes), best)
 
     if best is None:
         raise _infeasible(graph, cluster, candidates)
@@ -144,6 +156,14 @@ def search(
     plan = _make_plan(graph, cluster, prec, cand, options, report)
     return SearchResult(plan=plan, candidates=tuple(candidates),
                         search_time_s=time.perf_counter() - start)
+
+
+def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int,
+          best: tuple[Candidate, list[ClassOptions]] | None) -> None:
+    """Report the latest candidate to the progress callback, if any."""
+    if progress is not None and candidates:
+        progress(evaluated=len(candidates), total=total,
+                 best_s=best[0].objective_s if best else None, candidate=candidates[-1])
 
 
 def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candidate,

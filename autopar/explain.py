@@ -1,0 +1,230 @@
+"""Why a plan is what it is: the rationale the planner attaches, per-layer explanations, diffs.
+
+Where the numbers come from: ``attach_rationale`` prices every strategy the planner may give
+each class of identical layers on the chosen mesh with the planner's own cost function
+(``autopar.planner.search.class_options`` → ``costs.layer_cost``), and keeps the best other
+shapes the outer search tried (``SearchResult.candidates``). Both are stored in the plan
+(``Plan.rationale``, per class, not per layer), so ``explain`` works from a saved plan
+file without re-planning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autopar.planner.search import SearchResult, class_options
+from cost_models.hardware import Cluster
+from cost_models.memory import precision
+from passes.records import LayerGraph
+from runtime.plan import (
+    STRATEGIES,
+    TP_STRATEGIES,
+    Alternative,
+    ClassCosts,
+    OptionCost,
+    Plan,
+    Rationale,
+)
+from runtime.plan_report import human_bytes, ms
+
+ALTERNATIVES_KEPT = 10
+"""Other shapes stored with the plan (the best first); enough for a top-k report."""
+
+
+# -- the rationale the planner attaches ----------------------------------------------------
+
+def attach_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
+                     precision_name: str) -> SearchResult:
+    """``result`` with ``Plan.rationale`` filled in from the search and the cost model."""
+    plan = dataclasses.replace(result.plan,
+                               rationale=build_rationale(result, graph, cluster, precision_name))
+    return dataclasses.replace(result, plan=plan)
+
+
+def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
+                    precision_name: str) -> Rationale:
+    prec = precision(precision_name)
+    classes = tuple(
+        ClassCosts(layer_class=o.name, count=o.count,
+                   options=tuple(_option(c) for c in o.costs.values()))
+        for o in class_options(graph, result.plan.mesh, cluster, prec)
+    )
+    return Rationale(
+        model_flops_per_step=float(sum(x.fwd_flops + x.bwd_flops for x in graph.layers)),
+        peak_flops_per_device=cluster.device.peak(prec.compute_dtype),
+        nodes=cluster.nodes,
+        devices_per_node=cluster.devices_per_node,
+        memory_margin_fraction=cluster.memory_margin_fraction,
+        cluster_provenance=cluster.provenance,
+        classes=classes,
+        alternatives=ranked_alternatives(result)[:ALTERNATIVES_KEPT],
+    )
+
+
+def _option(cost) -> OptionCost:
+    return OptionCost(strategy=cost.strategy, compute_s=cost.compute_s, comm_s=cost.comm_s,
+                      params_bytes=int(cost.params_bytes), grads_bytes=int(cost.grads_bytes),
+                      optimizer_bytes=int(cost.optimizer_bytes),
+                      activations_bytes=int(cost.activations_bytes),
+                      buffer_bytes=int(cost.buffer_bytes))
+
+
+def ranked_alternatives(result: SearchResult) -> tuple[Alternative, ...]:
+    """Feasible shapes fastest first, then those that do not fit (least memory first), then
+    the skipped ones."""
+    alts = []
+    for c in result.candidates:
+        feasible = c.status == "optimal"
+        need = getattr(c, "min_memory_bytes", None)
+        alts.append(Alternative(
+            mesh=c.mesh, status=c.status,
+            step_time_s=c.objective_s if feasible else None,
+            min_memory_bytes=int(need) if need is not None and not feasible else None,
+            reason=c.reason, pipeline=getattr(c, "pipeline", None)))
+    order = {"optimal": 0, "infeasible": 1}
+    return tuple(sorted(alts, key=lambda a: (order.get(a.status, 2), a.step_time_s or 0.0,
+                                             a.min_memory_bytes or 0)))
+
+
+# -- explain one layer ---------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class OptionVerdict:
+    strategy: str
+    time_s: float
+    delta_time_s: float
+    """Per-layer time minus the chosen option's (negative: faster)."""
+    memory_bytes: int
+    """Resident per-rank memory of this layer under this option."""
+    peak_if_switched_bytes: int
+    """The plan's per-rank peak if this one layer took this option instead."""
+    fits: bool
+    chosen: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Explanation:
+    module: str
+    layer_class: str
+    class_size: int
+    strategy: str
+    class_mix: dict[str, int]
+    """How many layers of the class take each strategy in this plan."""
+    options: tuple[OptionVerdict, ...]
+    unavailable: dict[str, str]
+    """Strategies the planner could not offer this layer, with the reason."""
+    reason: str
+    source: str
+
+
+def explain(plan: Plan, module: str) -> Explanation:
+    """Why ``module`` got its strategy, and what every other option would cost."""
+    from autopar.errors import ConfigError
+
+    try:
+        layer = plan.layer(module)
+    except KeyError:
+        names = ", ".join(x.module for x in plan.layers[:8])
+        raise ConfigError(f"the plan has no layer {module!r}; its layers: {names}"
+                          + (", …" if len(plan.layers) > 8 else "")) from None
+    if plan.rationale is None or plan.prediction is None:
+        raise ConfigError("this plan carries no rationale (a hand-written or older plan); "
+                          "re-plan with `autopar plan --json PATH` to explain it")
+    costs = next((c for c in plan.rationale.classes if c.layer_class == layer.layer_class), None)
+    if costs is None:
+        raise ConfigError(f"the plan's rationale has no costs for class {layer.layer_class!r}")
+    by_strategy = {o.strategy: o for o in costs.options}
+    chosen = by_strategy[layer.strategy]
+    verdicts = tuple(_verdict(plan, chosen, o) for o in costs.options)
+    mix: dict[str, int] = {}
+    for x in plan.layers:
+        if x.layer_class == layer.layer_class:
+            mix[x.strategy] = mix.get(x.strategy, 0) + 1
+    unavailable = {s: _why_unavailable(s, plan) for s in STRATEGIES if s not in by_strategy}
+    return Explanation(module=module, layer_class=layer.layer_class, class_size=costs.count,
+                       strategy=layer.strategy, class_mix=mix, options=verdicts,
+                       unavailable=unavailable, reason=_reason(plan, verdicts, mix),
+                       source=plan.prediction.source)
+
+
+def _verdict(plan: Plan, chosen: OptionCost, option: OptionCost) -> OptionVerdict:
+    assert plan.prediction is not None and plan.rationale is not None
+    mu = plan.rationale.memory_margin_fraction
+    buffers = [_cost_of(plan, x).buffer_bytes for x in plan.layers]
+    current_buffer = max(buffers, default=0)
+    # The largest buffer if this layer's own buffer were replaced (a bound: the largest
+    # other buffer or the new one).
+    others = sorted(buffers)[:-1] if chosen.buffer_bytes == current_buffer else buffers
+    new_buffer = max([*others, option.buffer_bytes], default=0)
+    delta = (option.resident_bytes - chosen.resident_bytes) + (new_buffer - current_buffer)
+    peak = int(plan.prediction.memory.total_bytes + (1 + mu) * delta)
+    return OptionVerdict(strategy=option.strategy, time_s=option.time_s,
+                         delta_time_s=option.time_s - chosen.time_s,
+                         memory_bytes=option.resident_bytes, peak_if_switched_bytes=peak,
+                         fits=peak <= plan.prediction.capacity_bytes,
+                         chosen=option.strategy == chosen.strategy)
+
+
+def _cost_of(plan: Plan, layer) -> OptionCost:
+    assert plan.rationale is not None
+    for c in plan.rationale.classes:
+        if c.layer_class == layer.layer_class:
+            for o in c.options:
+                if o.strategy == layer.strategy:
+                    return o
+    raise AssertionError(f"no cost for {layer.module} {layer.strategy}")
+
+
+def _why_unavailable(strategy: str, plan: Plan) -> str:
+    if strategy in TP_STRATEGIES and plan.mesh.tp == 1:
+        return "the mesh has tp = 1"
+    if strategy == "tp_fsdp" and plan.mesh.dp == 1:
+        return "the mesh has dp = 1 (nothing to shard over)"
+    return (f"no exact tensor-parallel split of this layer is known whose sizes tp = "
+            f"{plan.mesh.tp} divides")
+
+
+def _reason(plan: Plan, verdicts: tuple[OptionVerdict, ...], mix: dict[str, int]) -> str:
+    chosen = next(v for v in verdicts if v.chosen)
+    faster = sorted((v for v in verdicts if v.delta_time_s < 0), key=lambda v: v.delta_time_s)
+    if not faster:
+        rivals = sorted((v for v in verdicts if not v.chosen), key=lambda v: v.delta_time_s)
+        nxt = f"; next best {rivals[0].strategy}, slower by {ms(rivals[0].delta_time_s)}" \
+            if rivals else ""
+        return f"{chosen.strategy} is the fastest option for this layer{nxt}."
+    best = faster[0]
+    cap = plan.prediction.capacity_bytes if plan.prediction else 0
+    if not best.fits:
+        return (f"{best.strategy} would be {ms(-best.delta_time_s)} faster per layer, but the "
+                f"plan would need {human_bytes(best.peak_if_switched_bytes)} per rank, "
+                f"{human_bytes(best.peak_if_switched_bytes - cap)} more than the device's "
+                f"{human_bytes(cap)}: memory binds, so the planner trades time for memory here.")
+    if len(mix) > 1:
+        return (f"the class is mixed ({_mix_text(mix)}): {best.strategy} is faster and one more "
+                "layer of it fits, but not the whole class; the ILP chose the split that is "
+                "fastest overall within memory.")
+    return (f"{best.strategy} is faster per layer and would fit; the planner's objective also "
+            "weighs the whole step (e.g. pipeline stage balance), which this per-layer view omits.")
+
+
+def _mix_text(mix: dict[str, int]) -> str:
+    return ", ".join(f"{n} {s}" for s, n in mix.items())
+
+
+def format_explanation(e: Explanation) -> str:
+    lines = [f"{e.module}: {e.strategy}  (class {e.layer_class}, {e.class_size} layer(s)"
+             + (f"; class mix {_mix_text(e.class_mix)}" if len(e.class_mix) > 1 else "") + ")",
+             f"why: {e.reason}", "",
+             f"options for this layer on the plan's mesh  [{e.source}]"]
+    rows = [("strategy", "time", "vs chosen", "mem/rank", "plan peak if switched", "")]
+    for v in sorted(e.options, key=lambda v: v.time_s):
+        note = "chosen" if v.chosen else ("fits" if v.fits else "does not fit")
+        rows.append((v.strategy, ms(v.time_s), "-" if v.chosen else f"{v.delta_time_s * 1e3:+.3f} ms",
+                     human_bytes(v.memory_bytes), human_bytes(v.peak_if_switched_bytes), note))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+              for r in rows]
+    for s, why in e.unavailable.items():
+        lines.append(f"  {s}: not available ({why})")
+    return "\n".join(lines)

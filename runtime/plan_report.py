@@ -1,0 +1,304 @@
+"""The plan's printed form: a report a person reads before spending GPU hours on it.
+
+Everything here is computed from the ``Plan`` alone (its prediction, solver certificate and
+optional rationale), so a saved plan reports the same as a fresh one. Every number carries
+its source in brackets: ``modelled`` (cost model on datasheet figures), ``calibrated``
+(cost model on figures measured on the machine) or ``measured``.
+
+Model FLOPs utilisation follows PaLM (Chowdhery et al., 2022, appendix B): the FLOPs the
+model needs per step, without recomputation, divided by step time and by the peak FLOP/s
+of all devices. The model FLOPs come from the layer graph (forward + backward FLOPs the
+annotate pass counted, attention included), not from the 6N + 12·L·H·Q·T closed form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.plan import (
+    TP_STRATEGIES,
+    LayerPlan,
+    MemoryBreakdown,
+    OptionCost,
+    Plan,
+    stage_rank,
+)
+
+GiB = 1024**3
+
+
+def human_bytes(n: float) -> str:
+    """Bytes with a binary unit that keeps three significant figures."""
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            value = n / size
+            return f"{value:,.0f} {unit}" if abs(value) >= 100 else f"{value:.3g} {unit}"
+    return f"{n:.0f} B"
+
+
+def ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Totals:
+    """The plan's headline numbers, as the report prints them."""
+
+    step_time_s: float
+    compute_s: float
+    comm_s: float
+    bubble_s: float
+    samples_per_s: float
+    tokens_per_s: float | None
+    mfu: float | None
+    """PaLM model FLOPs utilisation; None without the layer graph's FLOPs (no rationale)."""
+    peak_memory_bytes: int
+    capacity_bytes: int
+    source: str
+
+
+def totals(plan: Plan) -> Totals | None:
+    """Headline numbers of a plan with a prediction (None for a hand-written plan)."""
+    p = plan.prediction
+    if p is None:
+        return None
+    samples = plan.global_batch / p.step_time_s if p.step_time_s > 0 else 0.0
+    tokens = samples * plan.seq_len if plan.seq_len else None
+    mfu = None
+    r = plan.rationale
+    if r is not None and p.step_time_s > 0 and r.peak_flops_per_device > 0:
+        mfu = r.model_flops_per_step / (p.step_time_s * plan.world_size * r.peak_flops_per_device)
+    return Totals(step_time_s=p.step_time_s, compute_s=p.compute_s, comm_s=p.comm_s,
+                  bubble_s=p.bubble_s, samples_per_s=samples, tokens_per_s=tokens, mfu=mfu,
+                  peak_memory_bytes=p.memory.total_bytes, capacity_bytes=p.capacity_bytes,
+                  source=p.source)
+
+
+# -- per-layer rows -------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Row:
+    first: str
+    last: str
+    count: int
+    layer: LayerPlan
+
+
+def collapse(layers: tuple[LayerPlan, ...]) -> list[Row]:
+    """Merge runs of consecutive layers with the same class and strategy into one row."""
+    rows: list[Row] = []
+    for layer in layers:
+        prev = rows[-1] if rows else None
+        if (prev and prev.layer.layer_class == layer.layer_class
+                and prev.layer.strategy == layer.strategy and prev.layer.stage == layer.stage
+                and _recompute(prev.layer) == _recompute(layer)):
+            rows[-1] = Row(prev.first, layer.module, prev.count + 1, prev.layer)
+        else:
+            rows.append(Row(layer.module, layer.module, 1, layer))
+    return rows
+
+
+def _recompute(layer: LayerPlan) -> str:
+    # The schema may grow a recomputation field; until then a layer keeps its activations.
+    value = getattr(layer, "recompute", None)
+    return str(value) if value not in (None, False, "", "none") else "no"
+
+
+def shard_degrees(layer: LayerPlan, plan: Plan) -> tuple[int, int]:
+    """(tensor-parallel degree, data-parallel shards of its parameters)."""
+    dp, tp = plan.mesh.dp, plan.mesh.tp
+    return (
+        tp if layer.strategy in TP_STRATEGIES else 1,
+        {"replicate": 1, "fsdp": dp * tp, "tp": 1, "tp_fsdp": dp}[layer.strategy],
+    )
+
+
+def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
+            for r in rows]
+
+
+# -- per-rank memory ------------------------------------------------------------------------
+
+def option_cost(plan: Plan, layer: LayerPlan) -> OptionCost | None:
+    """The rationale's cost of this layer's strategy (None without a rationale)."""
+    if plan.rationale is None:
+        return None
+    for c in plan.rationale.classes:
+        if c.layer_class == layer.layer_class:
+            return next((o for o in c.options if o.strategy == layer.strategy), None)
+    return None
+
+
+def rank_memory(plan: Plan) -> list[tuple[str, MemoryBreakdown]]:
+    """Per pipeline rank (label, memory breakdown). Without pipelining every rank holds the
+    same and the plan's own prediction is the one row."""
+    pred = plan.prediction
+    if plan.mesh.pp == 1 or plan.rationale is None:
+        if pred is None:
+            return []
+        label = f"r0–r{plan.world_size - 1}" if plan.world_size > 1 else "r0"
+        return [(label + " (every rank)", pred.memory)]
+    per_rank: dict[int, list[OptionCost]] = {}
+    for layer in plan.layers:
+        cost = option_cost(plan, layer)
+        if cost is not None:
+            per_rank.setdefault(stage_rank(layer.stage, plan.mesh.pp, plan.pipeline), []).append(cost)
+    rows = []
+    block = plan.mesh.dp * plan.mesh.tp
+    mu = plan.rationale.memory_margin_fraction
+    for rank in sorted(per_rank):
+        costs = per_rank[rank]
+        params = sum(c.params_bytes for c in costs)
+        grads = sum(c.grads_bytes for c in costs)
+        optim = sum(c.optimizer_bytes for c in costs)
+        acts = sum(c.activations_bytes for c in costs)
+        buffers = max(c.buffer_bytes for c in costs)
+        margin = int(mu * (params + grads + optim + acts + buffers))
+        rows.append((f"pp rank {rank} (r{rank * block}–r{(rank + 1) * block - 1})",
+                     MemoryBreakdown(params_bytes=params, grads_bytes=grads,
+                                     optimizer_bytes=optim, activations_bytes=acts,
+                                     buffers_bytes=buffers, margin_bytes=margin)))
+    return rows
+
+
+# -- alternatives ---------------------------------------------------------------------------
+
+def why_lost(plan: Plan, alt) -> str:
+    """One phrase: how an alternative compares with the plan."""
+    chosen = plan.prediction.step_time_s if plan.prediction else None
+    if alt.status == "optimal" and alt.step_time_s is not None:
+        if alt.mesh == plan.mesh and alt.pipeline == plan.pipeline:
+            return "chosen"
+        if chosen is None:
+            return "feasible"
+        delta = alt.step_time_s - chosen
+        return f"slower by {ms(delta)} (+{delta / chosen:.1%})" if delta > 0 else "ties"
+    if alt.status == "infeasible" and alt.min_memory_bytes is not None:
+        cap = plan.prediction.capacity_bytes if plan.prediction else None
+        if cap is not None:
+            return (f"does not fit: needs {human_bytes(alt.min_memory_bytes)} per rank, "
+                    f"{human_bytes(alt.min_memory_bytes - cap)} over {human_bytes(cap)}")
+        return f"does not fit: needs {human_bytes(alt.min_memory_bytes)} per rank"
+    return alt.reason or alt.status
+
+
+def shape(mesh, pipeline) -> str:
+    text = f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp}"
+    if pipeline is not None and mesh.pp > 1:
+        text += f" {pipeline.schedule} m={pipeline.num_microbatches}"
+        if pipeline.virtual_stages > 1:
+            text += f" v={pipeline.virtual_stages}"
+    return text
+
+
+def alternatives_lines(plan: Plan, top_k: int) -> list[str]:
+    r = plan.rationale
+    if r is None or not r.alternatives or top_k <= 0:
+        return []
+    src = r.cluster_provenance
+    shown = r.alternatives[:top_k]
+    rows = [("#", "shape", "step time", "vs this plan")]
+    for i, alt in enumerate(shown, 1):
+        t = ms(alt.step_time_s) if alt.step_time_s is not None else "-"
+        rows.append((str(i), shape(alt.mesh, alt.pipeline), t, why_lost(plan, alt)))
+    return ["", f"Alternatives considered (best {len(shown)} of {len(r.alternatives)})  [{src}]",
+            *table(rows)]
+
+
+# -- the report -----------------------------------------------------------------------------
+
+def format_report(plan: Plan, *, top_k: int = 5) -> str:
+    """Model, cluster and batch; totals; per-layer and per-rank tables; alternatives."""
+    lines = header_lines(plan) + totals_lines(plan) + layer_lines(plan) + rank_lines(plan)
+    lines += alternatives_lines(plan, top_k)
+    return "\n".join(lines)
+
+
+def header_lines(plan: Plan) -> list[str]:
+    tokens = f" ({plan.global_batch * plan.seq_len:,} tokens)" if plan.seq_len else ""
+    lines = [
+        f"model {plan.model or '?'} on {plan.cluster or '?'}: global batch {plan.global_batch}"
+        + (f" × seq {plan.seq_len}" if plan.seq_len else "") + f"{tokens}, {plan.param_dtype}",
+        f"mesh  pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp}"
+        f" = {plan.world_size} ranks",
+    ]
+    if plan.pipeline is not None and plan.mesh.pp > 1:
+        pl = plan.pipeline
+        lines.append(f"pipeline {pl.schedule}: {pl.num_microbatches} micro-batches of "
+                     f"{plan.global_batch // (plan.mesh.dp * pl.num_microbatches)} samples, "
+                     f"{plan.num_stages} stages ({pl.virtual_stages} per rank)")
+    if plan.solver:
+        s = plan.solver
+        lines.append(
+            f"solver {s.solver} {s.status}: objective {ms(s.objective_s)}, "
+            f"LP lower bound {ms(s.lower_bound_s)}, gap {s.gap:.2%}, "
+            f"{s.candidates} candidate(s) searched in {s.solve_time_s:.2f} s"
+        )
+    return lines
+
+
+def totals_lines(plan: Plan) -> list[str]:
+    t = totals(plan)
+    if t is None:
+        return ["", "no prediction (a hand-written plan): nothing modelled"]
+    src = f"[{t.source}]"
+    p = plan.prediction
+    bubble = f" ({p.bubble_fraction:.1%} of the step)" if p.bubble_s else ""
+    lines = [
+        "",
+        "Totals",
+        f"  predicted step time   {ms(t.step_time_s)}  {src}",
+        f"    compute             {ms(t.compute_s)}",
+        f"    exposed comm.       {ms(t.comm_s)}  (communication not hidden behind compute)",
+        f"    pipeline bubble     {ms(t.bubble_s)}{bubble}",
+        f"  throughput            {t.samples_per_s:,.1f} samples/s"
+        + (f", {t.tokens_per_s:,.0f} tokens/s" if t.tokens_per_s is not None else "") + f"  {src}",
+    ]
+    r = plan.rationale
+    if t.mfu is not None and r is not None:
+        lines.append(
+            f"  MFU                   {t.mfu:.1%}  {src}  (PaLM definition: model FLOPs "
+            f"{r.model_flops_per_step:.3g}/step from the layer graph ÷ step time ÷ "
+            f"{plan.world_size} × {r.peak_flops_per_device / 1e12:g} TFLOP/s peak)")
+    else:
+        lines.append("  MFU                   -  (needs the planner's rationale: re-plan)")
+    used = t.peak_memory_bytes / t.capacity_bytes if t.capacity_bytes else 0.0
+    lines.append(f"  peak memory per rank  {human_bytes(t.peak_memory_bytes)} of "
+                 f"{human_bytes(t.capacity_bytes)} ({used:.0%})  {src}")
+    return lines
+
+
+def layer_lines(plan: Plan) -> list[str]:
+    src = plan.prediction.source if plan.prediction else "modelled"
+    header = ("layers", "class", "n", "strategy", "tp", "shards", "stage", "recompute",
+              "mem/rank", "time")
+    rows = [header]
+    for row in collapse(plan.layers):
+        names = row.first if row.count == 1 else f"{row.first} … {row.last}"
+        tp, shards = shard_degrees(row.layer, plan)
+        mem = human_bytes(row.layer.memory_bytes) if row.layer.memory_bytes is not None else "-"
+        time = ms(row.layer.time_s) if row.layer.time_s is not None else "-"
+        rows.append((names, row.layer.layer_class, str(row.count), row.layer.strategy, str(tp),
+                     str(shards), str(row.layer.stage), _recompute(row.layer), mem, time))
+    return ["", f"Layers  [{src}; mem/rank and time per layer: parameters, gradients, "
+            "optimizer states and saved activations; forward + backward with communication]",
+            *table(rows)]
+
+
+def rank_lines(plan: Plan) -> list[str]:
+    ranks = rank_memory(plan)
+    if not ranks:
+        return []
+    cap = plan.prediction.capacity_bytes if plan.prediction else 0
+    src = plan.prediction.source if plan.prediction else "modelled"
+    rows = [("ranks", "params", "grads", "optimizer", "activations", "buffers", "margin",
+             "total", "of capacity")]
+    for label, m in ranks:
+        rows.append((label, human_bytes(m.params_bytes), human_bytes(m.grads_bytes),
+                     human_bytes(m.optimizer_bytes), human_bytes(m.activations_bytes),
+                     human_bytes(m.buffers_bytes), human_bytes(m.margin_bytes),
+                     human_bytes(m.total_bytes), f"{m.total_bytes / cap:.0%}" if cap else "-"))
+    note = "" if plan.mesh.pp == 1 else "; per pipeline rank from the per-layer costs"
+    return ["", f"Memory per rank  [{src}{note}]", *table(rows)]
