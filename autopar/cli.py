@@ -10,7 +10,9 @@ import sys
 from collections.abc import Sequence
 
 from autopar.api import search_plans
+from autopar.cli_report import add_commands, add_plan_options, write_outputs
 from autopar.errors import AutoparError
+from autopar.progress import SearchProgress
 from autopar.report import format_plan
 from autopar.zoo import MODELS, get_model
 from cost_models.hardware import Cluster
@@ -48,7 +50,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="parameter and compute precision to plan for")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
     p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit, seconds")
+    add_plan_options(p)
     p.set_defaults(handler=cmd_plan)
+    add_commands(sub)
 
     r = sub.add_parser("run", help="train a built-in model on local CPU processes")
     r.add_argument("--model", default="gpt-small", help=f"one of: {', '.join(MODELS)}")
@@ -80,12 +84,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     inputs = spec.example_inputs(batch, args.seq, device="meta")
     model = spec.build("meta")
     seq = inputs[0].shape[1] if spec.kind == "gpt" else None
-    result = search_plans(model, cluster, inputs, precision=args.dtype, model_name=spec.name,
-                          seq_len=seq, time_limit_s=args.time_limit)
-    print(format_plan(result.plan))
+    progress = SearchProgress()  # a status line on a terminal, silent otherwise
+    try:
+        result = search_plans(model, cluster, inputs, precision=args.dtype,
+                              model_name=spec.name, seq_len=seq, time_limit_s=args.time_limit,
+                              progress=progress)
+    finally:
+        progress.close()
+    print(format_plan(result.plan, top_k=args.top))
     if args.json:
         result.plan.save(args.json)
         print(f"\nplan written to {args.json}")
+
+    def scaling():
+        from autopar.whatif import default_nodes, scaling_points
+        from passes.layer_graph import build_layer_graph
+
+        graph = build_layer_graph(model, inputs, model_name=spec.name, seq_len=seq)
+        return scaling_points(graph, cluster, default_nodes(cluster.nodes), precision=args.dtype)
+
+    for path in write_outputs(args, result.plan, scaling):
+        print(f"wrote {path}")
     return 0
 
 

@@ -86,7 +86,10 @@ def format_diff(d: PlanDiff, a_name: str = "a", b_name: str = "b") -> str:
     if d.layers:
         lines.append(f"{len(d.layers)} layer(s) changed:")
         for c in d.layers:
-            what = ", ".join(f"{f} {_short(va)} → {_short(vb)}" for f, (va, vb) in c.changes.items())
+            # A new strategy implies new tp styles; print them only when they alone changed.
+            shown = {f: v for f, v in c.changes.items()
+                     if not (f == "tp_styles" and "strategy" in c.changes)}
+            what = ", ".join(f"{f} {_short(va)} → {_short(vb)}" for f, (va, vb) in shown.items())
             lines.append(f"  {c.module}: {what}")
     for module in d.only_in_a:
         lines.append(f"  only in {a_name}: {module}")

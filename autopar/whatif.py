@@ -1,0 +1,68 @@
+"""What-if studies: re-plan one captured model for other cluster sizes, batches or memory.
+
+The model is captured once (the expensive step); each point re-runs only the search, so a
+sweep over a dozen cluster sizes takes about a second.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from autopar.errors import ConfigError, InfeasibleError
+from autopar.planner import search
+from cost_models.hardware import Cluster
+from passes.records import LayerGraph
+from runtime.plan import Plan
+from runtime.plan_report import shape
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingPoint:
+    gpus: int
+    samples_per_s: float | None
+    """Modelled; None where no plan fits."""
+    shape: str = ""
+    """The best plan's mesh (and schedule), or why there is none."""
+
+
+def plan_or_none(graph: LayerGraph, cluster: Cluster, precision: str = "float32"
+                 ) -> tuple[Plan | None, str]:
+    """The best plan, or None and the reason (does not fit, batch does not divide)."""
+    try:
+        return search(graph, cluster, precision_name=precision).plan, ""
+    except (InfeasibleError, ConfigError) as e:
+        return None, str(e)
+
+
+def scaling_points(graph: LayerGraph, cluster: Cluster, nodes: Iterable[int], *,
+                   precision: str = "float32") -> list[ScalingPoint]:
+    """Modelled throughput of the best plan for each node count."""
+    points = []
+    for n in nodes:
+        c = cluster.with_nodes(n)
+        plan, why = plan_or_none(graph, c, precision)
+        if plan is None or plan.prediction is None:
+            points.append(ScalingPoint(gpus=c.world_size, samples_per_s=None,
+                                       shape=why.split(";")[0]))
+        else:
+            points.append(ScalingPoint(gpus=c.world_size,
+                                       samples_per_s=plan.global_batch / plan.prediction.step_time_s,
+                                       shape=shape(plan.mesh, plan.pipeline)))
+    return points
+
+
+def with_memory(cluster: Cluster, memory_gib: float) -> Cluster:
+    """The same cluster with ``memory_gib`` GiB per device."""
+    device = dataclasses.replace(cluster.device, memory_bytes=int(memory_gib * 1024**3))
+    return dataclasses.replace(cluster, device=device)
+
+
+def default_nodes(nodes: int, *, up_to: int = 64) -> list[int]:
+    """Powers of two around ``nodes``: 1, 2, 4, … up to 4 × nodes (at most ``up_to``)."""
+    out, n = [], 1
+    while n <= min(max(4 * nodes, 4), up_to):
+        out.append(n)
+        n *= 2
+    return out
