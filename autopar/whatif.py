@@ -66,3 +66,23 @@ def default_nodes(nodes: int, *, up_to: int = 64) -> list[int]:
         out.append(n)
         n *= 2
     return out
+
+
+def repeat_blocks(graph: LayerGraph, n_layer: int) -> LayerGraph:
+    """``graph`` with its run of identical blocks repeated to ``n_layer`` blocks.
+
+    Capturing a deep model costs seconds; its blocks are identical (one layer class), so a
+    model captured with two blocks and repeated plans exactly as the deep one would.
+    Block names follow the first block's (``h.0`` → ``h.0 … h.{n_layer-1}``).
+    """
+    classes = graph.classes
+    block_class = max(classes, key=lambda c: (len(classes[c]), -classes[c][0].index))
+    members = classes[block_class]
+    if len(members) < 2:
+        raise ConfigError("the graph has no repeated blocks to repeat")
+    first, last = members[0].index, members[-1].index
+    prefix = members[0].name.rsplit(".", 1)[0]
+    blocks = [dataclasses.replace(members[0], name=f"{prefix}.{i}") for i in range(n_layer)]
+    layers = [*graph.layers[:first], *blocks, *graph.layers[last + 1:]]
+    layers = [dataclasses.replace(x, index=i) for i, x in enumerate(layers)]
+    return dataclasses.replace(graph, layers=tuple(layers))
