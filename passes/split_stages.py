@@ -1,0 +1,288 @@
+"""``split_stages``: cut a model into one module per pipeline stage, as a plan says.
+
+The steps, in order:
+
+1. **layer stages.** The units of a cut are the layers of ``passes.group_layers``
+   (``h.3``, ``wte``, ``ln_f``). A plan module that is a layer, inside one, or holds
+   several gives its stage to those layers; two plan modules inside one layer on different
+   stages are a cut through that layer (PlanError). Layers the plan does not name join the
+   stage of the layer before them in execution order (the one after, if none ran yet).
+2. **capture.** ``torch.fx`` symbolic tracing with every layer as a leaf, so each layer is
+   one ``call_module`` node that calls the user's own module object.
+3. **node stages.** A layer's node goes to the layer's stage; placeholders to stage 0; a
+   node run by no layer (``pos = arange(T)``, the residual add between layers) to the stage
+   of the layer that ran last before it (the first layer's stage if none ran yet), which
+   is how ``group_layers`` assigns such nodes too. Stages must follow execution order.
+4. **values between stages.** Shapes are propagated on meta copies. Every value made on
+   a stage ``<= s`` and used on a stage ``> s`` is an output of stage ``s`` and an input
+   of ``s + 1`` (values that skip a stage are passed through it), because a pipeline
+   stage only talks to its neighbours. Such values must be tensors.
+5. **stage modules.** One ``GraphModule`` per stage over the user's model: it holds the
+   stage's layers under their fully-qualified names (stage 1 has ``h.2.attn.q_proj``), so
+   per-layer tensor/data parallelism applies by name unchanged and ``named_parameters``
+   match the user's model. Parameters are shared with the user's model, not copied.
+
+Limits: the model must be symbolically traceable with its layers as leaves (no Python
+control flow on tensor values outside layers); a layer called twice, or a parameter used
+on two stages (tied weights), must stay on one stage; only tensors cross a cut.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.fx import GraphModule, Node
+
+from passes.group_layers import layer_names, owning_layer
+from passes.trace import GraphCaptureError, explain_failure, inputs_to_meta, to_meta
+from runtime.plan import Plan, PlanError
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+
+def split_stages(model: nn.Module, plan: Plan, example_inputs: tuple) -> list[nn.Module]:
+    """One module per pipeline stage (index = stage id), see the module docstring.
+
+    ``example_inputs``: one micro-batch (real or meta tensors); only shapes and types are
+    used. Raises PlanError when the plan does not fit the model, GraphCaptureError when the
+    model cannot be traced.
+    """
+    units = layer_names(model)
+    if units == [""]:
+        raise PlanError(
+            f"{type(model).__name__} has no submodules, so it cannot be cut into "
+            f"{plan.num_stages} pipeline stages; re-plan with pp=1"
+        )
+    gm = _trace(model, units)
+    order = _execution_order(gm, set(units))
+    stages = _layer_stages(model, plan, order)
+    node_stage = _node_stages(gm, stages, set(units), plan.num_stages)
+    values = _propagate(gm, model, example_inputs)
+    return [
+        _stage_module(gm, model, node_stage, values, s, plan.num_stages)
+        for s in range(plan.num_stages)
+    ]
+
+
+def layer_stages(model: nn.Module, plan: Plan) -> dict[str, int]:
+    """The stage of every layer of ``model`` (planned or not), in execution order."""
+    units = layer_names(model)
+    gm = _trace(model, units)
+    return _layer_stages(model, plan, _execution_order(gm, set(units)))
+
+
+# -- 1. layer stages ---------------------------------------------------------------------
+
+
+def _layer_stages(model: nn.Module, plan: Plan, order: list[str]) -> dict[str, int]:
+    names = dict(model.named_modules())
+    fixed: dict[str, tuple[int, str]] = {}  # layer -> (stage, plan module that set it)
+    for layer in plan.layers:
+        if layer.module not in names:
+            top = [n for n, _ in model.named_children()]
+            raise PlanError(
+                f"layer {layer.module!r}: no such module in {type(model).__name__}; module "
+                f"paths are fully-qualified names as in model.named_modules() (top level: {top})"
+            )
+        inside = owning_layer(layer.module, set(order))
+        covered = [inside] if inside else [u for u in order if u.startswith(layer.module + ".")]
+        for unit in covered:
+            if unit in fixed and fixed[unit][0] != layer.stage:
+                other = fixed[unit][1]
+                raise PlanError(
+                    f"the stage cut between {other!r} (stage {fixed[unit][0]}) and "
+                    f"{layer.module!r} (stage {layer.stage}) splits layer {unit!r}; a layer "
+                    f"runs on one stage: put {other!r} and {layer.module!r} on the same stage"
+                )
+            fixed[unit] = (layer.stage, layer.module)
+    if not fixed:
+        raise PlanError(
+            f"the plan has {plan.num_stages} pipeline stages but names none of the model's "
+            f"layers ({', '.join(order[:6])}, ...); give each layer a stage"
+        )
+    stages: dict[str, int] = {}
+    first = next(fixed[u][0] for u in order if u in fixed)
+    current = first
+    for unit in order:
+        current = fixed[unit][0] if unit in fixed else current
+        stages[unit] = current
+    _check_monotone(stages)
+    return stages
+
+
+def _check_monotone(stages: dict[str, int]) -> None:
+    items = list(stages.items())
+    for (a, sa), (b, sb) in zip(items, items[1:], strict=False):
+        if sb < sa:
+            raise PlanError(
+                f"layer {b!r} (stage {sb}) runs after layer {a!r} (stage {sa}); stages must "
+                "follow the order in which the model runs its layers"
+            )
+
+
+# -- 2. capture ------------------------------------------------------------------------------
+
+
+class _LayerTracer(torch.fx.Tracer):
+    def __init__(self, leaves: set[str]) -> None:
+        super().__init__()
+        self.leaves = leaves
+
+    def is_leaf_module(self, m: nn.Module, qualified_name: str) -> bool:
+        return qualified_name in self.leaves or super().is_leaf_module(m, qualified_name)
+
+
+def _trace(model: nn.Module, units: list[str]) -> GraphModule:
+    tracer = _LayerTracer(set(units))
+    try:
+        graph = tracer.trace(model)
+    except Exception as e:
+        raise GraphCaptureError(
+            "splitting into pipeline stages traces the model with torch.fx.symbolic_trace "
+            "(layers as leaves), which failed:\n" + explain_failure(model, {"symbolic_trace": e})
+        ) from e
+    return GraphModule(tracer.root, graph, type(model).__name__)
+
+
+def _layer_of(node: Node, units: set[str]) -> str | None:
+    if node.op != "call_module":
+        return None
+    return owning_layer(str(node.target), units)
+
+
+def _execution_order(gm: GraphModule, units: set[str]) -> list[str]:
+    order: dict[str, None] = {}
+    for node in gm.graph.nodes:
+        layer = _layer_of(node, units)
+        if layer is not None:
+            order.setdefault(layer)
+    return list(order)
+
+
+# -- 3. node stages --------------------------------------------------------------------------
+
+
+def _node_stages(gm: GraphModule, stages: dict[str, int], units: set[str],
+                 num_stages: int) -> dict[Node, int]:
+    out: dict[Node, int] = {}
+    first = next(iter(stages.values()))
+    last_run: int | None = None
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            out[node] = 0
+        elif node.op == "output":
+            out[node] = num_stages - 1
+        elif node.op == "get_attr":
+            continue  # materialised in every stage that uses it (see _stage_module)
+        else:
+            layer = _layer_of(node, units)
+            if layer is not None:
+                last_run = stages[layer]
+                out[node] = last_run
+            else:
+                out[node] = first if last_run is None else last_run
+    _check_attrs(gm, out)
+    return out
+
+
+def _check_attrs(gm: GraphModule, node_stage: dict[Node, int]) -> None:
+    """A parameter used on two stages would be two copies trained apart: refuse."""
+    for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        value = operator.attrgetter(str(node.target))(gm)
+        used = sorted({node_stage[u] for u in node.users})
+        if isinstance(value, nn.Parameter) and len(used) > 1:
+            raise PlanError(
+                f"parameter {node.target!r} is used on stages {used}; a parameter must live "
+                "on one stage: put the layers that use it on the same stage"
+            )
+
+
+# -- 4. values between stages ---------------------------------------------------------------
+
+
+class _MetaRun(torch.fx.Interpreter):
+    """Run the traced graph with the layers of a meta copy of the model."""
+
+    def __init__(self, gm: GraphModule, meta_model: nn.Module) -> None:
+        super().__init__(gm)
+        self.meta_model = meta_model
+
+    def call_module(self, target, args, kwargs):
+        return self.meta_model.get_submodule(target)(*args, **kwargs)
+
+    def get_attr(self, target, args, kwargs):
+        return operator.attrgetter(target)(self.meta_model)
+
+
+def _propagate(gm: GraphModule, model: nn.Module, example_inputs: tuple) -> dict[Node, object]:
+    values: dict[Node, object] = {}
+    run = _MetaRun(gm, to_meta(model))
+    original = run.run_node
+
+    def record(node: Node) -> object:
+        values[node] = original(node)
+        return values[node]
+
+    run.run_node = record
+    with torch.no_grad():
+        run.run(*inputs_to_meta(tuple(example_inputs)))
+    return values
+
+
+def _crossing(gm: GraphModule, node_stage: dict[Node, int], s: int) -> list[Node]:
+    """Values made on a stage <= s and used on a stage > s, in graph order."""
+    return [
+        n for n in gm.graph.nodes
+        if n in node_stage and n.op != "output" and node_stage[n] <= s
+        and any(node_stage.get(u, -1) > s for u in n.users)
+    ]
+
+
+def _check_tensor(node: Node, value: object, s: int) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise PlanError(
+            f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
+            f"made by `{node.format_node()}`) on a later stage, but only tensors can be sent "
+            "between pipeline stages; move the cut so that it is used where it is made"
+        )
+
+
+# -- 5. stage modules ------------------------------------------------------------------------
+
+
+def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int],
+                  values: dict[Node, object], s: int, num_stages: int) -> GraphModule:
+    graph = torch.fx.Graph()
+    env: dict[Node, Node] = {}
+    if s == 0:
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                env[node] = graph.node_copy(node)
+    else:
+        for node in _crossing(gm, node_stage, s - 1):
+            _check_tensor(node, values[node], s - 1)
+            env[node] = graph.placeholder(node.name)
+
+    def arg(n: Node) -> Node:
+        if n not in env and n.op == "get_attr":
+            env[n] = graph.node_copy(n)
+        return env[n]
+
+    for node in gm.graph.nodes:
+        if node.op in _CALLS and node_stage[node] == s:
+            env[node] = graph.node_copy(node, arg)
+    if s == num_stages - 1:
+        out = next(n for n in gm.graph.nodes if n.op == "output")
+        graph.node_copy(out, arg)
+    else:
+        sent = _crossing(gm, node_stage, s)
+        for node in sent:
+            _check_tensor(node, values[node], s)
+        graph.output(arg(sent[0]) if len(sent) == 1 else tuple(arg(n) for n in sent))
+    graph.lint()
+    return GraphModule(model, graph, f"{type(model).__name__}Stage{s}")

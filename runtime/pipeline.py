@@ -1,0 +1,235 @@
+"""Pipeline-parallel training: stage modules run by ``torch.distributed.pipelining``.
+
+The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
+
+    1. validate        plan, world and stage modules; no collective yet
+    2. mesh            the (pp, dp, tp) DeviceMesh; this rank's pp coordinate picks its
+                       stages (``runtime.plan.stage_rank``: looped, or V for ZBVZeroBubble)
+    3. tensor parallel per stage module, on the stage's tp axis       (runtime.tensor_parallel)
+    4. data parallel   FSDP2 per layer, then each stage module as a root, on the stage's
+                       (dp, tp) sub-meshes                            (runtime.data_parallel)
+    5. schedule        one manual ``PipelineStage`` per local stage (tracing with
+                       ``pipeline()`` + SplitPoint hangs with V schedules on gloo), and the
+                       plan's ``Schedule*`` class over the pp axis
+
+Data parallelism is FSDP2 for every strategy, ``replicate`` included (the (n, 1) HSDP
+mesh of ``runtime.data_parallel``), never DDP: with the zero-bubble schedules DDP skips
+the all-reduce of the split weight-gradient pass and gives silently wrong gradients
+(shared/TORCH_ON_CPU.md), while the schedules drive FSDP2's reduction themselves
+(``PipelineStage.perform_reduce_grad``). tests/test_pipeline_numerics.py checks every
+schedule with dp and tp against one process.
+
+Loss and gradients: each dp replica splits its slice of the global batch into
+``num_microbatches`` equal micro-batches; the last stage computes ``loss_fn`` (a mean) per
+micro-batch. autograd sums the micro-batches' gradients, and the schedule divides them by
+``num_microbatches`` (``scale_grads=True``), which gives the gradient of the replica's
+mean loss; FSDP2 then averages over dp (and over identical tp copies). That is the
+gradient of the global mean loss, as for ``pp == 1``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import (
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from runtime.apply import _device
+from runtime.data_parallel import apply_fsdp
+from runtime.mesh import build_mesh, data_parallel_meshes
+from runtime.plan import Plan, PlanError, stage_rank
+from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
+from runtime.train import LossFn, OptimizerFactory, Trainer, _adamw
+
+logger = logging.getLogger(__name__)
+
+SCHEDULE_CLASSES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+}
+"""runtime.plan.SCHEDULES name -> torch class; single-stage ones take one stage per rank."""
+
+
+def local_stage_ids(plan: Plan, pp_rank: int) -> list[int]:
+    """The stages pipeline rank ``pp_rank`` runs, in stage order."""
+    return [s for s in range(plan.num_stages)
+            if stage_rank(s, plan.mesh.pp, plan.pipeline) == pp_rank]
+
+
+def validate_pipeline(stages: Sequence[nn.Module], plan: Plan) -> None:
+    """Raise PlanError if the stage modules cannot run ``plan`` here. Local: no collective."""
+    if plan.mesh.pp < 2 or plan.pipeline is None:
+        raise PlanError(
+            f"mesh.pp={plan.mesh.pp}: a pipeline needs pp >= 2 and a 'pipeline' section; "
+            "run pp=1 plans with runtime.train.Trainer"
+        )
+    if not dist.is_available() or not dist.is_initialized():
+        raise PlanError(
+            "torch.distributed is not initialised; start ranks with runtime.launch.spawn or "
+            "torchrun and call runtime.launch.init_from_env() first"
+        )
+    world = dist.get_world_size()
+    if plan.world_size != world:
+        raise PlanError(
+            f"the plan's mesh (pp={plan.mesh.pp} x dp={plan.mesh.dp} x tp={plan.mesh.tp}) "
+            f"needs {plan.world_size} ranks but {world} are running; launch "
+            f"{plan.world_size} ranks or re-plan for {world}"
+        )
+    if len(stages) != plan.num_stages:
+        raise PlanError(
+            f"got {len(stages)} stage module(s) but the plan has {plan.num_stages} stages "
+            "(mesh.pp × pipeline.virtual_stages); split the model with the same plan"
+        )
+    for s, module in enumerate(stages):
+        meta = [name for name, p in module.named_parameters() if p.is_meta]
+        if meta:
+            raise PlanError(
+                f"stage {s}: {len(meta)} parameter(s) are on the meta device (first: "
+                f"{meta[0]!r}); build the model with real weights before applying a plan"
+            )
+    for layer in plan.layers:
+        module = stages[layer.stage]
+        try:
+            module.get_submodule(layer.module)
+        except AttributeError:
+            raise PlanError(
+                f"layer {layer.module!r} is planned on stage {layer.stage} but stage module "
+                f"{layer.stage} has no such submodule; split the model with the same plan"
+            ) from None
+        if layer.is_tp:
+            validate_tp_layer(module, layer, plan.mesh.tp)
+
+
+def _keep_unsharded_through_step(module: nn.Module) -> None:
+    """Sharded layers keep their gathered parameters from forward to the end of backward.
+
+    The zero-bubble schedules find a stage's weights for the split weight-gradient pass
+    from ``module.parameters()`` before backward starts; a layer resharded after forward
+    shows its sharded parameters there, which are not in the autograd graph, so its
+    weight gradients were silently never computed (seen: ``None`` for every sharded
+    parameter of the last stage). Not resharding also saves one all-gather per
+    micro-batch (torchtitan's default under pipelining); parameters are still resharded
+    after backward, and gradients and optimizer states stay sharded.
+    """
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.set_reshard_after_forward(False, recurse=False)
+
+
+def _schedule(plan: Plan, stages: list[PipelineStage], loss_fn: LossFn, scale_grads: bool):
+    cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
+    m = plan.pipeline.num_microbatches
+    if issubclass(cls, PipelineScheduleSingle):
+        (stage,) = stages
+        return cls(stage, m, loss_fn=loss_fn, scale_grads=scale_grads)
+    assert issubclass(cls, PipelineScheduleMulti)
+    return cls(stages, m, loss_fn=loss_fn, scale_grads=scale_grads)
+
+
+class PipelineTrainer(Trainer):
+    """``Trainer``'s API for ``mesh.pp > 1``: applies ``plan`` to the stage modules (in
+    place) and trains them one step at a time with the plan's schedule.
+
+    ``stages`` holds every stage module (index = stage id, as ``passes.split_stages``
+    makes them); this rank keeps and trains only its own. ``shard_batch``, ``step`` and
+    ``train_step`` are ``Trainer``'s.
+    """
+
+    def __init__(
+        self,
+        stages: Sequence[nn.Module],
+        plan: Plan,
+        loss_fn: LossFn,
+        optimizer_factory: OptimizerFactory = _adamw,
+        *,
+        device_type: str = "cpu",
+        scale_grads: bool = True,
+    ) -> None:
+        validate_pipeline(stages, plan)
+        self.plan = plan
+        self.loss_fn = loss_fn
+        self._device = _device(device_type)
+        self.mesh = build_mesh(plan.mesh, device_type)
+        self.pp_rank = self.mesh.get_local_rank("pp")
+        self.dp_rank = self.mesh.get_local_rank("dp")
+        self.dp_size = plan.mesh.dp
+        self.stage_ids = local_stage_ids(plan, self.pp_rank)
+        self.stages = [stages[s] for s in self.stage_ids]
+        """This rank's stage modules (parallelized in place), in stage order."""
+        self.module = self.stages[0] if len(self.stages) == 1 else None
+        meshes = data_parallel_meshes(self.mesh["dp", "tp"])
+        pp_group = self.mesh.get_group("pp")
+        pipe_stages = []
+        for s, module in zip(self.stage_ids, self.stages, strict=True):
+            module.to(self._device)
+            layers = [la for la in plan.layers if la.stage == s]
+            apply_tensor_parallel(module, [la for la in layers if la.is_tp], meshes.tp)
+            apply_fsdp(module, layers, meshes)
+            _keep_unsharded_through_step(module)
+            pipe_stages.append(PipelineStage(module, s, plan.num_stages, self._device,
+                                             group=pp_group))
+        self.schedule = _schedule(plan, pipe_stages, loss_fn, scale_grads)
+        self.has_first = 0 in self.stage_ids
+        self.has_last = plan.num_stages - 1 in self.stage_ids
+        self.optimizer = optimizer_factory([p for m in self.stages for p in m.parameters()])
+        logger.info("pipeline %s: pp rank %d runs stage(s) %s, %d micro-batches",
+                    plan.pipeline.schedule, self.pp_rank, self.stage_ids,
+                    plan.pipeline.num_microbatches)
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def forward_backward(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        """One pipelined forward and backward of this replica's local batch over every
+        micro-batch; returns the global mean loss on every rank. Collective."""
+        m = self.plan.pipeline.num_microbatches
+        if targets.shape[0] % m:
+            raise PlanError(
+                f"the local batch of {targets.shape[0]} samples does not split into "
+                f"pipeline.num_microbatches={m} equal micro-batches; use a global batch "
+                f"that is a multiple of dp × num_microbatches = {self.dp_size * m}"
+            )
+        losses: list[torch.Tensor] = []
+        args = tuple(inputs) if self.has_first else ()
+        self.schedule.step(*args, target=targets if self.has_last else None,
+                           losses=losses if self.has_last else None)
+        local = torch.stack(losses).mean().detach() if self.has_last else torch.zeros(())
+        total = local.to(self._device, torch.float32)
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        # One pp coordinate holds the last stage: dp × tp ranks (tp copies are equal).
+        return total / (self.plan.mesh.dp * self.plan.mesh.tp)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full parameters of every stage, by the user's names, on CPU, on every rank.
+        Collective: gathers across tp/dp within a stage, then across pipeline ranks."""
+        mine: dict[str, torch.Tensor] = {}
+        for module in self.stages:
+            for name, param in module.named_parameters():
+                value = param.detach()
+                if isinstance(value, DTensor):
+                    value = value.full_tensor()
+                mine[name] = value.cpu().clone()
+        gathered: list[dict[str, torch.Tensor] | None] = [None] * self.plan.mesh.pp
+        dist.all_gather_object(gathered, mine, group=self.mesh.get_group("pp"))
+        out: dict[str, torch.Tensor] = {}
+        for part in gathered:
+            out.update(part or {})
+        return out
