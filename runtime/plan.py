@@ -359,6 +359,7 @@ class Plan:
             raise PlanError("mesh.pp > 1 needs a 'pipeline' section (schedule, num_microbatches)")
         if self.pipeline is None:
             return
+        self._check_schedule_microbatches()
         m = self.pipeline.num_microbatches
         if self.global_batch % (self.mesh.dp * m):
             raise PlanError(
@@ -374,6 +375,25 @@ class Plan:
         missing = sorted(set(range(self.num_stages)) - set(stages))
         if self.layers and missing:
             raise PlanError(f"pipeline stage(s) {missing} hold no layer")
+
+    def _check_schedule_microbatches(self) -> None:
+        """What torch.distributed.pipelining's schedules require of num_microbatches."""
+        pp, m, name = self.mesh.pp, self.pipeline.num_microbatches, self.pipeline.schedule
+        if name == "1F1B" and m < pp:
+            raise PlanError(
+                f"pipeline.num_microbatches={m} is less than mesh.pp={pp}; schedule '1F1B' "
+                f"needs at least one micro-batch per stage: use num_microbatches >= {pp} "
+                "or schedule 'GPipe'"
+            )
+        if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
+            rounds = max(1, m // pp)  # micro-batches advance in rounds of about pp
+            if m % rounds:
+                raise PlanError(
+                    f"pipeline.num_microbatches={m} with schedule {name!r} and mesh.pp={pp}: "
+                    f"the schedule runs max(1, {m} // {pp}) = {rounds} rounds and needs "
+                    f"num_microbatches to be a multiple of them; use a multiple of {pp} "
+                    f"or at most {pp}"
+                )
 
     # -- lookup ---------------------------------------------------------------------------
 

@@ -47,6 +47,15 @@ def layer_plans(draw, mesh: Mesh) -> LayerPlan:
     )
 
 
+def _runs(schedule: str, pp: int, m: int) -> bool:
+    """The micro-batch counts torch's schedules accept (Plan._check_pipeline)."""
+    if schedule == "1F1B":
+        return m >= pp
+    if schedule.startswith("Interleaved"):
+        return m % max(1, m // pp) == 0
+    return True
+
+
 @st.composite
 def plans(draw) -> Plan:
     mesh = Mesh(pp=draw(st.integers(1, 4)), dp=draw(st.integers(1, 8)), tp=draw(st.integers(1, 8)))
@@ -56,8 +65,8 @@ def plans(draw) -> Plan:
         v = {"ZBVZeroBubble": 2}.get(schedule, 1)
         if schedule.startswith("Interleaved"):
             v = draw(st.integers(2, 3))
-        pipeline = PipelineSpec(schedule=schedule, num_microbatches=draw(st.integers(1, 8)),
-                                virtual_stages=v)
+        m = draw(st.integers(1, 8).filter(lambda m: _runs(schedule, mesh.pp, m)))
+        pipeline = PipelineSpec(schedule=schedule, num_microbatches=m, virtual_stages=v)
     num_stages = mesh.pp * (pipeline.virtual_stages if pipeline else 1)
     layers = draw(st.lists(layer_plans(mesh), min_size=num_stages if pipeline else 0,
                            max_size=max(6, num_stages), unique_by=lambda la: la.module))
@@ -165,6 +174,10 @@ def test_not_json_and_unreadable_files_are_plan_errors(tmp_path):
          "stage(s) [2, 3] hold no layer"),
         (dict(schedule="ZBVZeroBubble", num_microbatches=2), [0, 1], "takes virtual_stages = 2"),
         (dict(schedule="PipeDream", num_microbatches=2), [0, 1], "is not one of GPipe, 1F1B"),
+        (dict(schedule="1F1B", num_microbatches=1), [0, 1],
+         "pipeline.num_microbatches=1 is less than mesh.pp=2; schedule '1F1B'"),
+        (dict(schedule="Interleaved1F1B", num_microbatches=5, virtual_stages=2), [0, 1, 2, 3],
+         "pipeline.num_microbatches=5 with schedule 'Interleaved1F1B' and mesh.pp=2"),
     ],
 )
 def test_bad_pipeline_sections_are_named(pipeline, stages, message):
