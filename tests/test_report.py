@@ -126,7 +126,7 @@ def test_progress_draws_on_a_terminal_and_is_quiet_otherwise(tty):
         assert out == "" and progress.calls == 2
 
 
-def test_search_calls_progress_once_per_candidate():
+def test_search_reports_progress_until_every_candidate_is_counted():
     from autopar.api import search_plans
 
     spec = get_model("gpt-tiny")
@@ -134,5 +134,7 @@ def test_search_calls_progress_once_per_candidate():
     result = search_plans(spec.build("meta"), "dgx-a100-80g",
                           spec.example_inputs(16, device="meta"), model_name=spec.name,
                           progress=lambda **kw: seen.append(kw))
-    assert [s["evaluated"] for s in seen] == list(range(1, len(result.candidates) + 1))
+    counts = [s["evaluated"] for s in seen]
+    assert counts == sorted(set(counts)) and counts[0] >= 1
+    assert counts[-1] == len(result.candidates) <= seen[-1]["total"]
     assert seen[-1]["best_s"] == pytest.approx(result.plan.solver.objective_s)
