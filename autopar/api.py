@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from autopar.errors import AutoparError
 from autopar.explain import attach_rationale
+from autopar.lower import make_trainer
 from autopar.planner import SearchResult, search
 from autopar.planner.search import ProgressFn
 from cost_models.hardware import Cluster
@@ -80,7 +81,8 @@ def compile(  # noqa: A001 - the public name the architecture promises
     """Plan (on rank 0, shared with every rank) unless ``plan`` is given, then apply it.
 
     Call on every rank after the process group is initialised (``autopar run``, torchrun
-    or ``runtime.launch.spawn``). Returns a Trainer: ``trainer.train_step(inputs, targets)``.
+    or ``runtime.launch.spawn``). Returns a Trainer: ``trainer.train_step(inputs, targets)``
+    (a ``runtime.pipeline.PipelineTrainer`` for pipeline plans, split by ``autopar.lower``).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(
@@ -104,5 +106,5 @@ def compile(  # noqa: A001 - the public name the architecture promises
             raise payload[0]
         assert isinstance(payload[0], str)
         plan = Plan.from_json(payload[0], source="plan from rank 0")
-    kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
-    return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
+    return make_trainer(model, plan, loss_fn, tuple(example_inputs), optimizer_factory,
+                        device_type=device_type)

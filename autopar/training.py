@@ -6,11 +6,11 @@ import torch
 
 from autopar.api import search_plans
 from autopar.errors import AutoparError
+from autopar.lower import make_trainer
 from autopar.zoo import ModelSpec, get_model
 from cost_models.hardware import Cluster
 from runtime.launch import spawn
 from runtime.plan import Plan
-from runtime.train import Trainer
 
 
 def plan_for_local_run(spec: ModelSpec, nproc: int, batch: int, seq: int | None) -> Plan:
@@ -26,7 +26,8 @@ def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int
     """Global mean loss per step, from rank 0."""
     if plan.world_size != nproc:
         raise AutoparError(
-            f"the plan is for {plan.world_size} ranks (mesh dp={plan.mesh.dp} × tp={plan.mesh.tp})"
+            f"the plan is for {plan.world_size} ranks (mesh pp={plan.mesh.pp} × dp={plan.mesh.dp} × "
+            f"tp={plan.mesh.tp})"
             f" but --nproc is {nproc}; pass --nproc {plan.world_size} or re-plan"
         )
     results = spawn(train_worker, nproc, spec.name, plan.to_json(), steps, batch, seq, seed,
@@ -40,7 +41,8 @@ def train_worker(model_name: str, plan_json: str, steps: int, batch: int, seq: i
     torch.manual_seed(seed)
     spec = get_model(model_name)
     plan = Plan.from_json(plan_json)
-    trainer = Trainer(spec.build(seed=seed), plan, spec.loss_fn)
+    example = spec.example_inputs(batch, seq, device="meta")
+    trainer = make_trainer(spec.build(seed=seed), plan, spec.loss_fn, example)
     losses = []
     for step in range(steps):
         inputs, targets = spec.make_batch(batch, seq, seed=seed + 1 + step)

@@ -61,10 +61,12 @@ def split_stages(model: nn.Module, plan: Plan, example_inputs: tuple) -> list[nn
     stages = _layer_stages(model, plan, order)
     node_stage = _node_stages(gm, stages, set(units), plan.num_stages)
     values = _propagate(gm, model, example_inputs)
-    return [
+    modules = [
         _stage_module(gm, model, node_stage, values, s, plan.num_stages)
         for s in range(plan.num_stages)
     ]
+    _check_tied(modules)
+    return modules
 
 
 def layer_stages(model: nn.Module, plan: Plan) -> dict[str, int]:
@@ -200,6 +202,21 @@ def _check_attrs(gm: GraphModule, node_stage: dict[Node, int]) -> None:
                 f"parameter {node.target!r} is used on stages {used}; a parameter must live "
                 "on one stage: put the layers that use it on the same stage"
             )
+
+
+def _check_tied(modules: list[GraphModule]) -> None:
+    """A parameter held by two stages (tied weights) would be two copies trained apart."""
+    seen: dict[int, tuple[int, str]] = {}
+    for s, module in enumerate(modules):
+        for name, p in module.named_parameters():
+            if id(p) in seen and seen[id(p)][0] != s:
+                first, other = seen[id(p)]
+                raise PlanError(
+                    f"parameter {other!r} (stage {first}) is tied to {name!r} (stage {s}); tied "
+                    "parameters must live on one stage: put the layers holding them on the "
+                    "same stage"
+                )
+            seen.setdefault(id(p), (s, name))
 
 
 # -- 4. values between stages ---------------------------------------------------------------

@@ -1,0 +1,137 @@
+"""passes.split_stages: stage modules compose to the model, keep its names, and bad cuts
+are refused with errors that name the layer and the fix. One process, no collectives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from autopar.zoo import get_model
+from passes.split_stages import layer_stages, split_stages
+from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, PlanError
+
+SPEC = get_model("gpt-tiny").with_config(n_layer=4)
+NAMES = ["wte", "wpe", "h.0", "h.1", "h.2", "h.3", "ln_f", "lm_head"]
+
+
+def pipeline_plan(stages: dict[str, int], pp: int = 2, schedule: str = "GPipe", v: int = 1,
+                  m: int = 2) -> Plan:
+    return Plan(
+        global_batch=8, mesh=Mesh(pp=pp),
+        pipeline=PipelineSpec(schedule=schedule, num_microbatches=m, virtual_stages=v),
+        layers=tuple(LayerPlan(module=n, stage=s) for n, s in stages.items()),
+    )
+
+
+def run_stages(stages: list[nn.Module], *inputs: torch.Tensor) -> torch.Tensor:
+    out = stages[0](*inputs)
+    for stage in stages[1:]:
+        out = stage(*out) if isinstance(out, tuple) else stage(out)
+    return out
+
+
+def test_stages_compose_to_the_model_and_keep_its_names():
+    model = SPEC.build(seed=0)
+    plan = pipeline_plan(dict(zip(NAMES, [0, 0, 0, 0, 1, 1, 1, 1], strict=True)))
+    (x,), _ = SPEC.make_batch(4, 16)
+    stages = split_stages(model, plan, (x[:2],))
+    assert len(stages) == 2
+    torch.testing.assert_close(run_stages(stages, x), model(x), rtol=0, atol=0)
+    names = [dict(s.named_parameters()) for s in stages]
+    assert "h.2.attn.q_proj.weight" in names[1] and "wte.weight" in names[0]
+    assert names[0].keys() | names[1].keys() == dict(model.named_parameters()).keys()
+    assert not names[0].keys() & names[1].keys()
+    # Shared, not copied: training a stage trains the user's model.
+    assert names[1]["lm_head.weight"] is model.lm_head.weight
+    assert stages[1].get_submodule("h.2") is model.h[2]
+
+
+def test_values_that_skip_a_stage_are_passed_through_it():
+    """Eight stages of one layer each: `pos` (made with wte) is needed by wpe, two apart
+    in the graph, and travels as a second output of stage 0."""
+    model = SPEC.build(seed=0)
+    plan = pipeline_plan({n: i for i, n in enumerate(NAMES)}, pp=4, schedule="Interleaved1F1B",
+                         v=2, m=4)
+    (x,), _ = SPEC.make_batch(2, 16)
+    stages = split_stages(model, plan, (x,))
+    assert len(stages) == 8
+    torch.testing.assert_close(run_stages(stages, x), model(x), rtol=0, atol=0)
+
+
+def test_unplanned_layers_join_the_stage_before_them():
+    model = SPEC.build("meta")
+    plan = pipeline_plan({"h.0": 0, "h.2": 1})
+    assert layer_stages(model, plan) == {
+        "wte": 0, "wpe": 0, "h.0": 0, "h.1": 0, "h.2": 1, "h.3": 1, "ln_f": 1, "lm_head": 1}
+
+
+def test_a_plan_module_above_the_layers_gives_them_its_stage():
+    model = SPEC.build("meta")
+    plan = pipeline_plan({"wte": 0, "h": 1})
+    stages = layer_stages(model, plan)
+    assert [stages[f"h.{i}"] for i in range(4)] == [1, 1, 1, 1] and stages["wpe"] == 0
+
+
+def test_a_cut_through_a_layer_is_refused():
+    plan = pipeline_plan({"wte": 0, "h.0.attn": 0, "h.0.mlp": 1, "h.1": 1})
+    with pytest.raises(PlanError, match=r"'h.0.attn' \(stage 0\) and 'h.0.mlp' \(stage 1\) "
+                                        r"splits layer 'h.0'.*same stage"):
+        split_stages(SPEC.build(seed=0), plan, SPEC.example_inputs(2, 16))
+
+
+def test_a_missing_module_is_named():
+    plan = pipeline_plan({"wte": 0, "h.9": 1})
+    with pytest.raises(PlanError, match=r"layer 'h.9': no such module in GPT.*named_modules"):
+        split_stages(SPEC.build(seed=0), plan, SPEC.example_inputs(2, 16))
+
+
+def test_stages_against_execution_order_are_refused():
+    # Listed in stage order, but lm_head runs last: after ln_f, which joined h.0 on stage 1.
+    plan = pipeline_plan({"lm_head": 0, "h.0": 1})
+    with pytest.raises(PlanError, match=r"layer 'lm_head' \(stage 0\) runs after layer 'ln_f' "
+                                        r"\(stage 1\); stages must follow the order"):
+        split_stages(SPEC.build(seed=0), plan, SPEC.example_inputs(2, 16))
+
+
+class ScaledByWidth(nn.Module):
+    def __init__(self, tie: bool = False, scale: bool = True) -> None:
+        super().__init__()
+        self.scale = scale
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+        if tie:
+            self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = x.shape[-1] if self.scale else 1  # a Python int, made before layer `a`
+        return self.b(self.a(x)) * width
+
+
+def test_a_non_tensor_value_across_a_cut_is_refused():
+    with pytest.raises(PlanError, match=r"only tensors can be sent between pipeline stages"):
+        split_stages(ScaledByWidth(), pipeline_plan({"a": 0, "b": 1}), (torch.randn(2, 4),))
+
+
+def test_tied_parameters_on_two_stages_are_refused():
+    with pytest.raises(PlanError, match=r"'a.weight' \(stage 0\) is tied to 'b.weight' "
+                                        r"\(stage 1\)"):
+        split_stages(ScaledByWidth(tie=True, scale=False), pipeline_plan({"a": 0, "b": 1}),
+                     (torch.randn(2, 4),))
+
+
+def test_untraceable_model_names_the_construct():
+    from passes.trace import GraphCaptureError
+
+    class Branchy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+        def forward(self, x):
+            if x.sum() > 0:
+                x = -x
+            return self.b(self.a(x))
+
+    with pytest.raises(GraphCaptureError, match="control flow"):
+        split_stages(Branchy(), pipeline_plan({"a": 0, "b": 1}), (torch.randn(2, 4),))
