@@ -16,7 +16,7 @@ The steps, in order:
 4. **values between stages.** Shapes are propagated on meta copies. Every value made on
    a stage ``<= s`` and used on a stage ``> s`` is an output of stage ``s`` and an input
    of ``s + 1`` (values that skip a stage are passed through it), because a pipeline
-   stage only talks to its neighbours. Such values must be tensors.
+   stage only talks to its neighbours. Such values must be floating-point tensors.
 5. **stage modules.** One ``GraphModule`` per stage over the user's model: it holds the
    stage's layers under their fully-qualified names (stage 1 has ``h.2.attn.q_proj``), so
    per-layer tensor/data parallelism applies by name unchanged and ``named_parameters``
@@ -24,7 +24,8 @@ The steps, in order:
 
 Limits: the model must be symbolically traceable with its layers as leaves (no Python
 control flow on tensor values outside layers); a layer called twice, or a parameter used
-on two stages (tied weights), must stay on one stage; only tensors cross a cut.
+on two stages (tied weights), must stay on one stage; only floating-point tensors
+cross a cut.
 """
 
 from __future__ import annotations
@@ -266,6 +267,15 @@ def _check_tensor(node: Node, value: object, s: int) -> None:
             f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
             f"made by `{node.format_node()}`) on a later stage, but only tensors can be sent "
             "between pipeline stages; move the cut so that it is used where it is made"
+        )
+    if not value.is_floating_point():
+        # Seen with torch 2.13 on gloo: an int64 position tensor sent between stages
+        # arrives as garbage (an embedding then fails with an index out of range).
+        user = next(u for u in node.users if u.op != "output")
+        raise PlanError(
+            f"the cut after stage {s} sends {node.name!r}, a {value.dtype} tensor made by "
+            f"`{node.format_node()}`, to a later stage; pipeline stages exchange floating-point "
+            f"activations only: put the layers that make and use it ({user.name!r}) on one stage"
         )
 
 

@@ -47,16 +47,31 @@ def test_stages_compose_to_the_model_and_keep_its_names():
     assert stages[1].get_submodule("h.2") is model.h[2]
 
 
+class Skip(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.a(x)
+        return self.c(self.b(y)) + y
+
+
 def test_values_that_skip_a_stage_are_passed_through_it():
-    """Eight stages of one layer each: `pos` (made with wte) is needed by wpe, two apart
-    in the graph, and travels as a second output of stage 0."""
-    model = SPEC.build(seed=0)
-    plan = pipeline_plan({n: i for i, n in enumerate(NAMES)}, pp=4, schedule="Interleaved1F1B",
-                         v=2, m=4)
-    (x,), _ = SPEC.make_batch(2, 16)
+    """`y` is made on stage 0 and used on stage 2: stage 1 receives and returns it."""
+    model = Skip()
+    plan = pipeline_plan({"a": 0, "b": 1, "c": 2}, pp=3, m=4)
+    x = torch.randn(2, 4)
     stages = split_stages(model, plan, (x,))
-    assert len(stages) == 8
+    assert [n.name for n in stages[1].graph.nodes if n.op == "placeholder"] == ["a"]
     torch.testing.assert_close(run_stages(stages, x), model(x), rtol=0, atol=0)
+
+
+def test_an_integer_tensor_across_a_cut_is_refused():
+    """With wte and wpe on two stages the int64 positions would cross the cut."""
+    plan = pipeline_plan({"wte": 0, "wpe": 1})
+    with pytest.raises(PlanError, match=r"sends 'arange', a torch.int64 tensor.*\('wpe'\)"):
+        split_stages(SPEC.build(seed=0), plan, SPEC.example_inputs(2, 16))
 
 
 def test_unplanned_layers_join_the_stage_before_them():
