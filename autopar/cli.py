@@ -10,6 +10,12 @@ import sys
 from collections.abc import Sequence
 
 from autopar.api import search_plans
+from autopar.cli_checkpoint import (
+    add_checkpoint_options,
+    add_reshard_command,
+    cmd_run_resumable,
+    under_torchrun,
+)
 from autopar.cli_report import add_commands, add_plan_options, write_outputs
 from autopar.errors import AutoparError
 from autopar.progress import SearchProgress
@@ -64,6 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=300, help="seconds before ranks give up")
     r.set_defaults(handler=cmd_run)
+    add_checkpoint_options(r)
+    add_reshard_command(sub)
     return parser
 
 
@@ -111,6 +119,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from autopar.training import plan_for_local_run, run_local
 
+    if args.ckpt_dir or args.resume or under_torchrun():
+        return cmd_run_resumable(args)
     spec = get_model(args.model)
     batch = args.batch or spec.default_batch
     if args.plan:

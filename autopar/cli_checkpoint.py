@@ -1,0 +1,126 @@
+"""``autopar run`` with checkpoints (local processes or under torchrun) and ``autopar reshard``.
+
+Kept apart from ``autopar.cli`` so the command table there stays short; ``cli`` calls
+``add_checkpoint_options`` / ``add_reshard_command`` and hands ``run`` over to
+``cmd_run_resumable`` when ``--ckpt-dir`` is given or torchrun started the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from autopar.errors import AutoparError
+from autopar.zoo import MODELS, get_model
+from runtime.plan import Plan
+
+
+def under_torchrun() -> bool:
+    """torchrun's elastic agent started this process (it sets TORCHELASTIC_RUN_ID)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def add_checkpoint_options(run: argparse.ArgumentParser) -> None:
+    g = run.add_argument_group(
+        "checkpoints", "resumable training; under torchrun each process is one rank "
+        "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N "
+        "--max-restarts R -m autopar.cli run ...)")
+    g.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint root (save / resume here)")
+    g.add_argument("--ckpt-every", type=int, default=0, metavar="K",
+                   help="save every K steps (default: only after the last step)")
+    g.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --ckpt-dir, resharding it "
+                        "(and re-planning) if the world size changed")
+    g.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
+    g.add_argument("--async-save", action="store_true",
+                   help="write checkpoints in a background thread")
+
+
+def add_reshard_command(sub) -> None:
+    s = sub.add_parser(
+        "reshard", help="rewrite a checkpoint for another plan (offline, one process)",
+        description="Check that a checkpoint fits plan B's model and write a copy labelled "
+                    "with plan B, in one shard file. Any autopar checkpoint also reshards "
+                    "itself when a run under another plan loads it.")
+    s.add_argument("ckpt", metavar="CKPT", help="a checkpoint, or a root holding them (newest)")
+    s.add_argument("--plan", required=True, metavar="B.json", help="the plan to load it under")
+    s.add_argument("--out", required=True, metavar="DIR", help="new checkpoint root (must not exist)")
+    s.add_argument("--model", help="built-in model to check against (default: the one named "
+                                    f"in the checkpoint, else in the plan; {', '.join(MODELS)})")
+    s.set_defaults(handler=cmd_reshard)
+
+
+def cmd_reshard(args: argparse.Namespace) -> int:
+    from runtime.checkpoint import reshard, verify
+
+    plan = Plan.load(args.plan)
+    _, manifest, _ = verify(args.ckpt)
+    name = args.model or manifest.model or plan.model
+    if not name:
+        raise AutoparError("neither the checkpoint nor the plan names its model; pass --model")
+    path = reshard(args.ckpt, args.out, plan, get_model(name).build("meta"))
+    print(f"{name} step {manifest.step}: saved under {manifest.world_size} rank(s), written for "
+          f"mesh pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp} to {path}")
+    return 0
+
+
+def cmd_run_resumable(args: argparse.Namespace) -> int:
+    from autopar.resumable import CheckpointOptions, resumable_worker, train_resumable
+    from runtime.launch import init_from_env, spawn
+
+    spec = get_model(args.model)
+    batch = args.batch or spec.default_batch
+    plan = Plan.load(args.plan) if args.plan else None
+    ckpt = None
+    if args.ckpt_dir:
+        ckpt = CheckpointOptions(dir=args.ckpt_dir, every=args.ckpt_every, resume=args.resume,
+                                 keep=args.keep, async_save=args.async_save)
+    elif args.resume:
+        raise AutoparError("--resume needs --ckpt-dir")
+    if not under_torchrun():
+        result = spawn(resumable_worker, args.nproc, spec.name, plan.to_json() if plan else None,
+                       args.steps, batch, args.seq, args.seed, ckpt, timeout_s=args.timeout)[0]
+        _report(spec.name, batch, result.plan, result.resumed_from)
+        for step, loss in result.losses.items():
+            print(f"step {step}  loss {loss:.10f}")
+        return 0
+    import torch.distributed as dist
+
+    init_from_env(timeout_s=args.timeout)
+    rank0 = dist.get_rank() == 0
+    if rank0 and _restarts_may_hang():
+        print("autopar run: warning: torchrun shares its rendezvous store with the ranks, and "
+              "gloo ranks then fail to reconnect after a restart (pytorch#135712); set "
+              "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun", file=sys.stderr)
+
+    def on_step(step: int, loss: float) -> None:
+        if rank0:
+            print(f"step {step}  loss {loss:.10f}", flush=True)
+
+    result = train_resumable(spec, steps=args.steps, batch=batch, seq=args.seq, seed=args.seed,
+                             plan=plan, ckpt=ckpt, on_step=on_step)
+    if rank0:
+        _report(spec.name, batch, result.plan, result.resumed_from)
+    dist.destroy_process_group()
+    return 0
+
+
+def _restarts_may_hang() -> bool:
+    return (os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+            and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            and dist_backend() == "gloo")
+
+
+def dist_backend() -> str:
+    import torch.distributed as dist
+
+    return dist.get_backend()
+
+
+def _report(name: str, batch: int, plan: Plan, resumed_from: int | None) -> None:
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    print(f"{name} on {plan.world_size} CPU rank(s): mesh dp={plan.mesh.dp} × tp={plan.mesh.tp}, "
+          f"global batch {batch}, restart {restart}"
+          + (f", resumed from step {resumed_from}" if resumed_from is not None else ""))
+    sys.stdout.flush()
