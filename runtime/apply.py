@@ -47,8 +47,9 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
     """Raise PlanError if ``plan`` cannot run ``model`` in this world. Local: no collective."""
     if plan.mesh.pp != 1:
         raise PlanError(
-            f"mesh.pp={plan.mesh.pp}: pipeline parallelism is not supported by this runtime "
-            "yet; re-plan with pp=1"
+            f"mesh.pp={plan.mesh.pp}: a pipeline plan runs on one module per stage; build "
+            "the trainer with autopar.lower.make_trainer (it splits the model), or pass the "
+            "stage modules to runtime.pipeline.PipelineTrainer"
         )
     if not dist.is_available() or not dist.is_initialized():
         raise PlanError(
