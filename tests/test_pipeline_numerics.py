@@ -292,7 +292,24 @@ def test_local_batch_not_splitting_into_microbatches_is_refused(pool2):
                for m in messages), messages
 
 
-# -- autopar run ---------------------------------------------------------------------------
+# -- autopar.compile and autopar run -------------------------------------------------------
+
+
+def compile_job(model: tuple, plan_json: str) -> tuple[str, float]:
+    import autopar
+
+    spec, (_, _, batch, seq) = _spec(model), model
+    trainer = autopar.compile(spec.build(seed=0), "local", spec.example_inputs(batch, seq),
+                              loss_fn=spec.loss_fn, plan=Plan.from_json(plan_json))
+    return type(trainer).__name__, trainer.train_step(*spec.make_batch(batch, seq, seed=0))
+
+
+def test_compile_runs_a_pipeline_plan(pool2):
+    results = pool2.run(compile_job, GPT6, pipeline_plan("ZBVZeroBubble", pp=2))
+    for name, loss in results:
+        assert name == "PipelineTrainer"
+        assert loss == pytest.approx(reference(GPT6)["losses"][0], rel=1e-5)
+
 
 
 def test_autopar_run_executes_a_pipeline_plan(tmp_path):
