@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 from passes.split_stages import split_stages
-from runtime.pipeline import PipelineTrainer, validate_pipeline
+from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan
 from runtime.train import LossFn, OptimizerFactory, Trainer
 
@@ -45,5 +45,4 @@ def make_trainer(
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
     stages = split_stages(model, plan, microbatch_inputs(plan, example_inputs))
-    validate_pipeline(stages, plan)
     return PipelineTrainer(stages, plan, loss_fn, device_type=device_type, **kwargs)
