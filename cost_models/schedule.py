@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 
 ACTIONS = ("F", "B", "W")
@@ -169,38 +170,59 @@ def simulate(
             return [orders[r][pos[r]]] if pos[r] < len(orders[r]) else []
         # ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): each
         # rank holds stage r going down and stage 2p-1-r coming back; backwards first, and
-        # forwards only while fewer than 2p stage micro-batches are held (1F1B's memory).
-        out = []
-        for st in (2 * p - 1 - r, r):
-            if next_mb["B", st] < m:
-                out.append(("B", st, next_mb["B", st]))
-        if held[r] < 2 * p:
-            for st in (2 * p - 1 - r, r):
-                if next_mb["F", st] < m:
-                    out.append(("F", st, next_mb["F", st]))
+        # down-chunk forwards only while fewer than 2p half stages are held. With up to p
+        # deferred W's this holds at most 1.5x 1F1B's activations (the paper's hand-built
+        # ZB-V holds exactly 1F1B's).
+        # The cap gates only the down chunk: an up-chunk forward follows this rank's own
+        # down-chunk forward of the same micro-batch, and must never wait on the cap, or a
+        # rank that filled it with down-chunk forwards would never free it (deadlock).
+        down, up = r, 2 * p - 1 - r
+        out = [("B", st, next_mb["B", st]) for st in (up, down) if next_mb["B", st] < m]
+        if next_mb["F", up] < m:
+            out.append(("F", up, next_mb["F", up]))
+        if held[r] < 2 * p and next_mb["F", down] < m:
+            out.append(("F", down, next_mb["F", down]))
         return out
 
-    while True:
-        best = None
-        for r in range(p):
-            choice = None
-            for priority, (action, stage, mb) in enumerate(candidates(r)):
-                ready = arrival(action, stage, mb)
-                if ready is None or (pending_w[r] and ready > clock[r]):
-                    continue
-                option = (max(clock[r], ready), priority, r, (action, stage, mb))
-                if choice is None or option[:2] < choice[:2]:
-                    choice = option
-            if choice is not None:
-                choice = (choice[0], r, choice[3])
-            if choice is None and pending_w[r]:
-                stage, mb = pending_w[r][0]
-                choice = (clock[r], r, ("W", stage, mb))
-            if choice and (best is None or choice[:2] < best[:2]):
-                best = choice
-        if best is None:
-            break
-        start, r, (action, stage, mb) = best
+    def choose(r: int) -> tuple[float, tuple[str, int, int]] | None:
+        """The action rank r runs next and when, given what has completed so far."""
+        if len(pending_w[r]) >= p:
+            # Deferred weight gradients hold activations: at most p may wait, so a rank
+            # holds at most p stage micro-batches more than the schedule without W split.
+            stage, mb = pending_w[r][0]
+            return clock[r], ("W", stage, mb)
+        choice = None
+        for priority, (action, stage, mb) in enumerate(candidates(r)):
+            ready = arrival(action, stage, mb)
+            if ready is None or (pending_w[r] and ready > clock[r]):
+                continue
+            option = (max(clock[r], ready), priority, (action, stage, mb))
+            if choice is None or option[:2] < choice[:2]:
+                choice = option
+        if choice is not None:
+            return choice[0], choice[2]
+        if pending_w[r]:
+            stage, mb = pending_w[r][0]
+            return clock[r], ("W", stage, mb)
+        return None
+
+    # Event-driven: a rank's next action changes only when it runs something or a
+    # neighbouring stage completes, so only those ranks are re-examined.
+    heap: list[tuple[float, int, int, tuple[str, int, int]]] = []
+    version = [0] * p
+
+    def refresh(r: int) -> None:
+        version[r] += 1
+        nxt = choose(r)
+        if nxt is not None:
+            heapq.heappush(heap, (nxt[0], r, version[r], nxt[1]))
+
+    for r in range(p):
+        refresh(r)
+    while heap:
+        start, r, ver, (action, stage, mb) = heapq.heappop(heap)
+        if ver != version[r]:
+            continue
         end = start + duration(action, stage)
         slots.append(Slot(rank=r, stage=stage, action=action, microbatch=mb,
                           start_s=start, end_s=end))
@@ -217,6 +239,8 @@ def simulate(
                 pending_w[r].append((stage, mb))
             elif action == "B":
                 held[r] -= 1
+        for affected in {r} | {owner[n] for n in (stage - 1, stage + 1) if 0 <= n <= last}:
+            refresh(affected)
     if len(done) < total:
         raise AssertionError(f"{schedule} deadlocked after {len(done)} of {total} actions")
     return _timeline(schedule, p, m, slots, stages, split_w)
@@ -228,9 +252,12 @@ def _timeline(schedule: str, p: int, m: int, slots: list[Slot], stages: list[Sta
     busy = sum(s.end_s - s.start_s for s in slots)
     releases = "W" if split_w else "B"
     peak_count, peak_bytes = [0] * p, [0.0] * p
+    by_rank: list[list[Slot]] = [[] for _ in range(p)]
+    for s in slots:  # already in start order per rank: a rank runs one action at a time
+        by_rank[s.rank].append(s)
     for r in range(p):
         count, held = 0, 0.0
-        for s in sorted((s for s in slots if s.rank == r), key=lambda s: s.start_s):
+        for s in by_rank[r]:
             if s.action == "F":
                 count += 1
                 held += stages[s.stage].activation_bytes

@@ -78,9 +78,9 @@ def test_ilp_objective_equals_brute_force_on_small_instances(seed):
     expected = brute_force(graph, cluster)
     if expected == float("inf"):
         with pytest.raises(InfeasibleError):
-            search(graph, cluster)
+            search(graph, cluster, pipeline=False)
         return
-    result = search(graph, cluster)
+    result = search(graph, cluster, pipeline=False)
     assert result.plan.solver.objective_s == pytest.approx(expected, rel=1e-6)
     assert result.plan.prediction.step_time_s == pytest.approx(expected, rel=1e-6)
     check_invariants(result.plan, graph, cluster)
@@ -108,10 +108,10 @@ def test_identical_layers_may_take_different_strategies_when_memory_is_tight():
     layers = [make_layer(f"h.{i}", "Block", i, params=50_000_000, fwd_flops=1e12,
                          saved_bytes=1_000_000, act_bytes=100_000, tp=False) for i in range(4)]
     graph = graph_of(layers, 4)
-    full = search(graph, make_cluster(per_node=4)).plan
+    full = search(graph, make_cluster(per_node=4), pipeline=False).plan
     need = full.prediction.memory.total_bytes
     cluster = make_cluster(per_node=4, memory_bytes=int(need * 0.8))
-    plan = search(graph, cluster).plan
+    plan = search(graph, cluster, pipeline=False).plan
     strategies = [lp.strategy for lp in plan.layers]
     assert set(strategies) == {"replicate", "fsdp"}, strategies
     assert plan.solver.objective_s == pytest.approx(brute_force(graph, cluster), rel=1e-6)
@@ -148,7 +148,7 @@ def test_moves_from_replicate_to_fsdp_to_tp_as_memory_shrinks():
     graph = large_vocab_model()
     phases = []
     for gib in (4.0, 3.0, 2.5):
-        plan = search(graph, pcie_cluster(gib)).plan
+        plan = search(graph, pcie_cluster(gib), pipeline=False).plan
         check_invariants(plan, graph, pcie_cluster(gib))
         used = {lp.strategy for lp in plan.layers}
         phases.append("tp" if used & set(TP_STRATEGIES) else "fsdp" if "fsdp" in used else "dp")

@@ -44,6 +44,8 @@ class ClassOptions:
     name: str
     count: int
     costs: dict[str, LayerCost]
+    inflight: int = 1
+    """Micro-batches whose activations this class holds at once (pipeline schedules)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +105,7 @@ class StrategyILP:
         # brute-force test caught (tests/test_planner.py, seed 12).
         self.b = self.prob.add_variable("buffer_gib", lowBound=0)
         self._memory_expr = pulp.lpSum(
-            cost.resident_bytes / GIB * self.y[c.name, s]
+            cost.resident_with(c.inflight) / GIB * self.y[c.name, s]
             for c in classes
             for s, cost in c.costs.items()
         ) + self.b
@@ -180,7 +182,22 @@ def solve_strategies(
 
 def min_memory(classes: list[ClassOptions], margin_fraction: float
                ) -> tuple[float, dict[str, dict[str, int]]]:
-    """The smallest per-rank memory (margin included) any assignment needs on this mesh."""
-    ilp = StrategyILP(classes, float("inf"), margin_fraction, minimise="memory")
-    result = ilp.solve()
-    return (1 + margin_fraction) * result.objective_s, result.choice
+    """The smallest per-rank memory (margin included) any assignment needs, and one that
+    needs it. Exact without a solver: once the largest buffer is fixed, every class
+    independently takes its least-memory strategy among those within that buffer."""
+    caps = sorted({0.0} | {cost.buffer_bytes for c in classes for cost in c.costs.values()})
+    best, best_choice = float("inf"), {}
+    for cap in caps:
+        total, choice = cap, {}
+        for c in classes:
+            allowed = [(cost.resident_with(c.inflight), s) for s, cost in c.costs.items()
+                       if cost.buffer_bytes <= cap]
+            if not allowed:
+                break
+            resident, strategy = min(allowed)
+            total += c.count * resident
+            choice[c.name] = {strategy: c.count}
+        else:
+            if total < best:
+                best, best_choice = total, choice
+    return (1 + margin_fraction) * best, best_choice

@@ -14,16 +14,24 @@ from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner.costs import LayerCost, allowed_strategies, layer_cost
-from autopar.planner.ilp import ClassOptions, min_memory, solve_strategies
+from autopar.planner.ilp import ClassOptions, make_solver, min_memory, solve_strategies
+from autopar.planner.pipeline import (
+    Infeasible,
+    PipelineOutcome,
+    pipeline_configs,
+    search_pipeline,
+)
 from autopar.report import human_bytes
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision, precision
+from cost_models.schedule import Timeline
 from passes.records import LayerGraph
 from runtime.plan import (
     STRATEGIES,
     LayerPlan,
     MemoryBreakdown,
     Mesh,
+    PipelineSpec,
     Plan,
     Prediction,
     SolverReport,
@@ -44,6 +52,10 @@ class Candidate:
     """Layer class -> {strategy: number of its layers}."""
     min_memory_bytes: float | None = None
     """For infeasible meshes: the least per-rank memory any plan on this mesh needs."""
+    schedule: str | None = None
+    """Pipeline candidates: the schedule, virtual stages per rank and micro-batches."""
+    virtual_stages: int = 1
+    microbatches: int = 1
 
 
 class ProgressFn(Protocol):
@@ -56,6 +68,8 @@ class SearchResult:
     plan: Plan
     candidates: tuple[Candidate, ...]
     search_time_s: float
+    timeline: Timeline | None = None
+    """The simulated schedule of a pipeline plan."""
 
 
 def candidate_meshes(cluster: Cluster, global_batch: int) -> list[tuple[Mesh, str]]:
@@ -91,8 +105,10 @@ def search(
     mesh: Mesh | None = None,
     time_limit_s: float = 10.0,
     progress: ProgressFn | None = None,
+    pipeline: bool = True,
 ) -> SearchResult:
-    """The fastest feasible plan for ``graph`` on ``cluster`` (optionally on a fixed mesh).
+    """The fastest feasible plan for ``graph`` on ``cluster`` (optionally on a fixed mesh),
+    with pipeline-parallel candidates unless ``pipeline`` is False.
 
     ``progress``, if given, is called after each candidate is evaluated (for a terminal
     display; see ``autopar.progress``)."""
@@ -101,15 +117,17 @@ def search(
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
     meshes = candidate_meshes(cluster, graph.batch_size)
     if mesh is not None:
-        meshes = [(m, r) for m, r in meshes if (m.dp, m.tp) == (mesh.dp, mesh.tp)]
-        if not meshes:
+        meshes = [(m, r) for m, r in meshes if (mesh.pp, m.dp, m.tp) == (1, mesh.dp, mesh.tp)]
+        pipeline = pipeline and mesh.pp > 1
+        if not meshes and mesh.pp == 1:
             raise ConfigError(
                 f"mesh dp={mesh.dp} × tp={mesh.tp} does not fit {cluster.name} with "
                 f"{cluster.world_size} devices ({cluster.devices_per_node} per node; tp must "
                 "divide the devices per node and dp × tp equal the device count)"
             )
     usable = [m for m, reason in meshes if not reason]
-    if not usable:
+    pipeline = pipeline and bool(pipeline_configs(graph, cluster))
+    if not usable and not pipeline:
         dps = sorted({m.dp for m, _ in meshes})
         raise ConfigError(
             f"global batch {graph.batch_size} is not divisible by any data-parallel degree "
@@ -140,10 +158,31 @@ def search(
         solver_name = result.solver
     _tell(progress, candidates, len(meshes), best)
 
-    if best is None:
+    pipe_best = None
+    if pipeline:
+        pipe_best, outcomes = search_pipeline(
+            graph, cluster, prec, time_limit_s,
+            best_known_s=best[0].objective_s if best else float("inf"))
+        candidates += [_pipeline_candidate(o) for o in outcomes
+                       if mesh is None or o.config.mesh == mesh]
+        if mesh is not None and pipe_best is not None and pipe_best.config.mesh != mesh:
+            pipe_best = None  # a fixed mesh was asked for
+        solver_name = make_solver(time_limit_s).name
+        _tell(progress, candidates, len(candidates), best)
+    if best is None and pipe_best is None:
         raise _infeasible(graph, cluster, candidates)
-    cand, options = best
     lower = min(c.lower_bound_s for c in candidates if c.status == "optimal")
+    if pipe_best is not None and (best is None or pipe_best.step_time_s < best[0].objective_s):
+        bound = min(lower, pipe_best.step_time_s)
+        report = SolverReport(
+            solver=solver_name, status="optimal", objective_s=pipe_best.step_time_s,
+            lower_bound_s=bound, gap=(pipe_best.step_time_s - bound) / pipe_best.step_time_s,
+            solve_time_s=time.perf_counter() - start, candidates=len(candidates))
+        plan = _make_pipeline_plan(graph, cluster, prec, pipe_best, report)
+        return SearchResult(plan=plan, candidates=tuple(candidates),
+                            search_time_s=time.perf_counter() - start, timeline=pipe_best.timeline)
+    assert best is not None
+    cand, options = best
     report = SolverReport(
         solver=solver_name,
         status="optimal",
@@ -160,10 +199,11 @@ def search(
 
 def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int,
           best: tuple[Candidate, list[ClassOptions]] | None) -> None:
-    """Report the latest candidate to the progress callback, if any."""
+    """Report the latest candidate and the best step time so far to the progress callback."""
     if progress is not None and candidates:
+        done = [c.objective_s for c in candidates if c.status == "optimal"]
         progress(evaluated=len(candidates), total=total,
-                 best_s=best[0].objective_s if best else None, candidate=candidates[-1])
+                 best_s=min(done) if done else None, candidate=candidates[-1])
 
 
 def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candidate,
@@ -220,15 +260,70 @@ def plan_memory(costs: list[LayerCost], margin_fraction: float) -> MemoryBreakdo
                            buffers_bytes=int(buffers), margin_bytes=int(margin))
 
 
+def _pipeline_candidate(outcome: PipelineOutcome | Infeasible) -> Candidate:
+    c = outcome.config
+    common = dict(mesh=c.mesh, schedule=c.schedule, virtual_stages=c.virtual_stages,
+                  microbatches=c.microbatches)
+    if isinstance(outcome, Infeasible):
+        return Candidate(status="infeasible", min_memory_bytes=outcome.min_memory_bytes,
+                         reason=f"needs at least {human_bytes(outcome.min_memory_bytes)} per rank",
+                         **common)
+    return Candidate(status="optimal", objective_s=outcome.step_time_s,
+                     lower_bound_s=outcome.lower_bound_s, **common)
+
+
+def _make_pipeline_plan(graph: LayerGraph, cluster: Cluster, prec: Precision,
+                        outcome: PipelineOutcome, report: SolverReport) -> Plan:
+    c = outcome.config
+    layers = []
+    for layer, cost, stage in zip(graph.layers, outcome.costs, outcome.stage_of_layer,
+                                  strict=True):
+        styles = dict(layer.tp.styles) if cost.strategy in ("tp", "tp_fsdp") and layer.tp else {}
+        layers.append(LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=styles,
+                                stage=stage, layer_class=layer.layer_class,
+                                memory_bytes=int(cost.resident_with(1)), time_s=cost.time_s))
+    worst = max(outcome.rank_memory, key=lambda mem: sum(mem.values()))
+    used = sum(worst.values())
+    memory = MemoryBreakdown(
+        params_bytes=int(worst["params"]), grads_bytes=int(worst["grads"]),
+        optimizer_bytes=int(worst["optimizer"]), activations_bytes=int(worst["activations"]),
+        buffers_bytes=int(worst["buffers"]),
+        margin_bytes=int(cluster.memory_margin_fraction * used))
+    assert memory.total_bytes <= cluster.device.memory_bytes, "a pipeline rank overflows"
+    owner = {s.stage: s.rank for s in outcome.timeline.slots}
+    busiest = max(range(c.mesh.pp), key=lambda r: sum(
+        s.end_s - s.start_s for s in outcome.timeline.slots if s.rank == r))
+    mine = [cost for cost, st in zip(outcome.costs, outcome.stage_of_layer, strict=True)
+            if owner[st] == busiest]
+    compute = sum(cost.compute_s for cost in mine)
+    comm = sum(cost.comm_s for cost in mine)
+    bubble = max(0.0, outcome.step_time_s - compute - comm)
+    prediction = Prediction(
+        step_time_s=outcome.step_time_s, compute_s=compute, comm_s=comm, memory=memory,
+        capacity_bytes=cluster.device.memory_bytes, source=cluster.provenance,
+        bubble_s=bubble, bubble_fraction=outcome.timeline.bubble_fraction)
+    return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
+                f"{cluster.devices_per_node})", global_batch=graph.batch_size,
+                seq_len=graph.seq_len, mesh=c.mesh, layers=tuple(layers),
+                param_dtype=prec.name, prediction=prediction, solver=report,
+                pipeline=PipelineSpec(schedule=c.schedule, num_microbatches=c.microbatches,
+                                      virtual_stages=c.virtual_stages))
+
+
 def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
                 ) -> InfeasibleError:
     tried = [c for c in candidates if c.status == "infeasible"]
+    if not tried:
+        raise ConfigError(
+            f"no parallel layout of {cluster.world_size} devices suits batch {graph.batch_size}: "
+            + "; ".join(f"dp={c.mesh.dp} × tp={c.mesh.tp}: {c.reason}" for c in candidates))
     least = min(tried, key=lambda c: c.min_memory_bytes or float("inf"))
     cap = cluster.device.memory_bytes
     return InfeasibleError(
         f"no plan fits {graph.model_name or 'the model'} (batch {graph.batch_size}) on "
         f"{cluster.world_size} × {cluster.device.name} ({human_bytes(cap)} each): the smallest "
         f"per-rank memory any plan needs is {human_bytes(least.min_memory_bytes)} "
-        f"(mesh dp={least.mesh.dp} × tp={least.mesh.tp}, allocator margin included). "
+        f"(mesh pp={least.mesh.pp} × dp={least.mesh.dp} × tp={least.mesh.tp}, allocator margin "
+        "included). "
         "Try more devices or nodes, a smaller batch, or a lower precision (--dtype bfloat16)."
     )

@@ -1,0 +1,153 @@
+"""Pipeline planning: exhaustive brute force on tiny instances, exact pruning, and choices."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import random
+from pathlib import Path
+
+import pytest
+from planner_cases import GiB, graph_of, make_cluster, make_layer
+
+from autopar.planner import search
+from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB
+from autopar.planner.pipeline import (
+    _assignment,
+    _Context,
+    _Prepared,
+    pipeline_configs,
+    search_pipeline,
+)
+from autopar.zoo import GPTConfig, ModelSpec, get_model
+from cost_models.hardware import Cluster
+from cost_models.memory import precision
+from cost_models.schedule import stage_ranks
+from passes.layer_graph import build_layer_graph
+from runtime.plan import Mesh, Plan
+
+FP32 = precision("float32")
+
+
+def tiny_instance(seed: int):
+    rng = random.Random(seed)
+    n = rng.choice([3, 4])
+    params = rng.choice([2, 8, 32]) * 1_000_000
+    tokens = rng.choice([2048, 8192])
+    act = tokens * 512 * 4
+    layers = [make_layer(f"h.{i}", "Block" if i else "Embed", i,
+                         params=params * (3 if i == 0 else 1), fwd_flops=2 * params * tokens,
+                         saved_bytes=act * rng.choice([4, 16]), act_bytes=act,
+                         tp=rng.random() < 0.6) for i in range(n)]
+    cluster = make_cluster(per_node=rng.choice([2, 4]), nodes=1,
+                           memory_bytes=int(rng.choice([0.4, 1.0, 4.0]) * GiB))
+    return graph_of(layers, batch=8), cluster
+
+
+def fits(ctx: _Context, config, stage_of, costs) -> bool:
+    pp, v = config.mesh.pp, config.virtual_stages
+    owner = stage_ranks(config.schedule, pp, pp * v)
+    inflight = ctx.inflight(config)
+    cap = ctx.cluster.device.memory_bytes - FEASIBILITY_SLACK_GIB * GIB
+    for r in range(pp):
+        mine = [(c, s) for c, s in zip(costs, stage_of, strict=True) if owner[s] == r]
+        used = sum(c.resident_with(inflight[s]) for c, s in mine)
+        used += max(c.buffer_bytes for c, _ in mine)
+        if (1 + ctx.cluster.memory_margin_fraction) * used > cap:
+            return False
+    return True
+
+
+def brute_force_pipeline(graph, cluster) -> float:
+    """Every configuration × every contiguous cut × every per-layer strategy, simulated."""
+    ctx = _Context(graph, cluster, FP32, 10.0)
+    best = float("inf")
+    n = len(graph.layers)
+    for config in pipeline_configs(graph, cluster):
+        for bounds in itertools.combinations(range(1, n), config.num_stages - 1):
+            stage_of = _assignment(n, bounds)
+            options = [list(ctx.costs(i, config).values()) for i in range(n)]
+            for combo in itertools.product(*options):
+                if not fits(ctx, config, stage_of, combo):
+                    continue
+                prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=combo,
+                                     lower_bound_s=0.0)
+                best = min(best, ctx.finish(prepared).step_time_s)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_pipeline_search_equals_brute_force_on_tiny_instances(seed):
+    graph, cluster = tiny_instance(seed)
+    expected = brute_force_pipeline(graph, cluster)
+    best, _ = search_pipeline(graph, cluster, FP32)
+    if expected == float("inf"):
+        assert best is None
+    else:
+        assert best is not None
+        assert best.step_time_s == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bounds_never_exceed_the_simulated_step_and_pruning_loses_nothing(seed):
+    graph, cluster = tiny_instance(seed)
+    ctx = _Context(graph, cluster, FP32, 10.0)
+    unpruned = float("inf")
+    for config in pipeline_configs(graph, cluster):
+        for cut in ctx.cuts(config):
+            optimistic = ctx.bound(config, cut, ctx.fastest(config, cut))
+            prepared = ctx.prepare(config, cut)
+            if not isinstance(prepared, _Prepared):
+                continue
+            step = ctx.finish(prepared).step_time_s
+            assert optimistic <= prepared.lower_bound_s * (1 + 1e-9)
+            assert prepared.lower_bound_s <= step * (1 + 1e-9)
+            unpruned = min(unpruned, step)
+    best, _ = search_pipeline(graph, cluster, FP32)
+    assert (best.step_time_s if best else float("inf")) == pytest.approx(unpruned, rel=1e-12)
+
+
+def test_plan_carries_stages_schedule_and_bubble_and_fits_each_rank():
+    spec = get_model("gpt-tiny")
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(8, device="meta"))
+    cluster = Cluster.local(2)
+    plan = search(graph, cluster, mesh=Mesh(pp=2, dp=1, tp=1)).plan
+    assert (plan.mesh.pp, plan.mesh.dp, plan.mesh.tp) == (2, 1, 1)
+    assert plan.pipeline is not None
+    assert plan.num_stages == plan.mesh.pp * plan.pipeline.virtual_stages
+    stages = [lp.stage for lp in plan.layers]
+    assert stages == sorted(stages) and set(stages) == set(range(plan.num_stages))
+    assert 0 < plan.prediction.bubble_fraction < 1
+    assert plan.prediction.step_time_s == pytest.approx(
+        plan.prediction.compute_s + plan.prediction.comm_s + plan.prediction.bubble_s)
+    assert plan.prediction.memory.total_bytes <= cluster.device.memory_bytes
+    assert plan.global_batch % (plan.mesh.dp * plan.pipeline.num_microbatches) == 0
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def megatron_rows(min_params_b: float):
+    path = Path(__file__).resolve().parents[2] / "shared" / "validation" / \
+        "megatron_sc21_table1.csv"
+    if not path.exists():
+        pytest.fail(f"published table missing: {path} (shared/ must sit beside the repo)")
+    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
+    return [r for r in csv.DictReader(lines) if float(r["params_b"]) >= min_params_b]
+
+
+@pytest.mark.parametrize("row", megatron_rows(39)[:2], ids=lambda r: f"{r['params_b']}B")
+def test_larger_megatron_rows_get_pipeline_parallelism_with_tp_inside_a_node(row):
+    # Same model, cluster and batch as the published run (fp16, DGX A100 80GB).
+    cfg = GPTConfig(n_layer=int(row["layers"]), n_head=int(row["heads"]),
+                    n_embd=int(row["hidden"]), vocab_size=51200, block_size=2048)
+    spec = ModelSpec(name=f"gpt-{row['params_b']}b", kind="gpt", config=cfg,
+                     default_batch=int(row["global_batch"]), default_seq=2048, description="")
+    graph = build_layer_graph(spec.build("meta"),
+                              spec.example_inputs(spec.default_batch, device="meta"))
+    cluster = Cluster.preset("dgx-a100-80g", nodes=int(row["gpus"]) // 8)
+    plan = search(graph, cluster, precision_name="float16").plan
+    assert plan.mesh.pp > 1
+    assert plan.mesh.tp <= cluster.devices_per_node
+    assert plan.prediction.memory.total_bytes <= cluster.device.memory_bytes
+    # Without pipelining nothing fits: TP would have to cross nodes.
+    with pytest.raises(Exception, match="no plan fits"):
+        search(graph, cluster, precision_name="float16", pipeline=False)
