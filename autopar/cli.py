@@ -117,7 +117,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from autopar.training import plan_for_local_run, run_local
+    from autopar.training import describe_run, plan_for_local_run, run_local
 
     if args.ckpt_dir or args.resume or under_torchrun():
         return cmd_run_resumable(args)
@@ -129,10 +129,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         plan = plan_for_local_run(spec, args.nproc, batch, args.seq)
     losses = run_local(spec, plan, nproc=args.nproc, steps=args.steps, batch=batch,
                        seq=args.seq, seed=args.seed, timeout_s=args.timeout)
-    print(f"{spec.name} on {args.nproc} CPU rank(s): mesh dp={plan.mesh.dp} × tp={plan.mesh.tp}, "
-          f"global batch {batch}")
-    for layer in plan.layers:
-        print(f"  {layer.module:<12} {layer.strategy}")
+    print(describe_run(spec.name, plan, batch))
     for step, loss in enumerate(losses, 1):
         print(f"step {step}  loss {loss:.6f}")
     return 0

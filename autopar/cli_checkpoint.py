@@ -12,6 +12,7 @@ import os
 import sys
 
 from autopar.errors import AutoparError
+from autopar.training import describe_run
 from autopar.zoo import MODELS, get_model
 from runtime.plan import Plan
 
@@ -120,7 +121,8 @@ def dist_backend() -> str:
 
 def _report(name: str, batch: int, plan: Plan, resumed_from: int | None) -> None:
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    print(f"{name} on {plan.world_size} CPU rank(s): mesh dp={plan.mesh.dp} × tp={plan.mesh.tp}, "
-          f"global batch {batch}, restart {restart}"
-          + (f", resumed from step {resumed_from}" if resumed_from is not None else ""))
+    lines = describe_run(name, plan, batch).split("\n")
+    lines[0] += f", restart {restart}" + (
+        f", resumed from step {resumed_from}" if resumed_from is not None else "")
+    print("\n".join(lines))
     sys.stdout.flush()

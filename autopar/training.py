@@ -48,3 +48,19 @@ def train_worker(model_name: str, plan_json: str, steps: int, batch: int, seq: i
         inputs, targets = spec.make_batch(batch, seq, seed=seed + 1 + step)
         losses.append(trainer.train_step(inputs, targets))
     return losses
+
+
+def describe_run(model_name: str, plan: Plan, batch: int) -> str:
+    """The header `autopar run` prints: mesh, pipeline schedule, and each layer's strategy."""
+    mesh = plan.mesh
+    head = (f"{model_name} on {plan.world_size} CPU rank(s): mesh pp={mesh.pp} × dp={mesh.dp} "
+            f"× tp={mesh.tp}, global batch {batch}")
+    if plan.pipeline is not None:
+        p = plan.pipeline
+        head += (f", schedule {p.schedule} with {p.num_microbatches} micro-batches"
+                 + (f" and {p.virtual_stages} stages per rank" if p.virtual_stages > 1 else ""))
+    rows = [f"  {layer.module:<12} {layer.strategy:<10}"
+            + (f" stage {layer.stage}" if plan.pipeline is not None else "")
+            for layer in plan.layers]
+    return "\n".join([head, *rows])
+
