@@ -111,7 +111,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         graph = build_layer_graph(model, inputs, model_name=spec.name, seq_len=seq)
         return scaling_points(graph, cluster, default_nodes(cluster.nodes), precision=args.dtype)
 
-    for path in write_outputs(args, result.plan, scaling):
+    for path in write_outputs(args, result.plan, scaling, timeline=result.timeline):
         print(f"wrote {path}")
     return 0
 

@@ -103,6 +103,9 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
                              plan=plan, ckpt=ckpt, on_step=on_step)
     if rank0:
         _report(spec.name, batch, result.plan, result.resumed_from)
+    # Leave together: a rank that tears down while its peer is still inside a collective
+    # aborts the peer ("terminate called without an active exception", seen after restarts).
+    dist.barrier()
     dist.destroy_process_group()
     return 0
 

@@ -77,13 +77,16 @@ def export_text(plan: Plan, fmt: str, plan_path: str, nodes: int | None = None,
     return slurm_script(plan, plan_path, launch)
 
 
-def write_outputs(args: argparse.Namespace, plan: Plan, scaling=None) -> list[Path]:
-    """After ``autopar plan``: pictures and launch files, as the options ask."""
+def write_outputs(args: argparse.Namespace, plan: Plan, scaling=None, *,
+                  timeline=None) -> list[Path]:
+    """After ``autopar plan``: pictures and launch files, as the options ask; ``timeline``
+    is the planner's simulated schedule of a pipeline plan."""
     written: list[Path] = []
     if getattr(args, "plot", None):
         from autopar.plots import write_plots
 
-        written += write_plots(plan, args.plot, scaling=scaling() if scaling else None)
+        written += write_plots(plan, args.plot, scaling=scaling() if scaling else None,
+                               timeline=timeline)
     if getattr(args, "export", None):
         out = Path(args.export)
         out.mkdir(parents=True, exist_ok=True)

@@ -169,11 +169,14 @@ def plot_scaling(points: list[ScalingPoint], path: str | os.PathLike, *, title: 
 
 
 def write_plots(plan: Plan, out_dir: str | os.PathLike, *,
-                scaling: list[ScalingPoint] | None = None) -> list[Path]:
-    """Every picture that applies to ``plan`` into ``out_dir``; returns the paths."""
+                scaling: list[ScalingPoint] | None = None,
+                timeline: Timeline | None = None) -> list[Path]:
+    """Every picture that applies to ``plan`` into ``out_dir``; returns the paths. The
+    schedule is ``timeline`` (the planner's simulation) when given, else re-simulated from
+    the plan's per-layer times (``plan_timeline``, for plans loaded from a file)."""
     out = Path(out_dir)
     paths = [plot_memory(plan, out / "memory.png"), plot_step_time(plan, out / "step_time.png")]
-    timeline = plan_timeline(plan)
+    timeline = timeline or plan_timeline(plan)
     if timeline is not None:
         paths.append(plot_schedule(timeline, out / "schedule.png"))
     if scaling:

@@ -125,12 +125,34 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--no-predict", action="store_true",
+                        help="leave out the simulator's prediction")
     args = parser.parse_args()
+    predict = None if args.no_predict else simulator(args.pp * args.dp, args.batch, args.seq)
     rows = run(pp=args.pp, dp=args.dp, microbatches=args.microbatches, batch=args.batch,
-               seq=args.seq, steps=args.steps, warmup=args.warmup)
+               seq=args.seq, steps=args.steps, warmup=args.warmup, predict=predict)
     print(f"{MODEL} ({N_LAYER} blocks), pp={args.pp} × dp={args.dp}, global batch "
           f"{args.batch}, seq {args.seq}, {args.pp * args.dp} CPU ranks (gloo)")
     print(format_table(rows, steps=args.steps))
+    if predict is not None:
+        print("(predicted: the planner's schedule simulator on Cluster.local, uncalibrated "
+              "defaults; ratio = measured / predicted)")
+        for r in rows:
+            print(f"  {r.schedule:<22} ratio {r.measured_s / r.predicted_s:.2f}")
+
+
+def simulator(world: int, batch: int, seq: int) -> Callable[[Plan], float]:
+    """The planner's prediction of a plan's step on this machine's CPU ranks (modelled)."""
+    from autopar.planner.pipeline import evaluate_plan
+    from autopar.zoo import get_model
+    from cost_models.hardware import Cluster
+    from cost_models.memory import precision
+    from passes.layer_graph import build_layer_graph
+
+    spec = get_model(MODEL).with_config(n_layer=N_LAYER)
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(batch, seq, device="meta"))
+    cluster = Cluster.local(world)
+    return lambda plan: evaluate_plan(graph, cluster, precision("float32"), plan).step_time_s
 
 
 if __name__ == "__main__":

@@ -219,6 +219,8 @@ class Prediction:
     """Time pipeline ranks sit idle in the schedule's fill and drain."""
     bubble_fraction: float = 0.0
     """bubble_s / step_time_s as the schedule model computes it (0 without pipelining)."""
+    rank_memory: tuple[MemoryBreakdown, ...] = ()
+    """Pipeline plans: the memory of each pipeline rank (``memory`` is the fullest)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -440,6 +442,10 @@ class Plan:
                 pred = dict(fields["prediction"])
                 pred["memory"] = _build(
                     MemoryBreakdown, pred.get("memory", {}), f"{source}: prediction.memory"
+                )
+                pred["rank_memory"] = tuple(
+                    _build(MemoryBreakdown, m, f"{source}: prediction.rank_memory[{i}]")
+                    for i, m in enumerate(pred.get("rank_memory", ()))
                 )
                 fields["prediction"] = _build(Prediction, pred, f"{source}: prediction")
             if fields.get("pipeline") is not None:

@@ -135,6 +135,10 @@ def rank_memory(plan: Plan) -> list[tuple[str, MemoryBreakdown]]:
     """Per pipeline rank (label, memory breakdown). Without pipelining every rank holds the
     same and the plan's own prediction is the one row."""
     pred = plan.prediction
+    if pred is not None and pred.rank_memory:
+        block = plan.mesh.dp * plan.mesh.tp
+        return [(f"pp rank {r} (r{r * block}–r{(r + 1) * block - 1})", m)
+                for r, m in enumerate(pred.rank_memory)]
     if plan.mesh.pp == 1 or plan.rationale is None:
         if pred is None:
             return []
@@ -300,5 +304,7 @@ def rank_lines(plan: Plan) -> list[str]:
                      human_bytes(m.optimizer_bytes), human_bytes(m.activations_bytes),
                      human_bytes(m.buffers_bytes), human_bytes(m.margin_bytes),
                      human_bytes(m.total_bytes), f"{m.total_bytes / cap:.0%}" if cap else "-"))
-    note = "" if plan.mesh.pp == 1 else "; per pipeline rank from the per-layer costs"
+    note = ""
+    if plan.mesh.pp > 1 and not (plan.prediction and plan.prediction.rank_memory):
+        note = "; per pipeline rank from the per-layer costs, one micro-batch in flight"
     return ["", f"Memory per rank  [{src}{note}]", *table(rows)]

@@ -409,3 +409,30 @@ def _class_key(stage: int, layer_class: str) -> str:
 
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) -> PipelineOutcome:
+    """The simulated step of a given pipeline plan: its stages, strategies and schedule
+    (e.g. a hand-written plan, to set its prediction next to a measurement)."""
+    if plan.pipeline is None:
+        raise ValueError("evaluate_plan takes a pipeline plan (mesh.pp > 1)")
+    config = PipelineConfig(mesh=plan.mesh, schedule=plan.pipeline.schedule,
+                            virtual_stages=plan.pipeline.virtual_stages,
+                            microbatches=plan.pipeline.num_microbatches)
+    ctx = _Context(graph, cluster, prec, 10.0)
+    by_name = {layer.module: layer for layer in plan.layers}
+    missing = [layer.name for layer in graph.layers if layer.name not in by_name]
+    if missing:
+        raise ValueError(f"the plan does not place layer(s) {missing}")
+    stage_of = tuple(by_name[layer.name].stage for layer in graph.layers)
+    costs = []
+    for i, layer in enumerate(graph.layers):
+        options = ctx.costs(i, config)
+        strategy = by_name[layer.name].strategy
+        if strategy not in options:
+            raise ValueError(f"layer {layer.name!r}: strategy {strategy!r} is not possible on "
+                             f"this mesh (options: {', '.join(options)})")
+        costs.append(options[strategy])
+    prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
+                         lower_bound_s=ctx.bound(config, stage_of, costs))
+    return ctx.finish(prepared)

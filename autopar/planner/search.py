@@ -282,13 +282,14 @@ def _make_pipeline_plan(graph: LayerGraph, cluster: Cluster, prec: Precision,
         layers.append(LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=styles,
                                 stage=stage, layer_class=layer.layer_class,
                                 memory_bytes=int(cost.resident_with(1)), time_s=cost.time_s))
-    worst = max(outcome.rank_memory, key=lambda mem: sum(mem.values()))
-    used = sum(worst.values())
-    memory = MemoryBreakdown(
-        params_bytes=int(worst["params"]), grads_bytes=int(worst["grads"]),
-        optimizer_bytes=int(worst["optimizer"]), activations_bytes=int(worst["activations"]),
-        buffers_bytes=int(worst["buffers"]),
-        margin_bytes=int(cluster.memory_margin_fraction * used))
+    ranks = tuple(
+        MemoryBreakdown(
+            params_bytes=int(mem["params"]), grads_bytes=int(mem["grads"]),
+            optimizer_bytes=int(mem["optimizer"]), activations_bytes=int(mem["activations"]),
+            buffers_bytes=int(mem["buffers"]),
+            margin_bytes=int(cluster.memory_margin_fraction * sum(mem.values())))
+        for mem in outcome.rank_memory)
+    memory = max(ranks, key=lambda m: m.total_bytes)
     assert memory.total_bytes <= cluster.device.memory_bytes, "a pipeline rank overflows"
     owner = {s.stage: s.rank for s in outcome.timeline.slots}
     busiest = max(range(c.mesh.pp), key=lambda r: sum(
@@ -301,7 +302,7 @@ def _make_pipeline_plan(graph: LayerGraph, cluster: Cluster, prec: Precision,
     prediction = Prediction(
         step_time_s=outcome.step_time_s, compute_s=compute, comm_s=comm, memory=memory,
         capacity_bytes=cluster.device.memory_bytes, source=cluster.provenance,
-        bubble_s=bubble, bubble_fraction=outcome.timeline.bubble_fraction)
+        bubble_s=bubble, bubble_fraction=outcome.timeline.bubble_fraction, rank_memory=ranks)
     return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
                 f"{cluster.devices_per_node})", global_batch=graph.batch_size,
                 seq_len=graph.seq_len, mesh=c.mesh, layers=tuple(layers),
