@@ -5,7 +5,7 @@
     python bench/plan_speed.py --baseline # + capture with torch.export first, same process
 
 Each row builds the model on the meta device, captures it, and searches every mesh of the
-cluster. The layer graph is rebuilt per row (nothing is cached between rows), so 'total'
+cluster, pipeline configurations (pp, schedule, micro-batches, stage cuts) included. The layer graph is rebuilt per row (nothing is cached between rows), so 'total'
 is what `autopar plan` spends.
 """
 
@@ -42,8 +42,11 @@ def plan_once(model_name: str, batch: int, dtype: str, gpus: int) -> dict:
     try:
         result = search(graph, cluster, precision_name=dtype)
         plan = result.plan
-        outcome = (f"dp={plan.mesh.dp} tp={plan.mesh.tp}, "
-                   f"{plan.prediction.step_time_s:.3f} s/step, gap {plan.solver.gap:.1%}")
+        shape = f"pp={plan.mesh.pp} dp={plan.mesh.dp} tp={plan.mesh.tp}"
+        if plan.pipeline is not None:
+            shape += f" {plan.pipeline.schedule} m={plan.pipeline.num_microbatches}"
+        outcome = (f"{shape}, {plan.prediction.step_time_s:.3f} s/step, "
+                   f"gap {plan.solver.gap:.1%}")
     except InfeasibleError as e:
         outcome = "infeasible: " + str(e).split(": ", 1)[1].split(" (mesh")[0]
     t3 = time.perf_counter()
