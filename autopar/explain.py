@@ -23,6 +23,7 @@ from runtime.plan import (
     Alternative,
     ClassCosts,
     OptionCost,
+    PipelineSpec,
     Plan,
     Rationale,
 )
@@ -81,7 +82,7 @@ def ranked_alternatives(result: SearchResult) -> tuple[Alternative, ...]:
             mesh=c.mesh, status=c.status,
             step_time_s=c.objective_s if feasible else None,
             min_memory_bytes=int(need) if need is not None and not feasible else None,
-            reason=c.reason, pipeline=getattr(c, "pipeline", None)))
+            reason=c.reason, pipeline=_pipeline_of(c)))
     order = {"optimal": 0, "infeasible": 1}
     return tuple(sorted(alts, key=lambda a: (order.get(a.status, 2), a.step_time_s or 0.0,
                                              a.min_memory_bytes or 0)))
@@ -228,3 +229,12 @@ def format_explanation(e: Explanation) -> str:
     for s, why in e.unavailable.items():
         lines.append(f"  {s}: not available ({why})")
     return "\n".join(lines)
+
+
+def _pipeline_of(candidate) -> PipelineSpec | None:
+    """The pipeline section of a pipeline candidate (None for pp = 1 meshes)."""
+    if candidate.schedule is None:
+        return None
+    return PipelineSpec(schedule=candidate.schedule, num_microbatches=candidate.microbatches,
+                        virtual_stages=candidate.virtual_stages)
+
