@@ -43,14 +43,8 @@ class AppliedPlan:
     device: torch.device
 
 
-def validate_plan(model: nn.Module, plan: Plan) -> None:
-    """Raise PlanError if ``plan`` cannot run ``model`` in this world. Local: no collective."""
-    if plan.mesh.pp != 1:
-        raise PlanError(
-            f"mesh.pp={plan.mesh.pp}: a pipeline plan runs on one module per stage; build "
-            "the trainer with autopar.lower.make_trainer (it splits the model), or pass the "
-            "stage modules to runtime.pipeline.PipelineTrainer"
-        )
+def check_world(plan: Plan) -> None:
+    """Raise PlanError unless torch.distributed runs exactly the plan's number of ranks."""
     if not dist.is_available() or not dist.is_initialized():
         raise PlanError(
             "torch.distributed is not initialised; start ranks with runtime.launch.spawn or "
@@ -63,6 +57,17 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
             f"needs {plan.world_size} ranks but {world} are running; launch "
             f"{plan.world_size} ranks or re-plan for {world}"
         )
+
+
+def validate_plan(model: nn.Module, plan: Plan) -> None:
+    """Raise PlanError if ``plan`` cannot run ``model`` in this world. Local: no collective."""
+    if plan.mesh.pp != 1:
+        raise PlanError(
+            f"mesh.pp={plan.mesh.pp}: a pipeline plan runs on one module per stage; build "
+            "the trainer with autopar.lower.make_trainer (it splits the model), or pass the "
+            "stage modules to runtime.pipeline.PipelineTrainer"
+        )
+    check_world(plan)
     meta = [name for name, p in model.named_parameters() if p.is_meta]
     if meta:
         raise PlanError(

@@ -48,7 +48,7 @@ from torch.distributed.pipelining.schedules import (
 )
 from torch.distributed.tensor import DTensor
 
-from runtime.apply import _device
+from runtime.apply import _device, check_world
 from runtime.data_parallel import apply_fsdp
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import Plan, PlanError, stage_rank
@@ -80,18 +80,7 @@ def validate_pipeline(stages: Sequence[nn.Module], plan: Plan) -> None:
             f"mesh.pp={plan.mesh.pp}: a pipeline needs pp >= 2 and a 'pipeline' section; "
             "run pp=1 plans with runtime.train.Trainer"
         )
-    if not dist.is_available() or not dist.is_initialized():
-        raise PlanError(
-            "torch.distributed is not initialised; start ranks with runtime.launch.spawn or "
-            "torchrun and call runtime.launch.init_from_env() first"
-        )
-    world = dist.get_world_size()
-    if plan.world_size != world:
-        raise PlanError(
-            f"the plan's mesh (pp={plan.mesh.pp} x dp={plan.mesh.dp} x tp={plan.mesh.tp}) "
-            f"needs {plan.world_size} ranks but {world} are running; launch "
-            f"{plan.world_size} ranks or re-plan for {world}"
-        )
+    check_world(plan)
     if len(stages) != plan.num_stages:
         raise PlanError(
             f"got {len(stages)} stage module(s) but the plan has {plan.num_stages} stages "

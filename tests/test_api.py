@@ -6,6 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from reference import single_process_losses
 
 import autopar
 from autopar.zoo import get_model
@@ -44,21 +45,6 @@ def compile_job(memory_bytes: int, steps: int) -> dict:
     return {"plan": trainer.plan.to_json(), "losses": losses}
 
 
-def single_process_losses(steps: int) -> list[float]:
-    spec = get_model("gpt-tiny")
-    model = spec.build(seed=0)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(steps):
-        (x,), y = spec.make_batch(spec.default_batch, seed=1 + step)
-        loss = spec.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 def test_compile_shares_one_plan_and_trains_like_one_process(pool4):
     cluster = tight_local_cluster(4)
     results = pool4.run(compile_job, cluster.device.memory_bytes, 3)
@@ -67,7 +53,7 @@ def test_compile_shares_one_plan_and_trains_like_one_process(pool4):
     plan = autopar.Plan.from_json(plans.pop())
     assert {lp.strategy for lp in plan.layers} != {"replicate"}, "memory should bind"
     assert plan.prediction.memory.total_bytes <= cluster.device.memory_bytes
-    want = single_process_losses(3)
+    want = single_process_losses("gpt-tiny", steps=3)
     for r in results:
         assert r["losses"] == pytest.approx(want, rel=1e-5)
 

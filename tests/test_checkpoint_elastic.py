@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_cli import single_process_losses
+from reference import single_process_losses
 from test_runtime_numerics import gpt_all
 
 TESTS = Path(__file__).resolve().parent

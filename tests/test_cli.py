@@ -7,10 +7,9 @@ import subprocess
 import sys
 
 import pytest
-import torch
+from reference import single_process_losses
 
 from autopar.cli import main
-from autopar.zoo import get_model
 from runtime.plan import Plan
 
 
@@ -75,18 +74,3 @@ def test_run_trains_like_one_process_and_rejects_a_plan_for_another_world(tmp_pa
     if plan.world_size != 2:
         assert main(["run", "--model", "gpt-tiny", "--nproc", "2", "--plan", str(plan_path)]) == 2
         assert "pass --nproc" in capsys.readouterr().err
-
-
-def single_process_losses(name: str, *, steps: int, seed: int = 0) -> list[float]:
-    spec = get_model(name)
-    model = spec.build(seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(steps):
-        (x,), y = spec.make_batch(spec.default_batch, seed=seed + 1 + step)
-        loss = spec.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses

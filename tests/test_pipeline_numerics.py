@@ -29,6 +29,7 @@ import sys
 
 import pytest
 import torch
+from reference import single_process_losses
 from test_runtime_numerics import (
     BLOCK_TP,
     GRAD_TOL,
@@ -328,20 +329,4 @@ def test_autopar_run_executes_a_pipeline_plan(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [float(line.split()[-1]) for line in result.stdout.splitlines()
               if line.startswith("step")]
-    assert losses == pytest.approx(_one_process_losses("gpt-tiny", steps=2), rel=1e-5)
-
-
-def _one_process_losses(name: str, *, steps: int, seed: int = 0) -> list[float]:
-    """What `autopar run` trains: the model's default batch, seeded batches seed+1+step."""
-    spec = _spec((name, (), 0, None))
-    model = spec.build(seed=seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for step in range(steps):
-        (x,), y = spec.make_batch(spec.default_batch, seed=seed + 1 + step)
-        loss = spec.loss_fn(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
+    assert losses == pytest.approx(single_process_losses("gpt-tiny", steps=2), rel=1e-5)
