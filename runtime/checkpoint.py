@@ -16,8 +16,8 @@ Trainer contract (duck-typed): either ``.applied.model`` (the
 user's module, parallelized in place) and ``.optimizer``, or ``.model_parts`` and
 ``.optimizers`` (one optimizer per part; a pipeline rank's stage modules, each keeping
 the user's FQNs). ``runtime.pipeline.PipelineTrainer`` with one stage per rank fits the
-first form through its ``.module``; several stages per rank under its one optimizer are
-refused with a CheckpointError (``get_state_dict`` names an optimizer's parameters
+first form through its ``.module``; a rank holding several stages under one optimizer is
+seen through ``merged_view`` (``get_state_dict`` names an optimizer's parameters
 through one module). Every rank of the default process group calls ``save`` and ``load``.
 
 Collectives of this module run on a dedicated gloo group, so an asynchronous save can
@@ -106,18 +106,37 @@ class Restored:
 
 
 def _parts(trainer: Any) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
-    if len(getattr(trainer, "stages", ())) > 1 and not hasattr(trainer, "model_parts"):
-        # get_state_dict maps an optimizer's parameters to names through one module.
-        raise CheckpointError(
-            "this rank holds several pipeline stages under one optimizer; checkpoints need "
-            "one optimizer per stage module (trainer.model_parts / trainer.optimizers)"
-        )
+    stages = getattr(trainer, "stages", ())
+    if len(stages) > 1 and not hasattr(trainer, "model_parts"):
+        # get_state_dict names an optimizer's parameters through one module: give it one
+        # that holds every stage's parameters under their full names.
+        return [(merged_view(stages), getattr(trainer, "optimizer", None))]
     if hasattr(trainer, "model_parts"):
         optimizers = list(getattr(trainer, "optimizers", []) or [None] * len(trainer.model_parts))
         return list(zip(trainer.model_parts, optimizers, strict=True))
     applied = getattr(trainer, "applied", None)
     model = applied.model if applied is not None else trainer.module
     return [(model, getattr(trainer, "optimizer", None))]
+
+
+def merged_view(stages: list[nn.Module]) -> nn.Module:
+    """One module whose parameters and buffers are those of ``stages`` (the same objects,
+    not copies) under their fully-qualified names, for the stages one rank holds."""
+    root = nn.Module()
+    for stage in stages:
+        for kind, items in (("param", stage.named_parameters()), ("buffer", stage.named_buffers())):
+            for name, value in items:
+                *path, leaf = name.split(".")
+                owner = root
+                for part in path:
+                    if not hasattr(owner, part):
+                        owner.add_module(part, nn.Module())
+                    owner = getattr(owner, part)
+                if kind == "param":
+                    owner.register_parameter(leaf, value)
+                else:
+                    owner.register_buffer(leaf, value)
+    return root
 
 
 def _group() -> dist.ProcessGroup:
