@@ -1,0 +1,145 @@
+"""Turn micro-benchmark measurements into Device and Link numbers (fitting only).
+
+Measuring is done above (``autopar.calibrate``); this module is pure arithmetic so that the
+fits can be tested on synthetic data with known answers.
+
+Collectives are fitted to the same α-β ring formulas ``cost_models.comm`` evaluates, so a
+fitted link plugged back into ``collective_s`` / ``p2p_s`` reproduces the measured times:
+
+    t = L·α + F·S/B        L = latency steps, F = bytes factor (see ``ring_terms``)
+
+The fit is least squares on the *relative* residual (each equation weighted by 1/t), so a
+4 KiB message, whose time is mostly latency, counts as much as a 16 MiB one.
+
+GEMMs: the achievable rate of a CPU process (shared cores, frequency scaling, threads) has
+no datasheet peak, so ``fit_matmul`` takes peak := the best rate measured and
+efficiency := the rate of the largest GEMMs / that peak. The planner's roofline multiplies
+them back together, so it uses the large-GEMM rate actually measured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from cost_models.errors import ConfigError
+
+FIT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+class CalibrationError(ConfigError):
+    """Measurements that cannot be fitted, or a calibration that cannot run; says why."""
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    latency_s: float
+    bandwidth_GBps: float
+
+
+@dataclass(frozen=True)
+class MatmulFit:
+    peak_flops: float
+    """The best FLOP/s measured (over sizes)."""
+    efficiency: float
+    """Rate of the largest GEMMs measured / peak_flops, in (0, 1]."""
+
+
+def ring_terms(kind: str, group_size: int) -> tuple[float, float]:
+    """(latency steps L, bytes factor F) of ``cost_models.comm`` for one collective.
+
+    S is comm.py's size: the full tensor for all_reduce, the gathered output for
+    all_gather, the unreduced input for reduce_scatter, the message for p2p.
+    """
+    if kind == "p2p":
+        return 1.0, 1.0
+    if kind not in FIT_KINDS:
+        raise CalibrationError(f"unknown collective {kind!r}; valid: {', '.join(FIT_KINDS)}")
+    if group_size < 2:
+        raise CalibrationError(f"a collective needs at least 2 ranks, got {group_size}")
+    steps = (2 if kind == "all_reduce" else 1) * (group_size - 1)
+    return float(steps), steps / group_size
+
+
+def predict_s(kind: str, nbytes: float, group_size: int, fit: AlphaBeta) -> float:
+    latency_steps, bytes_factor = ring_terms(kind, group_size)
+    return latency_steps * fit.latency_s + bytes_factor * nbytes / (fit.bandwidth_GBps * 1e9)
+
+
+def fit_alpha_beta(
+    sizes_bytes: Sequence[float],
+    times_s: Sequence[float],
+    *,
+    kind: str = "all_reduce",
+    group_size: int = 2,
+) -> AlphaBeta:
+    """Per-step latency α and per-device bandwidth B reproducing the measured times.
+
+    Weighted least squares on t = L·α + F·S/B with α >= 0; raises CalibrationError when the
+    times do not grow with the size (no bandwidth can be read from them).
+    """
+    s = np.asarray(sizes_bytes, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    if s.shape != t.shape or s.size < 2:
+        raise CalibrationError("need at least two (size, time) measurements of equal count")
+    if np.any(t <= 0) or np.any(s <= 0):
+        raise CalibrationError("sizes and times must be positive")
+    latency_steps, bytes_factor = ring_terms(kind, group_size)
+    w = 1.0 / t
+    a = np.column_stack([np.full_like(s, latency_steps), bytes_factor * s]) * w[:, None]
+    (alpha, inv_b), *_ = np.linalg.lstsq(a, t * w, rcond=None)
+    if alpha < 0:  # noise on tiny latencies: refit through the origin
+        x = bytes_factor * s * w
+        alpha, inv_b = 0.0, float(x @ (t * w) / (x @ x))
+    if inv_b <= 0:
+        raise CalibrationError(
+            f"{kind} times do not grow with message size ({s.min():.0f}..{s.max():.0f} bytes); "
+            "measure larger messages or more repeats"
+        )
+    return AlphaBeta(latency_s=float(alpha), bandwidth_GBps=float(1.0 / inv_b / 1e9))
+
+
+def gemm_flops(m: int, n: int, k: int) -> float:
+    """FLOPs of an (m×k)·(k×n) matrix multiply: one multiply and one add per term."""
+    return 2.0 * m * n * k
+
+
+def fit_matmul(
+    sizes: Sequence[int],
+    times_s: Sequence[float],
+    *,
+    peak_flops: float | None = None,
+    large_fraction: float = 1.0,
+) -> MatmulFit:
+    """Peak and efficiency from square GEMM times (size n: n×n·n×n).
+
+    ``peak_flops`` None: peak := the best measured rate. Efficiency := median rate of the
+    GEMMs at least ``large_fraction`` of the largest size, over the peak (capped at 1).
+    """
+    n = np.asarray(sizes, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    if n.size == 0 or n.shape != t.shape or np.any(t <= 0) or np.any(n <= 0):
+        raise CalibrationError("need positive GEMM sizes and times of equal count")
+    rates = 2.0 * n**3 / t
+    peak = float(rates.max()) if peak_flops is None else float(peak_flops)
+    if peak <= 0:
+        raise CalibrationError(f"peak FLOP/s must be positive, got {peak}")
+    large = float(np.median(rates[n >= large_fraction * n.max()]))
+    return MatmulFit(peak_flops=peak, efficiency=min(1.0, large / peak))
+
+
+def fit_memory_bandwidth_GBps(bytes_moved: Sequence[float], times_s: Sequence[float]) -> float:
+    """Bandwidth of large copies: bytes read + written over time, the slope when several sizes."""
+    b = np.asarray(bytes_moved, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    if b.size == 0 or b.shape != t.shape or np.any(t <= 0) or np.any(b <= 0):
+        raise CalibrationError("need positive copy sizes and times of equal count")
+    if b.size == 1 or np.ptp(b) == 0:
+        return float(np.median(b / t) / 1e9)
+    return fit_alpha_beta(b, t, kind="p2p").bandwidth_GBps
+
+
+def relative_error(predicted: float, measured: float) -> float:
+    return (predicted - measured) / measured

@@ -1,0 +1,145 @@
+"""Calibration: the fits recover known numbers; a quick run writes a profile the planner uses."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.cli import main
+from cost_models.calibrate import (
+    AlphaBeta,
+    CalibrationError,
+    fit_alpha_beta,
+    fit_matmul,
+    fit_memory_bandwidth_GBps,
+    predict_s,
+)
+from cost_models.comm import Group, all_gather_s, all_reduce_s, p2p_s
+from cost_models.hardware import Cluster, Link
+
+SIZES = [4096 * 4**i for i in range(7)]  # 4 KiB … 16 MiB
+
+# The fitted link must reproduce the times it was fitted on. On this shared 2-core machine
+# a 4 KiB collective varies by 2x from run to run, so the bound is on the median row.
+MEDIAN_ERROR_TOLERANCE = 0.5
+
+
+# -- fits on synthetic data --------------------------------------------------------------------
+
+@settings(max_examples=50, deadline=None)
+@given(alpha=st.floats(1e-6, 1e-3), gbps=st.floats(0.1, 500), n=st.integers(2, 64),
+       kind=st.sampled_from(["all_reduce", "all_gather", "reduce_scatter", "p2p"]))
+def test_fit_alpha_beta_recovers_known_latency_and_bandwidth(alpha, gbps, n, kind):
+    times = [predict_s(kind, s, n, AlphaBeta(alpha, gbps)) for s in SIZES]
+    fit = fit_alpha_beta(SIZES, times, kind=kind, group_size=n)
+    assert fit.latency_s == pytest.approx(alpha, rel=1e-6, abs=1e-12)
+    assert fit.bandwidth_GBps == pytest.approx(gbps, rel=1e-6)
+
+
+@given(alpha=st.floats(1e-6, 1e-3), gbps=st.floats(0.1, 500), n=st.integers(2, 16))
+def test_fitted_link_plugged_into_comm_reproduces_the_ring_times(alpha, gbps, n):
+    link = Link(kind="loopback", bandwidth_GBps=gbps, latency_s=alpha)
+    cluster = replace(Cluster.local(n), intra_node=link)
+    group = Group(n)
+    for kind, model in (("all_reduce", all_reduce_s), ("all_gather", all_gather_s)):
+        fit = fit_alpha_beta(SIZES, [model(s, group, cluster) for s in SIZES], kind=kind,
+                             group_size=n)
+        refit = Link(kind="loopback", bandwidth_GBps=fit.bandwidth_GBps, latency_s=fit.latency_s)
+        again = replace(cluster, intra_node=refit)
+        for s in SIZES:
+            assert model(s, group, again) == pytest.approx(model(s, group, cluster), rel=1e-6)
+    fit = fit_alpha_beta(SIZES, [p2p_s(s, link) for s in SIZES], kind="p2p")
+    assert (fit.latency_s, fit.bandwidth_GBps) == pytest.approx((alpha, gbps), rel=1e-6)
+
+
+def test_noisy_fit_keeps_latency_non_negative_and_rejects_flat_times():
+    fit = fit_alpha_beta([1e3, 1e6, 1e7], [1e-4, 1e-3, 1.01e-2], kind="p2p")
+    assert fit.latency_s >= 0 and fit.bandwidth_GBps > 0
+    with pytest.raises(CalibrationError, match="do not grow with message size"):
+        fit_alpha_beta([1e3, 1e6], [2e-3, 1e-3], kind="p2p")
+    with pytest.raises(CalibrationError, match="at least 2 ranks"):
+        fit_alpha_beta(SIZES, SIZES, kind="all_reduce", group_size=1)
+
+
+@given(peak=st.floats(1e9, 1e15), eff=st.floats(0.05, 1.0))
+def test_fit_matmul_recovers_efficiency_against_a_known_peak(peak, eff):
+    sizes = [256, 512, 1024, 2048]
+    # small GEMMs further from peak: rate = eff·peak·n/(n + 64) at 2048 is the "large" rate
+    large_rate = eff * peak
+    rates = [large_rate * (n / (n + 64)) / (2048 / (2048 + 64)) for n in sizes]
+    times = [2 * n**3 / r for n, r in zip(sizes, rates, strict=True)]
+    fit = fit_matmul(sizes, times, peak_flops=peak)
+    assert fit.efficiency == pytest.approx(eff, rel=1e-9)
+    own = fit_matmul(sizes, times)  # peak := best measured: here the largest GEMM
+    assert own.peak_flops == pytest.approx(large_rate) and own.efficiency == pytest.approx(1.0)
+
+
+def test_memory_bandwidth_from_copies():
+    gbps, floor = 12.5, 2e-6
+    moved = [2 * 2**20 * k for k in (4, 16, 64)]
+    assert fit_memory_bandwidth_GBps(moved, [floor + b / (gbps * 1e9) for b in moved]) == \
+        pytest.approx(gbps)
+    assert fit_memory_bandwidth_GBps([1e9], [0.1]) == pytest.approx(10.0)
+
+
+# -- a quick calibration on 2 local gloo ranks ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    path = tmp_path_factory.mktemp("calibrate") / "profile.toml"
+    assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(path)]) == 0
+    return path
+
+
+def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
+    cluster = Cluster.from_toml(profile)
+    assert cluster.provenance == "calibrated" and cluster.devices_per_node == 2
+    assert "2 local ranks" in cluster.source and "all ranks at once" in cluster.source
+    d = cluster.device
+    assert d.peak("float32") > 0 and 0 < d.matmul_efficiency <= 1
+    assert d.memory_bandwidth_GBps > 0 and d.memory_bytes > 0 and d.kernel_floor_s > 0
+    link = cluster.intra_node
+    assert link.kind == "loopback" and link.bandwidth_GBps > 0 and link.latency_s >= 0
+
+
+def test_fitted_link_reproduces_the_measured_all_reduce_times(profile):
+    cluster = Cluster.from_toml(profile)
+    measured = cluster.extra["measured"]["all_reduce"]
+    errors = sorted(abs(all_reduce_s(s, Group(2), cluster) / t - 1)
+                    for s, t in zip(measured["sizes_bytes"], measured["times_s"], strict=True))
+    assert errors[len(errors) // 2] <= MEDIAN_ERROR_TOLERANCE, errors
+    assert all(math.isfinite(e) for e in errors)
+
+
+def test_plan_with_the_profile_says_calibrated(profile, capsys):
+    capsys.readouterr()
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", str(profile)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and "[calibrated]" in out
+
+
+# -- a calibration that cannot run -------------------------------------------------------------
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc", "1"], "collectives need a second rank"),
+    (["--backend", "nccl"], "nccl needs CUDA GPUs"),
+    (["--out", "no/such/dir/p.toml"], "output directory no/such/dir does not exist"),
+])
+def test_calibration_that_cannot_run_exits_2_saying_why(args, message, tmp_path, capsys,
+                                                        monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert main(["calibrate", "--quick", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_existing_profile_is_kept_unless_forced(tmp_path, capsys):
+    path = tmp_path / "p.toml"
+    path.write_text("keep me")
+    assert main(["calibrate", "--quick", "--out", str(path)]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err and path.read_text() == "keep me"
