@@ -72,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     r.set_defaults(handler=cmd_run)
     add_checkpoint_options(r)
     add_reshard_command(sub)
+
+    c = sub.add_parser("calibrate", help="measure this machine and write a cluster profile")
+    c.add_argument("--nproc", type=positive_int, default=2, help="local ranks (at least 2)")
+    c.add_argument("--out", default="calibrated.toml", help="profile to write (.toml)")
+    c.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    c.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds)")
+    c.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
+                   help="auto: nccl with CUDA GPUs, gloo otherwise")
+    c.set_defaults(handler=cmd_calibrate)
     return parser
 
 
@@ -132,6 +141,19 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(describe_run(spec.name, plan, batch))
     for step, loss in enumerate(losses, 1):
         print(f"step {step}  loss {loss:.6f}")
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from autopar.calibrate import Settings, calibrate, check_output, format_table, write_profile
+
+    check_output(args.out, force=args.force)  # before minutes of measuring, not after
+    settings = Settings.quick() if args.quick else Settings()
+    cal = calibrate(args.nproc, backend=args.backend, settings=settings)
+    print(format_table(cal))
+    cluster = write_profile(cal, args.out, force=args.force)
+    print(f"\nwrote {args.out} ({cluster.name}, [{cluster.provenance}]); "
+          f"use it with: autopar plan --cluster {args.out}")
     return 0
 
 
