@@ -225,12 +225,15 @@ class Prediction:
 
 @dataclass(frozen=True, kw_only=True)
 class SolverReport:
-    """The optimisation certificate: objective, LP lower bound and gap."""
+    """The optimisation certificate: objective, lower bound and gap."""
 
     solver: str
     status: str
     objective_s: float
     lower_bound_s: float
+    """The least step time any evaluated candidate could reach: the LP relaxation of each
+    pp = 1 mesh's ILP, and for pipeline configurations the busiest rank's work plus its
+    fill, drain and gradient sync under the per-rank ILP's strategies."""
     gap: float
     solve_time_s: float
     candidates: int = 1

@@ -237,7 +237,7 @@ def header_lines(plan: Plan) -> list[str]:
         s = plan.solver
         lines.append(
             f"solver {s.solver} {s.status}: objective {ms(s.objective_s)}, "
-            f"LP lower bound {ms(s.lower_bound_s)}, gap {s.gap:.2%}, "
+            f"lower bound {ms(s.lower_bound_s)}, gap {s.gap:.2%}, "
             f"{s.candidates} candidate(s) searched in {s.solve_time_s:.2f} s"
         )
     return lines
