@@ -244,12 +244,11 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     """The cluster profile as TOML (the format of cost_models/presets/)."""
     host = platform.node() or "this-machine"
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    peaks, effs = {}, []
-    for dtype, times in m.gemm_s.items():
-        mm = fit_matmul(list(times), list(times.values()))
-        peaks[dtype], effs = mm.peak_flops, [*effs, mm.efficiency]
-    # One efficiency for every dtype: the least (the most cautious) of the per-dtype fits.
-    eff = min(effs)
+    mm = {d: fit_matmul(list(t), list(t.values())) for d, t in m.gemm_s.items()}
+    # Device has one efficiency: float32's. Other dtypes fold theirs into their peak, so that
+    # peak x efficiency is each dtype's measured large-GEMM rate.
+    eff = mm["float32"].efficiency if "float32" in mm else 1.0
+    peaks = {d: f.peak_flops * f.efficiency / eff for d, f in mm.items()}
     bandwidth = fit_memory_bandwidth_GBps([m.copy_bytes], [m.copy_s])
     link = fits["all_reduce"]
     gpu = m.backend == "nccl"
@@ -265,9 +264,10 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"# Calibrated by `autopar calibrate` on {host}, {when}.",
         f"# Backend {m.backend}, {m.nproc} ranks. GEMM throughput was measured with all {m.nproc}",
         "# ranks multiplying at once (ranks share the machine, so that is what a rank gets).",
-        "# peak_tflops := the best GEMM rate measured per dtype; matmul_efficiency := the",
-        "# largest GEMMs' rate / that peak (least over dtypes), so peak x efficiency is the",
-        "# measured large-GEMM rate. memory_bandwidth_GBps: bytes read + written by a copy.",
+        "# float32: peak_tflops := the best GEMM rate measured, matmul_efficiency := the",
+        "# largest GEMM's rate / that peak; other dtypes: peak := their largest GEMM's rate /",
+        "# that efficiency. So peak x efficiency is each dtype's measured large-GEMM rate.",
+        "# memory_bandwidth_GBps: bytes read + written by a large copy, over its time.",
         "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
         "# inter_node repeats it (one machine: no network was measured). [extra] keeps the",
         "# per-collective fits (gloo's all_gather is not a ring: it costs more).",

@@ -102,6 +102,9 @@ def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
     d = cluster.device
     assert d.peak("float32") > 0 and 0 < d.matmul_efficiency <= 1
     assert d.memory_bandwidth_GBps > 0 and d.memory_bytes > 0 and d.kernel_floor_s > 0
+    for dtype, gemm in cluster.extra["gemm"].items():  # peak x efficiency = large-GEMM rate
+        assert d.peak(dtype) * d.matmul_efficiency == pytest.approx(gemm["tflops"][-1] * 1e12,
+                                                                     rel=2e-3)
     link = cluster.intra_node
     assert link.kind == "loopback" and link.bandwidth_GBps > 0 and link.latency_s >= 0
 
