@@ -120,6 +120,23 @@ class PipelineSpec:
         return self.schedule != "ZBVZeroBubble"
 
 
+def schedule_microbatch_problem(schedule: str, pp: int, m: int) -> str | None:
+    """What torch.distributed.pipelining's schedules require of num_microbatches, as the
+    message naming the field (None when the combination runs)."""
+    if schedule == "1F1B" and m < pp:
+        return (f"pipeline.num_microbatches={m} is less than mesh.pp={pp}; schedule '1F1B' "
+                f"needs at least one micro-batch per stage: use num_microbatches >= {pp} "
+                "or schedule 'GPipe'")
+    if schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
+        rounds = max(1, m // pp)  # micro-batches advance in rounds of about pp
+        if m % rounds:
+            return (f"pipeline.num_microbatches={m} with schedule {schedule!r} and "
+                    f"mesh.pp={pp}: the schedule runs max(1, {m} // {pp}) = {rounds} rounds "
+                    f"and needs num_microbatches to be a multiple of them; use a multiple "
+                    f"of {pp} or at most {pp}")
+    return None
+
+
 def stage_rank(stage: int, pp: int, pipeline: PipelineSpec | None) -> int:
     """The pipeline rank (coordinate on the pp axis) that runs ``stage``."""
     if pipeline is None or pipeline.looped:
@@ -382,23 +399,10 @@ class Plan:
             raise PlanError(f"pipeline stage(s) {missing} hold no layer")
 
     def _check_schedule_microbatches(self) -> None:
-        """What torch.distributed.pipelining's schedules require of num_microbatches."""
-        pp, m, name = self.mesh.pp, self.pipeline.num_microbatches, self.pipeline.schedule
-        if name == "1F1B" and m < pp:
-            raise PlanError(
-                f"pipeline.num_microbatches={m} is less than mesh.pp={pp}; schedule '1F1B' "
-                f"needs at least one micro-batch per stage: use num_microbatches >= {pp} "
-                "or schedule 'GPipe'"
-            )
-        if name in ("Interleaved1F1B", "InterleavedZeroBubble"):
-            rounds = max(1, m // pp)  # micro-batches advance in rounds of about pp
-            if m % rounds:
-                raise PlanError(
-                    f"pipeline.num_microbatches={m} with schedule {name!r} and mesh.pp={pp}: "
-                    f"the schedule runs max(1, {m} // {pp}) = {rounds} rounds and needs "
-                    f"num_microbatches to be a multiple of them; use a multiple of {pp} "
-                    f"or at most {pp}"
-                )
+        problem = schedule_microbatch_problem(
+            self.pipeline.schedule, self.mesh.pp, self.pipeline.num_microbatches)
+        if problem:
+            raise PlanError(problem)
 
     # -- lookup ---------------------------------------------------------------------------
 

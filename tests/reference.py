@@ -1,8 +1,12 @@
-"""The single-process reference that distributed runs are compared with."""
+"""What many tests share: the single-process reference training loop, and a small
+Hugging Face model built from a config (random init, no downloads)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
+import torch.nn as nn
 
 from autopar.zoo import get_model
 
@@ -22,3 +26,15 @@ def single_process_losses(name: str, *, steps: int, seed: int = 0) -> list[float
         opt.zero_grad()
         losses.append(loss.item())
     return losses
+
+
+def hf_gpt2(use_cache: bool = False) -> nn.Module:
+    """A 2-layer Hugging Face GPT-2 (fused qkv Conv1D), seeded."""
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
+                                  n_positions=64, use_cache=use_cache)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg)
+

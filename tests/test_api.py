@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from reference import single_process_losses
+from reference import hf_gpt2, single_process_losses
 
 import autopar
 from autopar.zoo import get_model
@@ -79,10 +79,7 @@ def test_compile_outside_a_process_group_says_how_to_start_ranks():
 
 
 def test_plan_accepts_a_hugging_face_model_built_from_a_config():
-    import transformers
-    config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
-                                     n_positions=64, use_cache=False)
-    model = transformers.GPT2LMHeadModel(config)
+    model = hf_gpt2()
     inputs = (torch.randint(0, 128, (8, 32)),)
     plan = autopar.plan(model, Cluster.local(2), inputs, model_name="hf-gpt2")
     names = [lp.module for lp in plan.layers]

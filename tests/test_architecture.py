@@ -36,6 +36,34 @@ def test_the_check_sees_a_violation(tmp_path):
     assert imported_packages(bad) == {"autopar", "passes"}
 
 
+TORCH_DTYPE_NAMES = {"dtype", "finfo", "float32", "float16", "bfloat16", "float64"}
+
+
+def torch_uses_beyond_dtypes(path: Path) -> list[str]:
+    """torch imports other than `from torch import <dtype names>` (ARCHITECTURE: cost_models
+    may use torch for dtypes only)."""
+    bad = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            bad += [a.name for a in node.names if a.name.split(".")[0] == "torch"]
+        elif isinstance(node, ast.ImportFrom) and node.module and \
+                node.module.split(".")[0] == "torch":
+            names = {a.name for a in node.names}
+            if node.module != "torch" or not names <= TORCH_DTYPE_NAMES:
+                bad.append(f"from {node.module} import {', '.join(sorted(names))}")
+    return bad
+
+
 def test_cost_models_use_torch_for_dtypes_at_most():
-    for path in (ROOT / "cost_models").rglob("*.py"):
-        assert "torch" not in imported_packages(path) or "dtype" in path.read_text(), path
+    bad = {str(p.relative_to(ROOT)): torch_uses_beyond_dtypes(p)
+           for p in (ROOT / "cost_models").rglob("*.py")}
+    assert not {k: v for k, v in bad.items() if v}
+
+
+def test_the_torch_check_sees_more_than_dtypes(tmp_path):
+    ok = tmp_path / "ok.py"
+    ok.write_text("from torch import bfloat16, dtype\n")
+    bad = tmp_path / "bad.py"
+    bad.write_text("import torch\nfrom torch.nn import Linear\n")
+    assert torch_uses_beyond_dtypes(ok) == []
+    assert torch_uses_beyond_dtypes(bad) == ["torch", "from torch.nn import Linear"]

@@ -7,6 +7,7 @@ import logging
 import pytest
 import torch
 import torch.nn as nn
+from reference import hf_gpt2
 
 from autopar.capture import capture
 from autopar.errors import CaptureError
@@ -72,17 +73,8 @@ def test_captures_gpt3_175b_on_meta_without_allocating_weights():
     assert "h.95.mlp.fc_in" in _module_paths(gm)
 
 
-def _hf_gpt2(use_cache: bool = False) -> nn.Module:
-    import transformers
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
-                                  n_positions=64, use_cache=use_cache)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
 def test_captures_hugging_face_gpt2_from_config():
-    model = _hf_gpt2()
+    model = hf_gpt2()
     gm = capture(model, (torch.randint(0, 128, (2, 16)),))
     assert gm.meta[meta_keys.CAPTURE].method == "export"
     paths = _module_paths(gm)
@@ -93,7 +85,7 @@ def test_captures_hugging_face_gpt2_from_config():
 
 def test_hugging_face_cache_output_is_explained():
     with pytest.raises(CaptureError, match="use_cache=False"):
-        capture(_hf_gpt2(use_cache=True), (torch.randint(0, 128, (2, 16)),))
+        capture(hf_gpt2(use_cache=True), (torch.randint(0, 128, (2, 16)),))
 
 
 class _Gate(nn.Module):

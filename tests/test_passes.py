@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import time
 
 import pytest
@@ -11,6 +10,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from reference import hf_gpt2
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar.zoo import GPTConfig, get_model, gpt_param_count
@@ -81,17 +81,8 @@ def test_gpt3_175b_builds_fast_on_meta():
     assert block.fwd_flops == 2 * b * s * 12 * h * h + 4 * b * s * s * h
 
 
-def _hf_gpt2() -> nn.Module:
-    import transformers
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    cfg = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=128,
-                                  n_positions=64, use_cache=False)
-    torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(cfg)
-
-
 def test_hugging_face_gpt2_layers_are_named_by_module_and_fused_qkv_gets_no_tp():
-    model = _hf_gpt2()
+    model = hf_gpt2()
     lg = build_layer_graph(model, (torch.randint(0, 128, (2, 16)),))
     assert lg.extra["capture_method"] == "export"
     names = [layer.name for layer in lg.layers]

@@ -32,16 +32,14 @@ import torch
 from reference import single_process_losses
 from test_runtime_numerics import (
     BLOCK_TP,
-    GRAD_TOL,
-    LOSS_TOL,
     LR,
     STEPS,
-    ZERO_GRAD_PARAM_TOL,
-    _close,
     _full,
     _spec,
+    collectives_trapped,
     reference,
 )
+from test_runtime_numerics import assert_matches_reference as matches_reference
 
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, PlanError
 
@@ -129,16 +127,8 @@ def pipeline_job(model: tuple, plan_json: str, scale_grads: bool = True) -> dict
 
 
 def assert_matches_reference(results: list[dict], model: tuple) -> None:
-    ref = reference(model)
-    for rank, got in enumerate(results):
-        _close(got["losses"], ref["losses"], LOSS_TOL, f"rank {rank} losses")
-        assert got["params"].keys() == ref["params"].keys(), f"rank {rank} parameter names"
-        assert got["grads"].keys() == ref["grads"].keys(), f"rank {rank} gradient names"
-        for name, want in ref["grads"].items():
-            _close(got["grads"][name], want, GRAD_TOL, f"rank {rank} grad of {name}")
-        for name, want in ref["params"].items():
-            tol = ZERO_GRAD_PARAM_TOL if name.endswith("k_proj.bias") else PARAM_TOL
-            _close(got["params"][name], want, tol, f"rank {rank} param {name}")
+    """The pp = 1 comparison, with this file's parameter tolerance (see the docstring)."""
+    matches_reference(results, model, param_tol=PARAM_TOL)
 
 
 # -- numerics ------------------------------------------------------------------------------
@@ -207,22 +197,13 @@ def bad_pipeline_job(model: tuple, plan_json: str) -> str:
     if dist.get_rank() != 0:
         return ""
 
-    def trap(*args, **kwargs):
-        raise AssertionError("a collective ran before the plan was validated")
-
     spec, (_, _, batch, seq) = _spec(model), model
-    targets = [(runtime.pipeline, "build_mesh")] + [(dist, name) for name in _COLLECTIVES]
-    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
     try:
-        for mod, name in targets:
-            setattr(mod, name, trap)
-        make_trainer(spec.build(seed=0), Plan.from_json(plan_json), spec.loss_fn,
-                     spec.example_inputs(batch, seq, device="meta"))
+        with collectives_trapped((runtime.pipeline, "build_mesh")):
+            make_trainer(spec.build(seed=0), Plan.from_json(plan_json), spec.loss_fn,
+                         spec.example_inputs(batch, seq, device="meta"))
     except PlanError as e:
         return f"PlanError: {e}"
-    finally:
-        for mod, name, value in saved:
-            setattr(mod, name, value)
     return "no error"
 
 

@@ -22,6 +22,7 @@ All jobs run on two session-wide pools of ranks (tests/dist_pool.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import pytest
@@ -169,15 +170,18 @@ def _close(got, want, tol: dict, label: str) -> None:
         raise AssertionError(f"{label}: {e}") from None
 
 
-def assert_matches_reference(results: list[dict], model: tuple) -> None:
+def assert_matches_reference(results: list[dict], model: tuple, *,
+                             param_tol: dict = PARAM_TOL) -> None:
+    """Every rank's losses, first gradients and final parameters against one process."""
     ref = reference(model)
     for rank, got in enumerate(results):
         _close(got["losses"], ref["losses"], LOSS_TOL, f"rank {rank} losses")
         assert got["params"].keys() == ref["params"].keys(), f"rank {rank} parameter names"
+        assert got["grads"].keys() == ref["grads"].keys(), f"rank {rank} gradient names"
         for name, want in ref["grads"].items():
             _close(got["grads"][name], want, GRAD_TOL, f"rank {rank} grad of {name}")
         for name, want in ref["params"].items():
-            tol = ZERO_GRAD_PARAM_TOL if name.endswith("k_proj.bias") else PARAM_TOL
+            tol = ZERO_GRAD_PARAM_TOL if name.endswith("k_proj.bias") else param_tol
             _close(got["params"][name], want, tol, f"rank {rank} param {name}")
 
 
@@ -283,10 +287,30 @@ def local_numel_job(model: tuple, plan_json: str) -> int:
 _COLLECTIVES = ("all_reduce", "all_gather", "broadcast", "barrier", "new_group", "reduce_scatter")
 
 
+@contextlib.contextmanager
+def collectives_trapped(*extra: tuple[object, str]):
+    """Every way into a collective raises while inside: the usual c10d calls and the
+    given (module, name) entry points such as mesh creation."""
+    import torch.distributed as dist
+
+    def trap(*args, **kwargs):
+        raise AssertionError("a collective ran before the plan was validated")
+
+    targets = list(extra) + [(dist, name) for name in _COLLECTIVES]
+    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
+    try:
+        for mod, name in targets:
+            setattr(mod, name, trap)
+        yield
+    finally:
+        for mod, name, value in saved:
+            setattr(mod, name, value)
+
+
 def bad_plan_job(model: tuple, plan_json: str) -> str:
-    """Apply on rank 0 only, with every way into a collective booby-trapped: mesh
-    creation and the usual c10d calls raise. (Anything unpatched would hang rank 0, whose
-    peers take no part, until the process-group timeout, failing the test too.)"""
+    """Apply on rank 0 only, with every way into a collective booby-trapped. (Anything
+    unpatched would hang rank 0, whose peers take no part, until the process-group
+    timeout, failing the test too.)"""
     import torch.distributed as dist
 
     import runtime.apply
@@ -294,23 +318,13 @@ def bad_plan_job(model: tuple, plan_json: str) -> str:
 
     if dist.get_rank() != 0:
         return ""
-
-    def trap(*args, **kwargs):
-        raise AssertionError("a collective ran before the plan was validated")
-
     spec = _spec(model)
     net = spec.build("meta" if plan_json.endswith("#meta") else "cpu", seed=0)
-    targets = [(runtime.apply, "build_mesh")] + [(dist, name) for name in _COLLECTIVES]
-    saved = [(mod, name, getattr(mod, name)) for mod, name in targets]
     try:
-        for mod, name in targets:
-            setattr(mod, name, trap)
-        apply_plan(net, Plan.from_json(plan_json.removesuffix("#meta")))
+        with collectives_trapped((runtime.apply, "build_mesh")):
+            apply_plan(net, Plan.from_json(plan_json.removesuffix("#meta")))
     except PlanError as e:
         return f"PlanError: {e}"
-    finally:
-        for mod, name, value in saved:
-            setattr(mod, name, value)
     return "no error"
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import pulp
 
 from autopar.planner.costs import LayerCost
+from runtime.plan import STRATEGIES
 
 GIB = 1024**3
 MS = 1e3
@@ -58,6 +59,12 @@ class ILPResult:
     """Class name -> {strategy: number of its layers}."""
     solver: str
     solve_time_s: float
+
+
+def expand_counts(counts: dict[str, int]) -> list[str]:
+    """{strategy: number of layers} -> one strategy per layer, in the order of STRATEGIES
+    (identical layers are interchangeable, so any fixed order is as good)."""
+    return [s for s in STRATEGIES for _ in range(counts.get(s, 0))]
 
 
 def make_solver(time_limit_s: float) -> pulp.LpSolver:

@@ -29,6 +29,7 @@ from autopar.planner.ilp import (
     GIB,
     ClassOptions,
     StrategyILP,
+    expand_counts,
     min_memory,
 )
 from cost_models.comm import Group, group_link, p2p_s
@@ -36,7 +37,7 @@ from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from cost_models.schedule import StageTimes, Timeline, simulate, stage_ranks
 from passes.records import LayerGraph
-from runtime.plan import STRATEGIES, Mesh
+from runtime.plan import Mesh, schedule_microbatch_problem
 
 PIPELINE_SCHEDULES = (  # (schedule, virtual stages per rank)
     ("GPipe", 1),
@@ -106,8 +107,8 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
                 for schedule, v in PIPELINE_SCHEDULES:
                     if pp * v > layers or (v > 1 and m % pp):
                         continue  # interleaving advances micro-batches in groups of pp
-                    if schedule == "1F1B" and m < pp:
-                        continue  # torch's 1F1B needs a micro-batch per stage
+                    if schedule_microbatch_problem(schedule, pp, m):
+                        continue  # torch's schedule would refuse it
                     out.append(PipelineConfig(mesh=Mesh(pp=pp, dp=dp, tp=tp), schedule=schedule,
                                               virtual_stages=v, microbatches=m))
     return out
@@ -242,10 +243,7 @@ class _Context:
             return Infeasible(config=config, min_memory_bytes=need)
         chosen: list[LayerCost | None] = [None] * len(stage_of)
         for members, options, result in per_rank:
-            queues = {
-                name: [s for s in STRATEGIES for _ in range(counts.get(s, 0))]
-                for name, counts in result.items()
-            }
+            queues = {name: expand_counts(counts) for name, counts in result.items()}
             by_name = {o.name: o for o in options}
             for i in members:
                 name = _class_key(stage_of[i], self.graph.layers[i].layer_class)

@@ -14,7 +14,13 @@ from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner.costs import LayerCost, allowed_strategies, layer_cost
-from autopar.planner.ilp import ClassOptions, make_solver, min_memory, solve_strategies
+from autopar.planner.ilp import (
+    ClassOptions,
+    expand_counts,
+    make_solver,
+    min_memory,
+    solve_strategies,
+)
 from autopar.planner.pipeline import (
     Infeasible,
     PipelineOutcome,
@@ -27,7 +33,7 @@ from cost_models.memory import Precision, precision
 from cost_models.schedule import Timeline
 from passes.records import LayerGraph
 from runtime.plan import (
-    STRATEGIES,
+    TP_STRATEGIES,
     LayerPlan,
     MemoryBreakdown,
     Mesh,
@@ -138,7 +144,7 @@ def search(
     candidates: list[Candidate] = []
     best: tuple[Candidate, list[ClassOptions]] | None = None
     for m, reason in meshes:
-        _tell(progress, candidates, len(meshes), best)
+        _tell(progress, candidates, len(meshes))
         if reason:
             candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
             continue
@@ -156,7 +162,7 @@ def search(
         if best is None or cand.objective_s < best[0].objective_s:
             best = (cand, options)
         solver_name = result.solver
-    _tell(progress, candidates, len(meshes), best)
+    _tell(progress, candidates, len(meshes))
 
     pipe_best = None
     if pipeline:
@@ -168,7 +174,7 @@ def search(
         if mesh is not None and pipe_best is not None and pipe_best.config.mesh != mesh:
             pipe_best = None  # a fixed mesh was asked for
         solver_name = make_solver(time_limit_s).name
-        _tell(progress, candidates, len(candidates), best)
+        _tell(progress, candidates, len(candidates))
     if best is None and pipe_best is None:
         raise _infeasible(graph, cluster, candidates)
     lower = min(c.lower_bound_s for c in candidates if c.status == "optimal")
@@ -197,8 +203,7 @@ def search(
                         search_time_s=time.perf_counter() - start)
 
 
-def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int,
-          best: tuple[Candidate, list[ClassOptions]] | None) -> None:
+def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int) -> None:
     """Report the latest candidate and the best step time so far to the progress callback."""
     if progress is not None and candidates:
         done = [c.objective_s for c in candidates if c.status == "optimal"]
@@ -209,12 +214,6 @@ def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int,
 def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candidate,
                options: list[ClassOptions], report: SolverReport) -> Plan:
     costs = assign_layers(graph, cand.choice, options)
-    layers = []
-    for layer, cost in zip(graph.layers, costs, strict=True):
-        styles = dict(layer.tp.styles) if cost.strategy in ("tp", "tp_fsdp") and layer.tp else {}
-        layers.append(LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=styles,
-                                layer_class=layer.layer_class,
-                                memory_bytes=int(cost.resident_bytes), time_s=cost.time_s))
     memory = plan_memory(costs, cluster.memory_margin_fraction)
     assert memory.total_bytes <= cluster.device.memory_bytes, "the ILP's memory row was violated"
     compute = sum(c.compute_s for c in costs)
@@ -222,10 +221,25 @@ def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candi
     prediction = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                             memory=memory, capacity_bytes=cluster.device.memory_bytes,
                             source=cluster.provenance)
+    return _build_plan(graph, cluster, prec, cand.mesh, costs, (0,) * len(costs), prediction,
+                       report)
+
+
+def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh,
+                costs: list[LayerCost] | tuple[LayerCost, ...], stages: tuple[int, ...],
+                prediction: Prediction, report: SolverReport,
+                pipeline: PipelineSpec | None = None) -> Plan:
+    """The Plan document: one LayerPlan per layer with its chosen strategy and stage."""
+    layers = []
+    for layer, cost, stage in zip(graph.layers, costs, stages, strict=True):
+        styles = dict(layer.tp.styles) if cost.strategy in TP_STRATEGIES and layer.tp else {}
+        layers.append(LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=styles,
+                                stage=stage, layer_class=layer.layer_class,
+                                memory_bytes=int(cost.resident_bytes), time_s=cost.time_s))
     return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
                 f"{cluster.devices_per_node})", global_batch=graph.batch_size,
-                seq_len=graph.seq_len, mesh=cand.mesh, layers=tuple(layers),
-                param_dtype=prec.name, prediction=prediction, solver=report)
+                seq_len=graph.seq_len, mesh=mesh, layers=tuple(layers), param_dtype=prec.name,
+                prediction=prediction, solver=report, pipeline=pipeline)
 
 
 def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
@@ -236,10 +250,7 @@ def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
     order of STRATEGIES (replicate, fsdp, tp, tp_fsdp).
     """
     by_class = {o.name: o for o in options}
-    queues = {
-        name: [s for s in STRATEGIES for _ in range(counts.get(s, 0))]
-        for name, counts in choice.items()
-    }
+    queues = {name: expand_counts(counts) for name, counts in choice.items()}
     out = []
     for layer in graph.layers:
         strategy = queues[layer.layer_class].pop(0)
@@ -275,13 +286,6 @@ def _pipeline_candidate(outcome: PipelineOutcome | Infeasible) -> Candidate:
 def _make_pipeline_plan(graph: LayerGraph, cluster: Cluster, prec: Precision,
                         outcome: PipelineOutcome, report: SolverReport) -> Plan:
     c = outcome.config
-    layers = []
-    for layer, cost, stage in zip(graph.layers, outcome.costs, outcome.stage_of_layer,
-                                  strict=True):
-        styles = dict(layer.tp.styles) if cost.strategy in ("tp", "tp_fsdp") and layer.tp else {}
-        layers.append(LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=styles,
-                                stage=stage, layer_class=layer.layer_class,
-                                memory_bytes=int(cost.resident_with(1)), time_s=cost.time_s))
     ranks = tuple(
         MemoryBreakdown(
             params_bytes=int(mem["params"]), grads_bytes=int(mem["grads"]),
@@ -303,12 +307,10 @@ def _make_pipeline_plan(graph: LayerGraph, cluster: Cluster, prec: Precision,
         step_time_s=outcome.step_time_s, compute_s=compute, comm_s=comm, memory=memory,
         capacity_bytes=cluster.device.memory_bytes, source=cluster.provenance,
         bubble_s=bubble, bubble_fraction=outcome.timeline.bubble_fraction, rank_memory=ranks)
-    return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
-                f"{cluster.devices_per_node})", global_batch=graph.batch_size,
-                seq_len=graph.seq_len, mesh=c.mesh, layers=tuple(layers),
-                param_dtype=prec.name, prediction=prediction, solver=report,
-                pipeline=PipelineSpec(schedule=c.schedule, num_microbatches=c.microbatches,
-                                      virtual_stages=c.virtual_stages))
+    pipeline = PipelineSpec(schedule=c.schedule, num_microbatches=c.microbatches,
+                            virtual_stages=c.virtual_stages)
+    return _build_plan(graph, cluster, prec, c.mesh, outcome.costs, outcome.stage_of_layer,
+                       prediction, report, pipeline)
 
 
 def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
