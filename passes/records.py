@@ -37,6 +37,12 @@ class TPOption:
     """Saved-for-backward activation bytes that divide by the degree."""
     collectives: tuple[Collective, ...]
     """Collectives over the TP group per step (Megatron f/g operators, gathers)."""
+    sp_saved_bytes: int = 0
+    """With sequence parallelism: further saved bytes (norms, dropout, residual ops outside
+    the TP-sharded set) that divide by the degree. 0 when SP is not possible."""
+    sp_collectives: tuple[Collective, ...] | None = None
+    """With sequence parallelism: the collectives replacing ``collectives`` (reduce-scatter
+    and all-gather along the sequence). None when the layer cannot be sequence-parallel."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -61,6 +67,18 @@ class LayerInfo:
     """Bytes read and written by the forward ops (for the memory-bound roofline term)."""
     num_ops: int
     """Forward kernels (for the per-kernel launch floor)."""
+    saved_fixed_bytes: int = 0
+    """Part of saved_bytes held in non-floating dtypes (dropout masks, indices): it does not
+    scale with the compute precision."""
+    selective_saved_bytes: int = 0
+    """Part of saved_bytes (floating) that selective recomputation frees: outputs of
+    runtime.plan.SELECTIVE_RECOMPUTE_OPS saved for backward."""
+    selective_fixed_bytes: int = 0
+    """Part of saved_fixed_bytes that selective recomputation frees (dropout masks)."""
+    selective_fwd_flops: float = 0.0
+    """Forward FLOPs of SELECTIVE_RECOMPUTE_OPS: what selective recomputation runs again."""
+    input_bytes: int = 0
+    """Bytes of the layer's floating inputs: what full recomputation keeps (its checkpoint)."""
     tp: TPOption | None = None
     """How this layer can be tensor-parallel, or None if no safe split is known."""
 

@@ -10,8 +10,16 @@ devices of one node).
 
 Per-layer strategies (``LayerPlan.strategy``):
 
-- ``replicate``: parameters replicated; gradients all-reduced (DDP semantics).
-- ``fsdp``: parameters, gradients and optimizer states sharded (ZeRO-3 / FSDP2).
+- ``replicate``: parameters replicated; gradients all-reduced (DDP semantics, ZeRO-0).
+- ``zero1``: optimizer states sharded; parameters gathered once per step and gradients
+  accumulated unsharded across micro-batches, reduce-scattered once per step (ZeRO-1).
+- ``zero2``: optimizer states and gradients sharded; parameters gathered once per step
+  and kept through every micro-batch; gradients reduce-scattered after each micro-batch
+  (ZeRO-2).
+- ``fsdp``: parameters, gradients and optimizer states sharded, parameters gathered
+  before each use (ZeRO-3 / FSDP2).
+- ``hsdp``: ``fsdp`` inside groups of ``Plan.hsdp_shard_size`` consecutive ranks (a node),
+  replicated across the groups (hybrid sharding).
 - ``tp``: Megatron tensor parallelism over the ``tp`` axis using ``tp_styles``;
   gradients all-reduced over ``dp``.
 - ``tp_fsdp``: tensor parallel over ``tp`` and FSDP-sharded over ``dp``.
@@ -19,6 +27,18 @@ Per-layer strategies (``LayerPlan.strategy``):
 A layer that is not tensor-parallel computes redundantly inside its tp group (every
 tp rank sees the same micro-batch), so its replicas span the whole world: ``replicate``
 all-reduces and ``fsdp`` shards over all ``dp * tp`` ranks of its stage.
+
+Per layer, besides its strategy: ``recompute`` (``none``; ``selective``, the attention
+core recomputed in backward; ``full``, the whole layer's forward recomputed from its
+input), ``offload`` (``fsdp``/``tp_fsdp`` layers keep parameters, gradients and the
+optimizer step in host memory) and ``sequence_parallel`` (TP layers also split their
+norms and element-wise ops along the sequence; all-reduces become reduce-scatter +
+all-gather).
+
+Precision (``Plan.param_dtype``): the compute dtype. Master weights and optimizer states
+stay float32; gradients are communicated in ``reduce_dtype``; float16 needs
+``loss_scaling = "dynamic"``. ``gradient_accumulation`` micro-batches make one step when
+``mesh.pp == 1`` (a pipeline's micro-batches are ``pipeline.num_microbatches``).
 
 Pipeline parallelism (``mesh.pp > 1``, ``Plan.pipeline``): layers are cut into
 ``pp * virtual_stages`` contiguous stages (``LayerPlan.stage``, in execution order). Stage
@@ -42,14 +62,33 @@ from typing import Any
 from cost_models.errors import ConfigError
 
 PLAN_VERSION = 1
-STRATEGIES = ("replicate", "fsdp", "tp", "tp_fsdp")
+STRATEGIES = ("replicate", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_fsdp")
 TP_STRATEGIES = ("tp", "tp_fsdp")
+SHARDED_STRATEGIES = ("zero1", "zero2", "fsdp", "hsdp", "tp_fsdp")
+"""Strategies that shard optimizer states over data-parallel ranks."""
+OFFLOAD_STRATEGIES = ("fsdp", "tp_fsdp")
+RECOMPUTE = ("none", "selective", "full")
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
+LOSS_SCALING = ("none", "dynamic")
 # How one submodule is split for tensor parallelism (see runtime.tensor_parallel):
 #   colwise           Linear split on output features; output stays sharded on the last dim
 #   rowwise           Linear split on input features; output all-reduced (replicated)
 #   colwise_gather    Linear split on output features; output all-gathered (replicated)
 #   embedding_rowwise Embedding split on the vocabulary; output all-reduced (replicated)
-TP_STYLES = ("colwise", "rowwise", "colwise_gather", "embedding_rowwise")
+#   sequence_parallel a norm or element-wise submodule run on sequence shards (only when the
+#                     layer's sequence_parallel is set; runtime.tensor_parallel)
+TP_STYLES = ("colwise", "rowwise", "colwise_gather", "embedding_rowwise", "sequence_parallel")
+# What ``recompute = "selective"`` recomputes: the attention core (scores, softmax, its
+# dropout, the product with V, or the fused attention kernel) and dropout. Named as aten
+# overloads' packets; runtime.recompute builds its checkpoint policy from this list and
+# passes.annotate credits the memory of exactly these ops' saved outputs.
+SELECTIVE_RECOMPUTE_OPS = (
+    "aten.bmm", "aten.baddbmm", "aten._softmax", "aten.native_dropout", "aten.masked_fill",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+)
 # Pipeline schedules, named as torch.distributed.pipelining's Schedule* classes, with the
 # virtual stages per rank each accepts ("v" = any v >= 2).
 SCHEDULES = {
@@ -164,6 +203,13 @@ class LayerPlan:
     optimizer states, saved activations)."""
     time_s: float | None = None
     """Informational: modelled forward + backward time of this layer, communication included."""
+    recompute: str = "none"
+    """One of RECOMPUTE: activations recomputed in backward instead of kept."""
+    offload: bool = False
+    """Keep this layer's parameters, gradients and optimizer step in host memory
+    (OFFLOAD_STRATEGIES only)."""
+    sequence_parallel: bool = False
+    """TP strategies only: norms and element-wise ops split along the sequence."""
 
     def __post_init__(self) -> None:
         where = f"layer {self.module!r}"
@@ -188,6 +234,19 @@ class LayerPlan:
             raise PlanError(f"{where}: tp_styles given but strategy is {self.strategy!r}")
         if not isinstance(self.stage, int) or self.stage < 0:
             raise PlanError(f"{where}: stage must be a non-negative integer")
+        if self.recompute not in RECOMPUTE:
+            raise PlanError(
+                f"{where}: recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
+        if not isinstance(self.offload, bool) or not isinstance(self.sequence_parallel, bool):
+            raise PlanError(f"{where}: offload and sequence_parallel must be true or false")
+        if self.offload and self.strategy not in OFFLOAD_STRATEGIES:
+            raise PlanError(
+                f"{where}: offload needs a fully sharded strategy ({', '.join(OFFLOAD_STRATEGIES)}),"
+                f" got {self.strategy!r}")
+        if self.sequence_parallel and self.strategy not in TP_STRATEGIES:
+            raise PlanError(
+                f"{where}: sequence_parallel needs a TP strategy ({', '.join(TP_STRATEGIES)}), "
+                f"got {self.strategy!r}")
 
     @property
     def is_tp(self) -> bool:
@@ -339,6 +398,16 @@ class Plan:
     mesh: Mesh = field(default_factory=Mesh)
     layers: tuple[LayerPlan, ...] = ()
     param_dtype: str = "float32"
+    """Compute dtype (one of COMPUTE_DTYPES); master weights and optimizer states stay float32."""
+    reduce_dtype: str = "float32"
+    """Dtype of gradient communication (float32, or param_dtype)."""
+    loss_scaling: str = "none"
+    """One of LOSS_SCALING; float16 needs 'dynamic'."""
+    gradient_accumulation: int = 1
+    """Micro-batches per optimizer step when mesh.pp == 1 (pipelines use
+    pipeline.num_microbatches)."""
+    hsdp_shard_size: int | None = None
+    """Ranks that shard an 'hsdp' layer (one node); required when a layer uses 'hsdp'."""
     pipeline: PipelineSpec | None = None
     """Required when mesh.pp > 1."""
     prediction: Prediction | None = None
@@ -360,6 +429,9 @@ class Plan:
                 f"mesh.dp={self.mesh.dp}; choose a batch that is a multiple of {self.mesh.dp}"
             )
         self._check_pipeline()
+        self._check_precision()
+        self._check_accumulation()
+        self._check_hsdp()
         seen: set[str] = set()
         for layer in self.layers:
             if layer.module in seen:
@@ -397,6 +469,51 @@ class Plan:
         missing = sorted(set(range(self.num_stages)) - set(stages))
         if self.layers and missing:
             raise PlanError(f"pipeline stage(s) {missing} hold no layer")
+
+    def _check_precision(self) -> None:
+        if self.param_dtype not in COMPUTE_DTYPES:
+            raise PlanError(f"param_dtype {self.param_dtype!r} is not one of "
+                            f"{', '.join(COMPUTE_DTYPES)}")
+        if self.reduce_dtype not in ("float32", self.param_dtype):
+            raise PlanError(f"reduce_dtype {self.reduce_dtype!r} must be 'float32' or the "
+                            f"param_dtype {self.param_dtype!r}")
+        if self.loss_scaling not in LOSS_SCALING:
+            raise PlanError(f"loss_scaling {self.loss_scaling!r} is not one of "
+                            f"{', '.join(LOSS_SCALING)}")
+        if self.param_dtype == "float16" and self.loss_scaling != "dynamic":
+            raise PlanError("param_dtype 'float16' needs loss_scaling 'dynamic': float16 "
+                            "gradients underflow without it")
+
+    def _check_accumulation(self) -> None:
+        k = self.gradient_accumulation
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise PlanError(f"gradient_accumulation must be a positive integer, got {k!r}")
+        if k > 1 and self.mesh.pp > 1:
+            raise PlanError("gradient_accumulation > 1 with mesh.pp > 1: a pipeline "
+                            "accumulates over pipeline.num_microbatches; set it there")
+        if self.global_batch % (self.mesh.dp * k):
+            raise PlanError(
+                f"global_batch {self.global_batch} is not divisible by dp × "
+                f"gradient_accumulation = {self.mesh.dp} × {k}; each micro-batch needs the "
+                "same number of samples")
+
+    def _check_hsdp(self) -> None:
+        uses = [la.module for la in self.layers if la.strategy == "hsdp"]
+        size = self.hsdp_shard_size
+        if size is None:
+            if uses:
+                raise PlanError(f"layer {uses[0]!r} uses 'hsdp' but the plan has no "
+                                "hsdp_shard_size (ranks per shard group, e.g. one node)")
+            return
+        replicas = self.mesh.dp * self.mesh.tp
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1 or replicas % size:
+            raise PlanError(f"hsdp_shard_size {size!r} must be a positive divisor of the "
+                            f"ranks of a stage, dp × tp = {replicas}")
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per optimizer step on each data-parallel replica."""
+        return self.pipeline.num_microbatches if self.pipeline else self.gradient_accumulation
 
     def _check_schedule_microbatches(self) -> None:
         problem = schedule_microbatch_problem(
