@@ -1,4 +1,4 @@
-"""Cost models: clusters and their files, collective formulas, compute, ZeRO memory."""
+"""Cost models: clusters and their files, collective formulas, overlap, compute, ZeRO memory."""
 
 from __future__ import annotations
 
@@ -6,7 +6,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from cost_models.comm import Group, all_gather_s, all_reduce_s, group_link, p2p_s, reduce_scatter_s
+from cost_models.comm import (
+    Group,
+    all_gather_s,
+    all_reduce_algorithm,
+    all_reduce_s,
+    all_to_all_s,
+    collective_s,
+    group_link,
+    p2p_s,
+    reduce_scatter_s,
+)
 from cost_models.compute import roofline_s
 from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster, GiB
@@ -105,23 +115,75 @@ def test_ring_all_reduce_is_2_n_minus_1_over_n_size_over_bandwidth():
     assert all_reduce_s(size, Group(1), cluster) == 0.0
 
 
-def test_group_spanning_nodes_runs_at_network_speed():
+def test_group_spanning_nodes_crosses_the_network():
     cluster = Cluster.preset("dgx-a100-80g", nodes=2)
     assert group_link(cluster, Group(8, 1)).kind == "nvlink"
     assert group_link(cluster, Group(2, 8)).kind == "network"  # a dp group with tp = 8
     assert group_link(cluster, Group(16, 1)).kind == "network"
-    inter = 2 * 15 / 16 * 1e9 / 25e9 + 2 * 15 * 10e-6
-    assert all_reduce_s(1e9, Group(16), cluster) == pytest.approx(inter)
     assert p2p_s(1e9, cluster.inter_node) == pytest.approx(1e9 / 25e9 + 10e-6)
+    assert collective_s("p2p", 1e9, Group(2, 8), cluster) == p2p_s(1e9, cluster.inter_node)
+    # One rank per node: a flat ring over 2 nodes on the network.
+    assert all_reduce_s(1e9, Group(2, 8), cluster) == pytest.approx(1e9 / 25e9 + 2 * 10e-6)
+
+
+def test_all_reduce_over_two_nodes_of_8_is_hierarchical():
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2)
+    size = 1e9
+    rs_nvlink = 7 / 8 * size / 300e9 + 7 * 5e-6  # RS(8, nvlink, S) = AG(8, nvlink, S)
+    ar_network = 2 * 1 / 2 * (size / 8) / 25e9 + 2 * 1 * 10e-6  # ring AR(2, network, S/8)
+    expected = rs_nvlink + ar_network + rs_nvlink  # 10.92 ms; a flat ring would be 75.3 ms
+    assert all_reduce_s(size, Group(16), cluster) == pytest.approx(expected)
+    assert expected == pytest.approx(10.923e-3, rel=1e-4)
+    assert all_reduce_algorithm(size, Group(16), cluster) == "ring"
+    rs_network = 1 / 2 * (size / 8) / 25e9 + 10e-6
+    assert reduce_scatter_s(size, Group(16), cluster) == pytest.approx(rs_nvlink + rs_network)
+    assert all_gather_s(size, Group(16), cluster) == pytest.approx(rs_nvlink + rs_network)
+
+
+def test_tree_all_reduce_wins_for_small_messages_over_many_nodes():
+    cluster = Cluster.preset("dgx-h100", nodes=64)
+    group = Group(64, 8)  # one rank per node
+    small, large = 1e6, 1e10
+    ring_small = 2 * 63 / 64 * small / 50e9 + 2 * 63 * 8e-6  # 1.047 ms
+    tree_small = 2 * small / 50e9 + 2 * 6 * 8e-6  # log2(64) = 6 levels: 136 us
+    assert all_reduce_s(small, group, cluster) == pytest.approx(tree_small)
+    assert tree_small < ring_small
+    assert all_reduce_algorithm(small, group, cluster) == "tree"
+    ring_large = 2 * 63 / 64 * large / 50e9 + 2 * 63 * 8e-6  # 394.8 ms < tree's 400.1 ms
+    assert all_reduce_s(large, group, cluster) == pytest.approx(ring_large)
+    assert all_reduce_algorithm(large, group, cluster) == "ring"
+
+
+def test_all_to_all_is_n_minus_1_over_n_size_over_bandwidth():
+    one_node = Cluster.preset("dgx-a100-80g")
+    size = 1e9
+    assert all_to_all_s(size, Group(8), one_node) == pytest.approx(
+        7 / 8 * size / 300e9 + 7 * 5e-6)
+    two_nodes = one_node.with_nodes(2)  # 8 of 16 peers' shares cross the network
+    network = 8 / 16 * size / 25e9 + 8 * 10e-6
+    assert all_to_all_s(size, Group(16), two_nodes) == pytest.approx(network)
+    assert collective_s("all_to_all", size, Group(16), two_nodes) == pytest.approx(network)
 
 
 @given(st.floats(1, 1e12), st.integers(2, 64), st.integers(1, 8))
-def test_collectives_grow_with_size_and_all_reduce_is_two_passes(size, n, stride):
+def test_collectives_grow_with_size_and_ring_all_reduce_is_two_passes(size, n, stride):
     cluster = Cluster.preset("dgx-h100", nodes=64)
     group = Group(n, stride)
-    assert all_reduce_s(size, group, cluster) == pytest.approx(
-        2 * reduce_scatter_s(size, group, cluster))
+    two_passes = reduce_scatter_s(size, group, cluster) + all_gather_s(size, group, cluster)
+    if all_reduce_algorithm(size, group, cluster) == "ring":
+        assert all_reduce_s(size, group, cluster) == pytest.approx(two_passes)
+    else:
+        assert all_reduce_s(size, group, cluster) < two_passes
     assert all_reduce_s(2 * size, group, cluster) > all_reduce_s(size, group, cluster)
+    assert all_to_all_s(2 * size, group, cluster) > all_to_all_s(size, group, cluster)
+
+
+@given(st.floats(1, 1e12), st.integers(2, 8))
+def test_groups_inside_one_node_keep_the_flat_ring(size, n):
+    cluster = Cluster.preset("dgx-h100", nodes=4)
+    link = cluster.intra_node
+    ring = 2 * (n - 1) / n * size / (link.bandwidth_GBps * 1e9) + 2 * (n - 1) * link.latency_s
+    assert all_reduce_s(size, Group(n), cluster) == pytest.approx(ring, rel=1e-12)
 
 
 def test_roofline_is_bound_by_the_slower_resource():
