@@ -2,7 +2,9 @@
 
 Units are in the field names: bytes, seconds, FLOP/s, GB/s (10^9 bytes per second).
 Presets live in ``cost_models/presets/*.toml`` (the same format users write) and cite
-their sources there.
+their sources there. Optional tables: ``[device.matmul_half_dim]`` (the GEMM efficiency
+curve of ``cost_models.compute``) and ``[overlap]`` (the slowdown factors of
+``cost_models.overlap``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,23 @@ from cost_models.errors import ConfigError
 DTYPES = ("float32", "tf32", "bfloat16", "float16")
 LINK_KINDS = ("nvlink", "pcie", "network", "loopback")
 GiB = 1024**3
+MiB = 1024**2
+
+DEFAULT_MATMUL_HALF_DIM = 128.0
+"""Smallest GEMM dimension (elements) at which a GEMM runs at half the large-GEMM efficiency,
+for dtypes a device does not list. Modelled, not measured: one edge of cuBLAS's larger
+tensor-core tiles (128 or 256 wide; NVIDIA, "Matrix Multiplication Background User's
+Guide", 2023, section 2.3): a dimension of one tile leaves each tile's pipeline short and
+few tiles to spread over the SMs. ``autopar calibrate`` fits it per dtype."""
+
+DEFAULT_OVERLAP_SLOWDOWN = 1.1
+"""Compute slows by this factor while a collective runs beside it. An assumed default (NCCL
+kernels take SMs and memory bandwidth from the compute they overlap), to be calibrated by
+timing a GEMM with and without a concurrent collective."""
+
+DDP_BUCKET_BYTES = 25 * MiB
+"""torch.nn.parallel.DistributedDataParallel's default gradient bucket (bucket_cap_mb=25,
+in MiB)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,7 +52,11 @@ class Device:
     memory_bandwidth_GBps: float
     """Main-memory bandwidth (HBM or DRAM), GB/s."""
     matmul_efficiency: float = 0.7
-    """Achievable fraction of peak for large matrix multiplies."""
+    """Achievable fraction of peak for large matrix multiplies: the asymptote of the GEMM
+    efficiency curve (``cost_models.compute.gemm_efficiency``)."""
+    matmul_half_dim: dict[str, float] = field(default_factory=dict)
+    """Per compute dtype: the smallest GEMM dimension at which efficiency is half the
+    asymptote; dtypes not listed use DEFAULT_MATMUL_HALF_DIM."""
     kernel_floor_s: float = 5e-6
     """Smallest time of one kernel (launch and tail)."""
 
@@ -45,6 +68,29 @@ class Device:
                 f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}; it lists "
                 f"{', '.join(self.peak_flops) or 'none'}"
             ) from None
+
+    def half_dim(self, dtype: str) -> float:
+        return self.matmul_half_dim.get(dtype, DEFAULT_MATMUL_HALF_DIM)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overlap:
+    """How communication overlaps compute (``cost_models.overlap``), per pattern.
+
+    A slowdown σ >= 1 stretches compute while communication runs beside it: overlap is
+    never free. Patterns have separate factors because their kernels differ (ring
+    collectives on many channels, send/recv on few) and are calibrated separately.
+    """
+
+    dp_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
+    """Backward compute beside the data-parallel gradient reduction (DDP buckets)."""
+    fsdp_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
+    """A layer's compute beside the next layer's prefetched all-gather (and, in backward,
+    the previous layer's reduce-scatter)."""
+    pp_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN
+    """A pipeline stage's compute beside its send/recv of activations or gradients."""
+    ddp_bucket_bytes: int = DDP_BUCKET_BYTES
+    """Gradient bucket size; the last bucket's reduction is always exposed."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,6 +114,8 @@ class Cluster:
     inter_node: Link
     memory_margin_fraction: float = 0.1
     """Extra memory kept free for allocator fragmentation, as a fraction of the modelled use."""
+    overlap: Overlap = field(default_factory=Overlap)
+    """Slowdown factors of communication overlapped with compute."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -169,6 +217,7 @@ _UNITS = {
     "memory_gb": ("memory_bytes", 1e9),
     "latency_us": ("latency_s", 1e-6),
     "kernel_floor_us": ("kernel_floor_s", 1e-6),
+    "ddp_bucket_mib": ("ddp_bucket_bytes", MiB),
 }
 
 
@@ -180,6 +229,8 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     device = _device_from_dict(top.pop("device"), f"{source}: [device]")
     intra = _link_from_dict(top.pop("intra_node"), f"{source}: [intra_node]")
     inter = _link_from_dict(top.pop("inter_node"), f"{source}: [inter_node]")
+    if "overlap" in top:
+        top["overlap"] = _overlap_from_dict(top["overlap"], f"{source}: [overlap]")
     for key in ("nodes", "devices_per_node"):
         if key in top:
             _check_positive_int(key, top[key], source)
@@ -211,7 +262,37 @@ def _device_from_dict(data: Any, where: str) -> Device:
     eff = d.get("matmul_efficiency", 0.7)
     if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
         raise ConfigError(f"{where}: matmul_efficiency must be in (0, 1], got {eff!r}")
+    if "matmul_half_dim" in d:
+        d["matmul_half_dim"] = _half_dims(d["matmul_half_dim"], where)
     return Device(**d)
+
+
+def _half_dims(data: Any, where: str) -> dict[str, float]:
+    """``[device.matmul_half_dim]``: dtype = elements (0 means GEMMs of any size saturate)."""
+    table = _table(data, f"{where} matmul_half_dim")
+    for dtype, value in table.items():
+        if dtype not in DTYPES:
+            raise ConfigError(
+                f"{where}: matmul_half_dim.{dtype} is not a known dtype; valid: {', '.join(DTYPES)}"
+            )
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(
+                f"{where}: matmul_half_dim.{dtype} must be a non-negative number, got {value!r}")
+    return {k: float(v) for k, v in table.items()}
+
+
+def _overlap_from_dict(data: Any, where: str) -> Overlap:
+    d = _known(_table(data, where), {f.name for f in fields(Overlap)}, where)
+    for key in ("dp_slowdown", "fsdp_slowdown", "pp_slowdown"):
+        value = d.get(key, DEFAULT_OVERLAP_SLOWDOWN)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 1 <= value < 10:
+            raise ConfigError(
+                f"{where}: {key} must be a number in [1, 10) (compute never speeds up while "
+                f"communication runs beside it), got {value!r}")
+    if "ddp_bucket_bytes" in d:
+        _check_positive("ddp_bucket_bytes", d["ddp_bucket_bytes"], where)
+        d["ddp_bucket_bytes"] = int(d["ddp_bucket_bytes"])
+    return Overlap(**d)
 
 
 def _link_from_dict(data: Any, where: str) -> Link:
@@ -237,18 +318,27 @@ def _table(data: Any, where: str) -> dict[str, Any]:
 
 
 def _known(data: dict[str, Any], valid: set[str], where: str) -> dict[str, Any]:
-    """Apply unit-suffixed aliases (memory_gib, latency_us, ...) and reject unknown keys."""
+    """Apply unit-suffixed aliases (memory_gib, latency_us, ...) and reject unknown keys.
+
+    An alias is accepted only in a table whose fields include its target, so each table's
+    error lists the keys that table takes.
+    """
+    aliases = {k: v for k, v in _UNITS.items() if v[0] in valid}
+    if "peak_flops" in valid:
+        aliases["peak_tflops"] = ("peak_flops", 1.0)
     out: dict[str, Any] = {}
     for key, value in data.items():
-        if key in _UNITS:
-            name, scale = _UNITS[key]
+        if key == "peak_tflops" and key in aliases:
+            out[key] = value  # a table, converted by _device_from_dict
+        elif key in aliases:
+            name, scale = aliases[key]
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
                 raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
             out[name] = value * scale
-        elif key in valid or key == "peak_tflops":
+        elif key in valid:
             out[key] = value
         else:
-            allowed = sorted((valid - {"peak_flops", "extra"}) | set(_UNITS) | {"peak_tflops"})
+            allowed = sorted((valid - {"peak_flops", "extra"}) | set(aliases))
             raise ConfigError(f"{where}: unknown field {key!r}; valid fields: {', '.join(allowed)}")
     return out
 

@@ -21,6 +21,13 @@ from cost_models.compute import roofline_s
 from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster, GiB
 from cost_models.memory import precision, zero_model_states
+from cost_models.overlap import (
+    ddp_num_buckets,
+    dp_grad_sync_exposed_s,
+    exposed_comm_s,
+    fsdp_exposed_s,
+    pipeline_p2p_slowdown_s,
+)
 
 MINIMAL = """
 name = "mine"
@@ -89,6 +96,15 @@ def test_cluster_file_round_trips_units(tmp_path):
         (lambda t: t.replace("float32 = 30", "fp8 = 30"), "peak_tflops.fp8 is not a known dtype"),
         (lambda t: t.replace("[inter_node]", "[inter_nodes]"), "unknown field 'inter_nodes'"),
         (lambda t: t.replace('name = "mine"', 'name = "mine'), "not valid TOML"),
+        (lambda t: t + "[overlap]\ndp_slowdown = 0.9\n",
+         "[overlap]: dp_slowdown must be a number in [1, 10)"),
+        (lambda t: t + "[overlap]\nfsdp_slowdwn = 1.2\n",
+         "[overlap]: unknown field 'fsdp_slowdwn'; valid fields: ddp_bucket_bytes, "
+         "ddp_bucket_mib, dp_slowdown, fsdp_slowdown, pp_slowdown"),
+        (lambda t: t.replace("float32 = 30", "float32 = 30\n[device.matmul_half_dim]\nfp8 = 64"),
+         "matmul_half_dim.fp8 is not a known dtype"),
+        (lambda t: t.replace("float32 = 30", "float32 = 30\n[device.matmul_half_dim]\nfloat32 = -1"),
+         "matmul_half_dim.float32 must be a non-negative number"),
     ],
 )
 def test_malformed_cluster_file_names_the_field(tmp_path, edit, message):
@@ -98,6 +114,18 @@ def test_malformed_cluster_file_names_the_field(tmp_path, edit, message):
         Cluster.from_toml(path)
     assert message in str(info.value)
     assert str(path) in str(info.value)
+
+
+def test_overlap_factors_and_gemm_curve_are_read_from_the_cluster_file():
+    cluster = Cluster.from_toml_text(
+        MINIMAL.replace("float32 = 30", "float32 = 30\n[device.matmul_half_dim]\nfloat32 = 64")
+        + "[overlap]\ndp_slowdown = 1.2\npp_slowdown = 1\nddp_bucket_mib = 50\n")
+    assert cluster.device.half_dim("float32") == 64
+    assert cluster.device.half_dim("bfloat16") == 128  # DEFAULT_MATMUL_HALF_DIM
+    overlap = cluster.overlap
+    assert (overlap.dp_slowdown, overlap.fsdp_slowdown, overlap.pp_slowdown) == (1.2, 1.1, 1)
+    assert overlap.ddp_bucket_bytes == 50 * 2**20
+    assert Cluster.from_toml_text(MINIMAL).overlap.dp_slowdown == 1.1
 
 
 def test_unknown_preset_lists_the_presets():
@@ -185,6 +213,65 @@ def test_groups_inside_one_node_keep_the_flat_ring(size, n):
     ring = 2 * (n - 1) / n * size / (link.bandwidth_GBps * 1e9) + 2 * (n - 1) * link.latency_s
     assert all_reduce_s(size, Group(n), cluster) == pytest.approx(ring, rel=1e-12)
 
+
+# -- overlap ---------------------------------------------------------------------------------
+
+def test_comm_shorter_than_compute_is_hidden_but_slows_compute():
+    assert exposed_comm_s(10.0, 4.0) == 0.0
+    # σ = 1.1: compute runs at 1/1.1 for the 4 s of communication, losing 4 - 4/1.1 s.
+    assert exposed_comm_s(10.0, 4.0, slowdown=1.1) == pytest.approx(4 - 4 / 1.1)
+
+
+def test_comm_longer_than_compute_is_partly_hidden():
+    # 2 s of compute stretch to 2.2 s beside 5 s of communication: 2.8 s not hidden,
+    # plus 0.2 s of slowed compute.
+    assert exposed_comm_s(2.0, 5.0, slowdown=1.1) == pytest.approx(3.0)
+    assert exposed_comm_s(2.0, 5.0) == pytest.approx(3.0)
+
+
+def test_comm_is_never_hidden_without_compute_or_beyond_its_floor():
+    assert exposed_comm_s(0.0, 5.0, slowdown=1.1) == 5.0
+    assert exposed_comm_s(10.0, 4.0, exposed_floor_s=1.0) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="slowdown must be >= 1"):
+        exposed_comm_s(1.0, 1.0, slowdown=0.9)
+
+
+def test_ddp_exposes_the_last_bucket_and_whatever_backward_cannot_cover():
+    # 4 buckets of 1 s over an 8 s backward: all but the last hidden.
+    assert dp_grad_sync_exposed_s(8.0, 4.0, num_buckets=4, slowdown=1.0) == pytest.approx(1.0)
+    # A 2 s backward: the first bucket is ready at 0.5 s, the rest run back to back.
+    assert dp_grad_sync_exposed_s(2.0, 4.0, num_buckets=4, slowdown=1.0) == pytest.approx(2.5)
+    # σ = 1.1 on the 3 s hidden under the 6 s window.
+    assert dp_grad_sync_exposed_s(8.0, 4.0, num_buckets=4, slowdown=1.1) == pytest.approx(
+        1.0 + 3.0 * (1 - 1 / 1.1))
+    assert ddp_num_buckets(100 * 2**20, 25 * 2**20) == 4 and ddp_num_buckets(0, 1) == 1
+
+
+@given(st.floats(0, 10), st.floats(0, 10), st.integers(1, 16))
+def test_ddp_overlap_matches_a_bucket_by_bucket_simulation(backward, reduce, buckets):
+    finish = 0.0
+    for i in range(1, buckets + 1):  # bucket i is ready at i/B of backward
+        finish = max(finish, i * backward / buckets) + reduce / buckets
+    assert dp_grad_sync_exposed_s(backward, reduce, num_buckets=buckets, slowdown=1.0) == \
+        pytest.approx(finish - backward, abs=1e-9)
+
+
+def test_fsdp_prefetch_hides_each_gather_behind_the_previous_layer():
+    # Forward: gather 0 exposed (2 s); gather 1 (4 s) behind layer 0 (3 s): 1 s; gather 2 hidden.
+    assert fsdp_exposed_s([3, 3, 3], [2, 4, 1], slowdown=1.0) == pytest.approx(3.0)
+    # Backward adds each layer's reduce-scatter beside the next layer; the last is exposed.
+    assert fsdp_exposed_s([3, 3, 3], [2, 4, 1], [1, 1, 1], slowdown=1.0) == pytest.approx(4.0)
+    slowed = fsdp_exposed_s([3, 3, 3], [2, 4, 1], slowdown=1.1)
+    assert slowed == pytest.approx(2 + (4 - 3.3 / 1.1) + 1 * (1 - 1 / 1.1))
+
+
+def test_pipeline_send_slows_the_senders_next_action():
+    assert pipeline_p2p_slowdown_s(1.0, 0.5, slowdown=1.1) == pytest.approx(0.5 * (1 - 1 / 1.1))
+    assert pipeline_p2p_slowdown_s(1.0, 2.0, slowdown=1.1) == pytest.approx(0.1)  # (σ-1)·P
+    assert pipeline_p2p_slowdown_s(1.0, 2.0, slowdown=1.0) == 0.0
+
+
+# -- compute ---------------------------------------------------------------------------------
 
 def test_roofline_is_bound_by_the_slower_resource():
     device = Cluster.preset("dgx-a100-80g").device
