@@ -15,7 +15,14 @@ Conventions:
   require grad; parameters and buffers are excluded and storages are deduplicated (three
   projections of one input save it once). Attention is run as the fused (flash) kernel, as
   on GPUs: it saves q, k, v, the output and the log-sum-exp, not the s×s probabilities that
-  the math fallback (what meta tensors would otherwise dispatch to) keeps.
+  the math fallback (what meta tensors would otherwise dispatch to) keeps. Dropout in
+  training runs as the fused kernel too (``aten.native_dropout``, what CUDA dispatches to):
+  it saves a bool mask, where the CPU/meta decomposition saves a floating noise tensor.
+- Saved bytes are split by dtype (floating, or fixed: bool masks, integer indices) and by
+  the aten op that produced the saved storage: outputs of ``runtime.plan.
+  SELECTIVE_RECOMPUTE_OPS`` are what selective recomputation frees. Producers are aten ops,
+  not graph nodes, because one node (``torch.matmul``, ``F.softmax``) runs several aten ops
+  and only some are recomputed (matmul's copies of q and k are not; its bmm is).
 """
 
 from __future__ import annotations
@@ -28,14 +35,18 @@ import torch.nn.functional as F
 import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from cost_models.errors import AutoparError
 from passes import meta_keys as K
+from runtime.plan import SELECTIVE_RECOMPUTE_OPS
 
 aten = torch.ops.aten
 
 SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
+DROPOUT_TARGETS = (aten.dropout.default, F.dropout, torch.dropout)
+_SELECTIVE = frozenset(SELECTIVE_RECOMPUTE_OPS)
 _NO_KERNEL_FUNCTIONS = {
     "getitem", "getattr", "sym_size", "sym_numel", "sym_stride", "size", "dim", "alias",
     "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze",
@@ -169,57 +180,124 @@ _FLOP_MAPPING = {aten._scaled_dot_product_flash_attention_for_cpu: _flash_flops}
 
 
 def count_flops(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:
-    """FLOPS: forward FLOPs of each node (FlopCounterMode; see the module docstring)."""
+    """FLOPS and SELECTIVE_FLOPS: forward FLOPs of each node, and the part of them done by
+    ``SELECTIVE_RECOMPUTE_OPS`` (FlopCounterMode; see the module docstring)."""
     counter = FlopCounterMode(display=False, custom_mapping=_FLOP_MAPPING)
+    start = [(0, 0)]
 
     def before(node: Node) -> None:
-        node.meta["_flops_before"] = counter.get_total_flops()
+        start[0] = (counter.get_total_flops(), _selective_flops(counter))
 
     def after(node: Node, out: object) -> None:
-        node.meta[K.FLOPS] = float(counter.get_total_flops() - node.meta.pop("_flops_before"))
+        total, selective = start[0]
+        node.meta[K.FLOPS] = float(counter.get_total_flops() - total)
+        node.meta[K.SELECTIVE_FLOPS] = float(_selective_flops(counter) - selective)
 
     with counter, torch.no_grad():
-        run_nodes(gm, nodes, env, "count_flops", before=before, after=after, fused_sdpa=True)
+        run_nodes(gm, nodes, env, "count_flops", before=before, after=after,
+                  fused_kernels=True)
+
+
+def _selective_flops(counter: FlopCounterMode) -> int:
+    """FLOPs counted so far for ops in SELECTIVE_RECOMPUTE_OPS (counts are keyed by packet)."""
+    per_op = counter.get_flop_counts().get("Global", {})
+    return sum(n for op, n in per_op.items() if str(op) in _SELECTIVE)
 
 
 def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:
     """SAVED: bytes autograd saves for backward per node (parameters/buffers excluded,
-    storages deduplicated over ``nodes``, attributed to the first node saving them)."""
+    storages deduplicated over ``nodes``, attributed to the first node saving them), split
+    by dtype and by whether a selective-recompute op produced them."""
     excluded = {StorageWeakRef(t.untyped_storage()) for t in _attr_tensors(gm, nodes)}
     # storage -> node that produced it ('' for the layer's inputs); a storage first seen
     # while a node runs (its outputs, or internals such as attention's log-sum-exp) is its.
     owner: dict[StorageWeakRef, str] = {}
+    producers = _ProducerMode()
     seen: set[StorageWeakRef] = set()
     current: list[tuple[str, int]] = []
+    split = _SavedSplit()
     running = [""]
 
     def pack(t: torch.Tensor) -> torch.Tensor:
         ref = StorageWeakRef(t.untyped_storage())
         if ref not in excluded and ref not in seen:
             seen.add(ref)
-            current.append((owner.get(ref, running[0]), t.untyped_storage().nbytes()))
+            nbytes = t.untyped_storage().nbytes()
+            current.append((owner.get(ref, running[0]), nbytes))
+            split.add(t, nbytes, selective=producers.of.get(ref, "") in _SELECTIVE)
         return t
 
     def on_input(node: Node, value: object) -> None:
         for t in pytree.tree_leaves(value):
             if isinstance(t, torch.Tensor):
                 owner.setdefault(StorageWeakRef(t.untyped_storage()), "")
+                producers.of[StorageWeakRef(t.untyped_storage())] = ""
 
     def before(node: Node) -> None:
         current.clear()
+        split.reset()
         running[0] = node.name
 
     def after(node: Node, out: object) -> None:
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 owner.setdefault(StorageWeakRef(t.untyped_storage()), node.name)
-        node.meta[K.SAVED] = K.SavedBytes(
-            nbytes=sum(b for _, b in current), producers=tuple(current)
-        )
+        node.meta[K.SAVED] = split.record(current)
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+            producers:
         run_nodes(gm, nodes, env, "count_saved_bytes", before=before, after=after,
-                  on_input=on_input, fresh_inputs=True, fused_sdpa=True)
+                  on_input=on_input, fresh_inputs=True, fused_kernels=True)
+
+
+class _ProducerMode(TorchDispatchMode):
+    """Names the aten op (overload packet, e.g. 'aten.bmm') that first produced each storage.
+
+    Views and in-place ops keep the first producer: a storage is recomputable only if the op
+    that created it is. Outputs are kept alive so a freed storage's address is never reused
+    by a later one under the same key.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.of: dict[StorageWeakRef, str] = {}
+        self._alive: list[torch.Tensor] = []
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple,
+                           args: tuple = (), kwargs: dict | None = None) -> object:
+        out = func(*args, **(kwargs or {}))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.of.setdefault(StorageWeakRef(t.untyped_storage()), str(func.overloadpacket))
+                self._alive.append(t)
+        return out
+
+
+class _SavedSplit:
+    """One node's saved bytes by kind: fixed (non-floating), selective floating/fixed."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.fixed = self.selective = self.selective_fixed = 0
+
+    def add(self, t: torch.Tensor, nbytes: int, *, selective: bool) -> None:
+        # Floating only: autocast and bf16 training change these dtypes, never bool/int.
+        fixed = not t.is_floating_point()
+        self.fixed += nbytes if fixed else 0
+        if selective:
+            if fixed:
+                self.selective_fixed += nbytes
+            else:
+                self.selective += nbytes
+
+    def record(self, saved: list[tuple[str, int]]) -> K.SavedBytes:
+        return K.SavedBytes(
+            nbytes=sum(b for _, b in saved), producers=tuple(saved),
+            fixed_nbytes=self.fixed, selective_nbytes=self.selective,
+            selective_fixed_nbytes=self.selective_fixed,
+        )
 
 
 # -- running nodes on meta ------------------------------------------------------------------
@@ -235,12 +313,13 @@ def run_nodes(
     after: Callable[[Node, object], None] = lambda n, out: None,
     on_input: Callable[[Node, object], None] = lambda n, value: None,
     fresh_inputs: bool = False,
-    fused_sdpa: bool = False,
+    fused_kernels: bool = False,
 ) -> dict[Node, object]:
     """Run ``nodes`` (in graph order) on meta tensors; inputs from outside come from ``env``.
 
     With ``fresh_inputs``, outside tensors are replaced by new leaf tensors (requiring
-    grad when floating point), so autograd sees the nodes as a graph of their own.
+    grad when floating point), so autograd sees the nodes as a graph of their own. With
+    ``fused_kernels``, attention and dropout run as the kernels GPUs dispatch to.
     """
     local: dict[Node, object] = {}
     inside = set(nodes)
@@ -258,7 +337,7 @@ def run_nodes(
         try:
             args, kwargs = _lookup(node, local)
             before(node)
-            out = execute(gm, node, args, kwargs, fused_sdpa=fused_sdpa)
+            out = execute(gm, node, args, kwargs, fused_kernels=fused_kernels)
             after(node, out)
         except PassError:
             raise
@@ -269,18 +348,23 @@ def run_nodes(
 
 
 def execute(gm: GraphModule, node: Node, args: tuple, kwargs: dict, *,
-            fused_sdpa: bool = False) -> object:
+            fused_kernels: bool = False) -> object:
     if node.op == "get_attr":
         return fetch_attr(gm, str(node.target))
     if node.op == "call_function":
-        if fused_sdpa and node.target in SDPA_TARGETS:
+        if fused_kernels and node.target in SDPA_TARGETS:
             return _fused_sdpa(node.target, args, kwargs)
+        if fused_kernels and node.target in DROPOUT_TARGETS:
+            return _fused_dropout(node.target, args, kwargs)
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         obj, *rest = args
         return getattr(obj, str(node.target))(*rest, **kwargs)
     if node.op == "call_module":
-        return gm.get_submodule(str(node.target))(*args, **kwargs)
+        mod = gm.get_submodule(str(node.target))
+        if fused_kernels and type(mod) is torch.nn.Dropout and not mod.inplace:
+            return _fused_dropout(F.dropout, args, {"p": mod.p, "training": mod.training})
+        return mod(*args, **kwargs)
     raise AssertionError(f"cannot execute {node.op} node {node.name}")
 
 
@@ -331,3 +415,20 @@ def _fused_sdpa(target: object, args: tuple, kwargs: dict) -> torch.Tensor:
         scale=bound.get("scale"),
     )
     return out
+
+
+def _fused_dropout(target: object, args: tuple, kwargs: dict) -> torch.Tensor:
+    """Dropout as CUDA runs it: ``aten.native_dropout``, which saves a bool mask (ATen's
+    ``dropout`` takes this path when ``is_fused_kernel_acceptable``: CUDA, 0 < p < 1). The
+    original op otherwise, including in-place dropout, which CUDA also runs unfused."""
+    if target is F.dropout:
+        names, defaults = ("input", "p", "training", "inplace"), {"p": 0.5, "training": True}
+    else:  # aten.dropout / torch.dropout: (input, p, train)
+        names, defaults = ("input", "p", "training"), {}
+    bound = defaults | dict(zip(names, args, strict=False)) | kwargs
+    bound.setdefault("training", bound.pop("train", None))
+    x, p = bound["input"], bound["p"]
+    fusable = bound["training"] and not bound.get("inplace") and 0 < p < 1
+    if fusable and x.is_floating_point() and x.numel() > 0:
+        return aten.native_dropout(x, p, True)[0]
+    return target(*args, **kwargs)

@@ -14,6 +14,11 @@ which alone would take most of the 10 s budget for planning it on 1,024 GPUs. Hu
 models fail symbolic_trace at once (~10 ms) and are exported. ``autopar.capture.capture``
 keeps export as the primary method for every other use.
 
+What recomputation costs and saves comes from the same runs: saved bytes split by dtype
+and by the aten op that produced each saved storage, FLOPs of the ops selective
+recomputation repeats (``passes.annotate``), and the bytes of the floating tensors entering
+the layer, which full recomputation keeps (``_input_bytes``).
+
 Backward FLOPs follow the usual convention ``bwd_flops = 2 × fwd_flops`` (each matmul-like
 op needs one matmul for the input gradient and one for the weight gradient; FlopCounterMode
 counts only matmul-like ops and attention, see ``passes.annotate``). Attention backward
@@ -104,10 +109,16 @@ class LayerCosts:
     def __init__(self, nodes: list[Node]) -> None:
         calls = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
         self.fwd_flops = float(sum(n.meta.get(K.FLOPS, 0.0) for n in calls))
-        self.saved_bytes = int(sum(n.meta[K.SAVED].nbytes for n in calls if K.SAVED in n.meta))
+        self.selective_fwd_flops = float(sum(n.meta.get(K.SELECTIVE_FLOPS, 0.0) for n in calls))
+        saved = [n.meta[K.SAVED] for n in calls if K.SAVED in n.meta]
+        self.saved_bytes = int(sum(r.nbytes for r in saved))
+        self.saved_fixed_bytes = int(sum(r.fixed_nbytes for r in saved))
+        self.selective_saved_bytes = int(sum(r.selective_nbytes for r in saved))
+        self.selective_fixed_bytes = int(sum(r.selective_fixed_nbytes for r in saved))
         self.mem_bytes = int(sum(n.meta.get(K.MEM_BYTES, 0) for n in calls))
         self.num_ops = sum(1 for n in calls if n.meta[K.OP_KIND].is_kernel)
         self.output_bytes = _output_bytes(nodes)
+        self.input_bytes = _input_bytes(nodes)
 
 
 def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
@@ -132,6 +143,11 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None) -> La
         output_bytes=costs.output_bytes,
         mem_bytes=costs.mem_bytes,
         num_ops=costs.num_ops,
+        saved_fixed_bytes=costs.saved_fixed_bytes,
+        selective_saved_bytes=costs.selective_saved_bytes,
+        selective_fixed_bytes=costs.selective_fixed_bytes,
+        selective_fwd_flops=costs.selective_fwd_flops,
+        input_bytes=costs.input_bytes,
         tp=tp,
     )
 
@@ -141,6 +157,17 @@ def _output_bytes(nodes: list[Node]) -> int:
     inside = set(nodes)
     out = [n for n in nodes if n.op != "get_attr" and any(u not in inside for u in n.users)]
     return int(sum(n.meta[K.TENSOR].nbytes for n in out if K.TENSOR in n.meta))
+
+
+def _input_bytes(nodes: list[Node]) -> int:
+    """Bytes of the floating tensors the layer reads from earlier layers or the model's
+    inputs (parameters and buffers excluded): what a checkpoint of the layer keeps.
+    Token ids and other integer inputs are left out, as LayerInfo.input_bytes says."""
+    inside = set(nodes)
+    outside = {a for n in nodes for a in n.all_input_nodes
+               if a not in inside and a.op != "get_attr" and K.TENSOR in a.meta}
+    return int(sum(t.nbytes for a in outside for t in a.meta[K.TENSOR].tensors
+                   if getattr(torch, t.dtype).is_floating_point))
 
 
 def _batch_size(inputs: tuple) -> int:

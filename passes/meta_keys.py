@@ -23,6 +23,10 @@ OP_KIND = "autopar.op_kind"
 """OpKind, written by ``annotate.count_ops``."""
 FLOPS = "autopar.flops"
 """float: forward FLOPs, written by ``annotate.count_flops``."""
+SELECTIVE_FLOPS = "autopar.selective_flops"
+"""float: the part of FLOPS done by ops in ``runtime.plan.SELECTIVE_RECOMPUTE_OPS`` (what
+selective recomputation runs again), written by ``annotate.count_flops`` from the same
+count as FLOPS (a second run of the layer would only repeat it)."""
 SAVED = "autopar.saved"
 """SavedBytes, written by ``annotate.count_saved_bytes``."""
 MEM_BYTES = "autopar.mem_bytes"
@@ -81,6 +85,16 @@ class SavedBytes:
     nbytes: int
     producers: tuple[tuple[str, int], ...]
     """(name of the node whose output owns the saved storage, or '' for a layer input; bytes)."""
+    fixed_nbytes: int = 0
+    """Part of nbytes in non-floating dtypes (dropout masks, indices): mixed precision
+    changes floating dtypes only, so these bytes do not scale with the compute dtype."""
+    selective_nbytes: int = 0
+    """Floating part of nbytes whose storage an op in ``runtime.plan.SELECTIVE_RECOMPUTE_OPS``
+    produced: what selective recomputation frees (it recomputes those ops' outputs). A
+    storage that existed before (a layer input) or that another op produced is not freed,
+    even when a selective op returns a view of it."""
+    selective_fixed_nbytes: int = 0
+    """Non-floating part of selective bytes (dropout masks)."""
 
 
 @dataclass(frozen=True, kw_only=True)

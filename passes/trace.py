@@ -106,6 +106,12 @@ def _export(model: nn.Module, inputs: tuple, opaque: tuple[str, ...]) -> torch.f
 
 
 class _LeafTracer(torch.fx.Tracer):
+    # Buffers become get_attr nodes named by their module path, as parameters do (and as
+    # export names them): a buffer sliced by a traced size (a causal mask cut to the
+    # sequence length) then traces, and each layer's buffer keeps its layer's name instead
+    # of becoming an anonymous root-level tensor constant.
+    proxy_buffer_attributes = True
+
     def __init__(self, opaque: tuple[str, ...]) -> None:
         super().__init__()
         self.opaque = set(opaque)
