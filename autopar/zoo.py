@@ -4,10 +4,16 @@ GPT follows nanoGPT's blocks with two changes that keep tensor parallelism exact
 separate q/k/v projections (a fused qkv weight split column-wise would mix q with k), and
 head counts read from tensor shapes, so a head-aligned shard runs unchanged. Embeddings
 and the LM head are untied (Megatron's default), so each can be sharded on its own.
+
+``GPTConfig(attention="unfused", dropout=p)`` is the block of Megatron-LM's GPT as
+Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models")
+count its activations: explicit softmax(QKᵀ/√d + causal mask)·V with dropout on the
+probabilities, and dropout after the attention output projection and after the MLP.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -15,6 +21,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cost_models.errors import ConfigError
+
+ATTENTION = ("fused", "unfused")
+"""GPTConfig.attention choices."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,10 +40,26 @@ class GPTConfig:
     """Longest sequence (learned position embeddings)."""
     bias: bool = True
     dropout: float = 0.0
+    """Dropout probability in training, at Megatron's three sites of a block: the attention
+    probabilities, after the attention output projection, after the MLP. 0 adds no op."""
+    attention: str = "fused"
+    """'fused': ``F.scaled_dot_product_attention`` (flash attention on GPUs: the s×s scores
+    are recomputed in backward, never stored). 'unfused': the explicit product, masked
+    softmax and dropout, whose s×s intermediates autograd stores (Megatron-LM's GPT)."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
             raise ConfigError(f"n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.attention not in ATTENTION:
+            raise ConfigError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION)}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+
+
+def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
+    """``F.dropout`` only when it drops something: with p = 0 (the default, and in eval)
+    the captured graph has no dropout op, so dropout-free models are costed without one."""
+    return F.dropout(x, p) if p > 0 else x
 
 
 class CausalSelfAttention(nn.Module):
@@ -46,6 +71,13 @@ class CausalSelfAttention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.out_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
         self.dropout = cfg.dropout
+        self.unfused = cfg.attention == "unfused"
+        if self.unfused:
+            # True above the diagonal: the later positions a query may not attend to. A
+            # buffer as in nanoGPT (built once, like Megatron's mask input); not persistent,
+            # as it is no state to checkpoint.
+            future = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1)
+            self.register_buffer("future", future, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -54,19 +86,34 @@ class CausalSelfAttention(nn.Module):
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         drop = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
+        if self.unfused:
+            y = self._attend_unfused(q, k, v, drop)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)
-        return self.out_proj(y)
+        return _dropout(self.out_proj(y), drop)
+
+    def _attend_unfused(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        drop: float) -> torch.Tensor:
+        """softmax(QKᵀ/√d, later positions masked)·V with dropout on the probabilities
+        (Vaswani et al. 2017, eq. 1; the dropout site of Megatron-LM)."""
+        T = q.size(-2)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        att = att.masked_fill(self.future[:T, :T], float("-inf"))
+        att = _dropout(F.softmax(att, dim=-1), drop)
+        return att @ v
 
 
 class MLP(nn.Module):
-    def __init__(self, n_embd: int, bias: bool = True) -> None:
+    def __init__(self, n_embd: int, bias: bool = True, dropout: float = 0.0) -> None:
         super().__init__()
         self.fc_in = nn.Linear(n_embd, 4 * n_embd, bias=bias)
         self.fc_out = nn.Linear(4 * n_embd, n_embd, bias=bias)
+        self.dropout = dropout
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(F.gelu(self.fc_in(x)))
+        y = self.fc_out(F.gelu(self.fc_in(x)))
+        return _dropout(y, self.dropout if self.training else 0.0)
 
 
 class Block(nn.Module):
@@ -75,7 +122,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg.n_embd, cfg.bias)
+        self.mlp = MLP(cfg.n_embd, cfg.bias, cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
