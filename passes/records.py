@@ -43,6 +43,10 @@ class TPOption:
     sp_collectives: tuple[Collective, ...] | None = None
     """With sequence parallelism: the collectives replacing ``collectives`` (reduce-scatter
     and all-gather along the sequence). None when the layer cannot be sequence-parallel."""
+    sp_styles: dict[str, str] | None = None
+    """With sequence parallelism: the ``tp_styles`` a plan gives the layer when it sets
+    ``sequence_parallel`` (``styles`` plus 'sequence_parallel' for the norm/element-wise
+    submodules run on sequence shards). None exactly when ``sp_collectives`` is None."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,32 @@ Collectives (Megatron f/g operators; bytes of the full tensor at the captured ba
 rowwise output all-reduced forward; each distinct colwise input all-reduced backward;
 colwise_gather all-gathers its output forward and all-reduces its input backward;
 embedding_rowwise all-reduces its output forward.
+
+Sequence parallelism (Korthikanti et al. 2022) is offered on top of a block's split when
+the graph shows that everything outside the TP regions acts per token, so it can run on
+sequence shards (dim 1 of the [batch, seq, hidden] residual stream):
+
+- the layer reads one floating [b, s, h] tensor from outside and hands one of the same
+  shape on; every node of the layer runs under the layer's module (no root ops joined);
+- every node outside the TP-sharded set that touches the residual stream is a norm over
+  the last dim, dropout, an element-wise op (anything it combines with the stream is
+  constant along the sequence) or a reduction over the last dim; shape reads of the
+  stream, views and token-mixing ops are refused;
+- each distinct colwise input is gathered once (one all-gather along the sequence) where
+  the runtime gathers it: on entry to the colwise Linears' parent module when that is a
+  submodule of the layer (torchtitan's ``PrepareModuleInput`` on ``attention``), which
+  must read nothing else from outside and may read the gathered tensor only through the
+  colwise Linears and shape queries (those then see the whole sequence); at each colwise
+  Linear when they sit directly in the layer;
+- parameters used on sequence shards belong to submodules run wholly on shards; those
+  submodules get the 'sequence_parallel' style (their gradients are then reduced over
+  the tp group by DTensor), and there is at least one.
+
+Each gather is an all-gather forward and a reduce-scatter backward; each rowwise output
+is reduce-scattered forward and all-gathered backward (full-tensor bytes, as above).
+``sp_saved_bytes`` is what the ops run on shards save (norm inputs and statistics,
+dropout masks, ...); the gathered colwise inputs are not among them: the colwise Linears
+save the gathered, whole-sequence tensor, as under plain TP.
 """
 
 from __future__ import annotations
@@ -330,13 +356,21 @@ def _option(gm, model, group, colwise, rowwise, states, units) -> TPOption:
                    for n in group.nodes if n in rowwise]
     collectives += [Collective(kind="all_reduce", nbytes=_bytes(x), phase="bwd") for x in inputs]
     order = {n: i for i, n in enumerate(group.nodes)}
+    styles = dict(sorted(styles.items(), key=lambda kv: order[_node_of(group, kv[0])]))
+    try:
+        sp = _SequenceSplit(gm, model, group, colwise, rowwise, states).result(styles)
+    except _Reject:
+        sp = None
     return TPOption(
-        styles=dict(sorted(styles.items(), key=lambda kv: order[_node_of(group, kv[0])])),
+        styles=styles,
         divisors=tuple(units),
         sharded_param_bytes=param_bytes,
         sharded_fwd_flops=float(sum(n.meta.get(K.FLOPS, 0.0) for n in sharded)),
         sharded_saved_bytes=int(saved),
         collectives=tuple(collectives),
+        sp_saved_bytes=sp[1] if sp else 0,
+        sp_collectives=sp[2] if sp else None,
+        sp_styles=sp[0] if sp else None,
     )
 
 
@@ -346,6 +380,231 @@ def _node_of(group: LayerGroup, rel: str) -> Node:
         if n.meta.get(K.MODULE_PATH) == full and K.TP_STYLE in n.meta:
             return n
     raise AssertionError(rel)
+
+
+# -- sequence parallelism (see the module docstring) -------------------------------------------
+
+_NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
+_NORM_MODULES = (nn.LayerNorm, nn.RMSNorm)
+_PER_TOKEN = _UNARY | _BINARY | {"rsqrt", "sqrt", "exp", "log", "abs", "native_dropout",
+                                 "getitem"}
+_LAST_DIM_REDUCTIONS = {"mean", "sum", "var", "std", "amax", "amin"}
+
+
+class _SequenceSplit:
+    """Classifies a TP-split block's nodes for sequence parallelism; raises _Reject."""
+
+    def __init__(self, gm: GraphModule, model: nn.Module, group: LayerGroup,
+                 colwise: set[Node], rowwise: set[Node], states: dict[Node, State]) -> None:
+        self.gm, self.model, self.group, self.root = gm, model, group, group.name
+        self.inside = set(group.nodes)
+        self.calls = [n for n in group.nodes if n.op != "get_attr"]
+        self.colwise, self.rowwise = colwise, rowwise
+        self.sharded = set(states) | rowwise
+        self.states = set(states)
+        self.sharded_names = {n.name for n in states}
+        if not self.root or any(not _under(n, self.root) for n in self.calls):
+            raise _Reject  # ops of the root joined to the layer: outside its module hooks
+        self.stream = self._stream_input()
+        self.gathers = self._gather_points()
+        self.seq = {self.stream} | rowwise
+        """Nodes whose output is a [b, s, ...] tensor held as sequence shards."""
+
+    def result(self, styles: dict[str, str]) -> tuple[dict[str, str], int, tuple[Collective, ...]]:
+        for node in self.calls:
+            self._classify(node)
+        self._check_output()
+        runs = [n for n in self.calls if n in self.seq and n not in self.rowwise]
+        shard_paths = self._shard_paths(runs)
+        prefix = self.root + "."
+        sp_styles = dict(styles)
+        for path in shard_paths:
+            sp_styles[path.removeprefix(prefix)] = "sequence_parallel"
+        order = {n: i for i, n in enumerate(self.group.nodes)}
+        first = {}
+        for n in self.group.nodes:
+            for rel in sp_styles:
+                if rel not in first and _under(n, f"{prefix}{rel}"):
+                    first[rel] = order[n]
+        sp_styles = dict(sorted(sp_styles.items(), key=lambda kv: first[kv[0]]))
+        return sp_styles, self._saved_bytes(runs), self._collectives()
+
+    # -- facts the classification needs ------------------------------------------------------
+
+    def _stream_input(self) -> Node:
+        """The one floating [b, s, h] tensor the layer reads from outside."""
+        outside = list(dict.fromkeys(a for n in self.calls for a in n.all_input_nodes
+                                     if a not in self.inside and a.op != "get_attr"))
+        if len(outside) != 1 or not _is_stream(outside[0]):
+            raise _Reject
+        return outside[0]
+
+    def _gather_points(self) -> dict[Node, tuple[str | None, int]]:
+        """colwise input -> (module entered with it gathered, or None: gathered at each
+        colwise Linear; number of gathers)."""
+        parents: dict[Node, set[str]] = {}
+        for c in self.colwise:
+            path = linear_of(self.gm, self.model, c)[0]
+            parents.setdefault(c.args[0], set()).add(path.rpartition(".")[0])
+        out: dict[Node, tuple[str | None, int]] = {}
+        for x, paths in parents.items():
+            if len(paths) != 1:
+                raise _Reject
+            (parent,) = paths
+            users = sum(1 for c in self.colwise if c.args[0] is x)
+            if parent == self.root:
+                out[x] = (None, users)
+                continue
+            if any(p == parent for p, _ in out.values()) or _under(x, parent):
+                raise _Reject
+            for n in self.calls:
+                if _under(n, parent) and any(a is not x and a.op != "get_attr" and
+                                             not _under(a, parent) for a in n.all_input_nodes):
+                    raise _Reject  # the module reads more than the gathered tensor
+            out[x] = (parent, 1)
+        return out
+
+    def _classify(self, node: Node) -> None:
+        """Add ``node`` to ``seq`` when it runs on shards; reject what cannot."""
+        ins = node.all_input_nodes
+        if node in self.sharded:
+            on_shards = [a for a in ins if a in self.seq]
+            if node in self.colwise and on_shards != [node.args[0]]:
+                raise _Reject  # a colwise Linear gathers its input from sequence shards
+            if node not in self.colwise and on_shards:
+                raise _Reject
+            return
+        gathered = [a for a in ins if a in self.gathers and self.gathers[a][0] is not None
+                    and _under(node, self.gathers[a][0])]
+        if not node.meta[K.TENSOR].tensors:
+            if any(a in self.seq and a not in gathered for a in ins):
+                raise _Reject  # a shape read of sequence shards
+            return
+        if gathered or any(a in self.states for a in ins):
+            raise _Reject  # the gathered tensor feeds more than colwise Linears
+        if not any(a in self.seq for a in ins):
+            return  # constant along the sequence (computed alike on every rank)
+        self._check_per_token(node)
+        self.seq.add(node)
+
+    def _check_per_token(self, node: Node) -> None:
+        lead = _lead(self.stream)
+        if _lead(node) != lead:
+            raise _Reject
+        if node.op == "call_module":
+            mod = self.model.get_submodule(str(node.target))
+            if isinstance(mod, _NORM_MODULES):
+                if len(mod.normalized_shape) != 1:
+                    raise _Reject
+            elif not isinstance(mod, _UNARY_MODULES):
+                raise _Reject
+            return
+        name = op_name(node)
+        if name in _NORMS:
+            shape = node.args[1] if len(node.args) > 1 else node.kwargs.get("normalized_shape")
+            if not isinstance(shape, (list, tuple)) or len(shape) != 1:
+                raise _Reject
+        elif name in _LAST_DIM_REDUCTIONS:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            dims = dims if isinstance(dims, (list, tuple)) else [dims]
+            ndim = len(node.args[0].meta[K.TENSOR].tensors[0].shape)
+            if any(not isinstance(d, int) or d % ndim != ndim - 1 for d in dims):
+                raise _Reject
+        elif name not in _PER_TOKEN:
+            raise _Reject
+        for a in _tensor_inputs(node):
+            if a not in self.seq and _varies_along_sequence(a, node):
+                raise _Reject
+
+    def _check_output(self) -> None:
+        outs = [n for n in self.calls if any(u not in self.inside for u in n.users)]
+        if len(outs) != 1 or outs[0] not in self.seq or _shape(outs[0]) != _shape(self.stream):
+            raise _Reject
+
+    def _shard_paths(self, runs: list[Node]) -> list[str]:
+        """Submodules run wholly on shards; parameters on shards must live in one of them."""
+        run_set = set(runs)
+        candidates = list(dict.fromkeys(n.meta[K.MODULE_PATH] for n in runs))
+        paths = [p for p in candidates if p != self.root and all(
+            n in run_set or not n.meta[K.TENSOR].tensors
+            for n in self.calls if _under(n, p))]
+
+        def covered(path: str) -> bool:
+            return any(path == p or path.startswith(p + ".") for p in paths)
+
+        for n in runs:
+            if n.op == "call_module" and any(True for _ in self.model.get_submodule(
+                    str(n.target)).parameters()) and not covered(str(n.target)):
+                raise _Reject
+            for a in n.all_input_nodes:
+                if a.op == "get_attr":
+                    owner = str(a.target).rpartition(".")[0]
+                    if not covered(owner) or not _is_parameter(self.model, str(a.target)):
+                        raise _Reject
+        if not paths:
+            raise _Reject
+        return paths
+
+    # -- the costs ----------------------------------------------------------------------------
+
+    def _saved_bytes(self, runs: list[Node]) -> int:
+        """What the ops run on shards save. A gathered colwise input is saved by its
+        colwise Linears, whole, and counted there (SAVED names the first node saving a
+        storage); were it also saved first by an op on shards, it would be counted here
+        while the Linears keep the whole copy."""
+        return int(sum(b for n in runs if K.SAVED in n.meta
+                       for producer, b in n.meta[K.SAVED].producers
+                       if producer not in self.sharded_names))
+
+    def _collectives(self) -> tuple[Collective, ...]:
+        fwd: list[Collective] = []
+        bwd: list[Collective] = []
+        for node in [self.stream, *self.group.nodes]:
+            if node in self.gathers:
+                for _ in range(self.gathers[node][1]):
+                    fwd.append(Collective(kind="all_gather", nbytes=_bytes(node), phase="fwd"))
+                    bwd.append(Collective(kind="reduce_scatter", nbytes=_bytes(node),
+                                          phase="bwd"))
+            if node in self.rowwise:
+                fwd.append(Collective(kind="reduce_scatter", nbytes=_bytes(node), phase="fwd"))
+                bwd.append(Collective(kind="all_gather", nbytes=_bytes(node), phase="bwd"))
+        return tuple(fwd + bwd)
+
+
+def _under(node: Node, path: str) -> bool:
+    own = node.meta.get(K.MODULE_PATH, "")
+    return own == path or own.startswith(path + ".")
+
+
+def _is_stream(node: Node) -> bool:
+    meta: K.TensorMeta = node.meta[K.TENSOR]
+    if len(meta.tensors) != 1:
+        return False
+    spec = meta.tensors[0]
+    return len(spec.shape) == 3 and getattr(torch, spec.dtype).is_floating_point
+
+
+def _lead(node: Node) -> tuple[int, ...]:
+    """(batch, seq) of a node's (first) output tensor."""
+    tensors = node.meta[K.TENSOR].tensors
+    if not tensors or len(tensors[0].shape) < 2:
+        raise _Reject
+    return tensors[0].shape[:2]
+
+
+def _varies_along_sequence(a: Node, node: Node) -> bool:
+    """Whether ``a``, broadcast against ``node``'s output, has more than one entry on dim 1."""
+    shape = a.meta[K.TENSOR].tensors[0].shape
+    dim = 1 - (len(node.meta[K.TENSOR].tensors[0].shape) - len(shape))
+    return dim >= 0 and shape[dim] != 1
+
+
+def _is_parameter(model: nn.Module, target: str) -> bool:
+    try:
+        model.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
 
 
 # -- node helpers ---------------------------------------------------------------------------
