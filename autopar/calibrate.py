@@ -26,7 +26,9 @@ import torch.distributed as dist
 from cost_models.calibrate import (
     AlphaBeta,
     CalibrationError,
+    GemmCurve,
     fit_alpha_beta,
+    fit_gemm_curve,
     fit_matmul,
     fit_memory_bandwidth_GBps,
     predict_s,
@@ -244,11 +246,11 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     """The cluster profile as TOML (the format of cost_models/presets/)."""
     host = platform.node() or "this-machine"
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    mm = {d: fit_matmul(list(t), list(t.values())) for d, t in m.gemm_s.items()}
+    curves = {d: _gemm_curve(t, m.floor_s) for d, t in m.gemm_s.items()}
     # Device has one efficiency: float32's. Other dtypes fold theirs into their peak, so that
-    # peak x efficiency is each dtype's measured large-GEMM rate.
-    eff = mm["float32"].efficiency if "float32" in mm else 1.0
-    peaks = {d: f.peak_flops * f.efficiency / eff for d, f in mm.items()}
+    # peak x efficiency is each dtype's fitted large-GEMM rate.
+    eff = _efficiency(curves.get("float32"), m.gemm_s.get("float32", {}))
+    peaks = {d: c.asymptote_flops / eff for d, c in curves.items()}
     bandwidth = fit_memory_bandwidth_GBps([m.copy_bytes], [m.copy_s])
     link = fits["all_reduce"]
     gpu = m.backend == "nccl"
@@ -264,9 +266,11 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"# Calibrated by `autopar calibrate` on {host}, {when}.",
         f"# Backend {m.backend}, {m.nproc} ranks. GEMM throughput was measured with all {m.nproc}",
         "# ranks multiplying at once (ranks share the machine, so that is what a rank gets).",
-        "# float32: peak_tflops := the best GEMM rate measured, matmul_efficiency := the",
-        "# largest GEMM's rate / that peak; other dtypes: peak := their largest GEMM's rate /",
-        "# that efficiency. So peak x efficiency is each dtype's measured large-GEMM rate.",
+        "# GEMM times fitted per dtype to t = floor + 2n^3 (n + d_half) / (n R_inf)",
+        "# (cost_models/compute.py's efficiency curve): matmul_half_dim := d_half; float32:",
+        "# peak_tflops := the larger of R_inf and the best rate measured, matmul_efficiency :=",
+        "# R_inf / that peak; other dtypes: peak := their R_inf / that efficiency. So peak x",
+        "# efficiency is each dtype's fitted large-GEMM rate.",
         "# memory_bandwidth_GBps: bytes read + written by a large copy, over its time.",
         "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
         "# inter_node repeats it (one machine: no network was measured). [extra] keeps the",
@@ -286,6 +290,9 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         "",
         "[device.peak_tflops]",
         *(f"{d} = {p / 1e12:.6g}" for d, p in peaks.items()),
+        "",
+        "[device.matmul_half_dim]",
+        *(f"{d} = {c.half_dim:.4g}" for d, c in curves.items()),
     ]
     kind = "pcie" if gpu else "loopback"
     for table in ("intra_node", "inter_node"):
@@ -301,6 +308,24 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         lines += ["", f"[extra.gemm.{dtype}]", f"sizes = {list(times)}",
                   f"tflops = [{', '.join(f'{2 * n**3 / t / 1e12:.4g}' for n, t in times.items())}]"]
     return "\n".join(lines) + "\n"
+
+
+def _gemm_curve(times: dict[int, float], floor_s: float) -> GemmCurve:
+    """The fitted curve; with times too noisy to fit one, the largest GEMMs' rate and no
+    size effect (the summary ``fit_matmul`` makes)."""
+    try:
+        return fit_gemm_curve(list(times), list(times.values()), floor_s=floor_s)
+    except CalibrationError:
+        mm = fit_matmul(list(times), list(times.values()))
+        return GemmCurve(asymptote_flops=mm.peak_flops * mm.efficiency, half_dim=0.0)
+
+
+def _efficiency(curve: GemmCurve | None, times: dict[int, float]) -> float:
+    """R∞ over the peak, where peak := the larger of R∞ and the best rate measured."""
+    if curve is None:
+        return 1.0
+    best = max((2 * n**3 / t for n, t in times.items()), default=curve.asymptote_flops)
+    return curve.asymptote_flops / max(best, curve.asymptote_flops)
 
 
 def write_profile(cal: Calibration, path: str | os.PathLike, *, force: bool = False) -> Cluster:

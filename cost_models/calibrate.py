@@ -11,10 +11,16 @@ fitted link plugged back into ``collective_s`` / ``p2p_s`` reproduces the measur
 The fit is least squares on the *relative* residual (each equation weighted by 1/t), so a
 4 KiB message, whose time is mostly latency, counts as much as a 16 MiB one.
 
-GEMMs: the achievable rate of a CPU process (shared cores, frequency scaling, threads) has
-no datasheet peak, so ``fit_matmul`` takes peak := the best rate measured and
-efficiency := the rate of the largest GEMMs / that peak. The planner's roofline multiplies
-them back together, so it uses the large-GEMM rate actually measured.
+GEMMs: ``fit_gemm_curve`` fits ``cost_models.compute``'s efficiency curve to square GEMM
+times (n×n·n×n), so that the roofline reproduces them:
+
+    t(n) = floor + 2n³ / (R∞ · n/(n + d½))  =  floor + (2n³ + 2n²·d½) / R∞
+
+linear in (1/R∞, d½/R∞): weighted least squares on the relative residual as above. R∞ is
+the large-GEMM rate (peak × matmul_efficiency), d½ the half-efficiency dimension. A CPU
+process (shared cores, frequency scaling, threads) has no datasheet peak, so the profile
+takes peak := the larger of R∞ and the best rate measured. ``fit_matmul`` is the older
+summary: peak := best rate, efficiency := largest GEMMs' rate / peak.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import numpy as np
 
 from cost_models.errors import ConfigError
 
-FIT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+FIT_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
 
 
 class CalibrationError(ConfigError):
@@ -47,11 +53,23 @@ class MatmulFit:
     """Rate of the largest GEMMs measured / peak_flops, in (0, 1]."""
 
 
+@dataclass(frozen=True)
+class GemmCurve:
+    asymptote_flops: float
+    """R∞: FLOP/s of large GEMMs (peak × matmul_efficiency)."""
+    half_dim: float
+    """d½: the GEMM dimension at which the rate is R∞ / 2 (0: no size effect measured)."""
+
+    def rate(self, n: float) -> float:
+        return self.asymptote_flops * n / (n + self.half_dim)
+
+
 def ring_terms(kind: str, group_size: int) -> tuple[float, float]:
     """(latency steps L, bytes factor F) of ``cost_models.comm`` for one collective.
 
     S is comm.py's size: the full tensor for all_reduce, the gathered output for
-    all_gather, the unreduced input for reduce_scatter, the message for p2p.
+    all_gather, the unreduced input for reduce_scatter, one rank's input for all_to_all,
+    the message for p2p. Groups inside one node: the ring formulas.
     """
     if kind == "p2p":
         return 1.0, 1.0
@@ -128,6 +146,32 @@ def fit_matmul(
         raise CalibrationError(f"peak FLOP/s must be positive, got {peak}")
     large = float(np.median(rates[n >= large_fraction * n.max()]))
     return MatmulFit(peak_flops=peak, efficiency=min(1.0, large / peak))
+
+
+def fit_gemm_curve(sizes: Sequence[int], times_s: Sequence[float], *,
+                   floor_s: float = 0.0) -> GemmCurve:
+    """R∞ and d½ reproducing square GEMM times (size n: n×n·n×n) through the roofline.
+
+    ``floor_s``: the kernel floor the roofline adds to every op, taken off the times first.
+    A negative d½ (noise, or no size effect) is refitted as 0.
+    """
+    n = np.asarray(sizes, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    if n.size < 2 or n.shape != t.shape or np.any(t <= 0) or np.any(n <= 0):
+        raise CalibrationError("need at least two positive GEMM sizes and times of equal count")
+    w = 1.0 / t
+    target = (t - floor_s) * w
+    a = np.column_stack([2 * n**3, 2 * n**2]) * w[:, None]
+    (inv_rate, half_over_rate), *_ = np.linalg.lstsq(a, target, rcond=None)
+    if half_over_rate < 0:
+        x = a[:, 0]
+        inv_rate, half_over_rate = float(x @ target / (x @ x)), 0.0
+    if inv_rate <= 0:
+        raise CalibrationError(
+            f"GEMM times do not grow with size ({n.min():.0f}..{n.max():.0f}); measure larger "
+            "GEMMs or more repeats")
+    return GemmCurve(asymptote_flops=float(1 / inv_rate),
+                     half_dim=float(half_over_rate / inv_rate))
 
 
 def fit_memory_bandwidth_GBps(bytes_moved: Sequence[float], times_s: Sequence[float]) -> float:

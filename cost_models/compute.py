@@ -1,9 +1,23 @@
-"""Compute time: a roofline over a layer's ops.
+"""Compute time: a roofline over a layer's ops, with GEMM efficiency that depends on size.
 
-time = max(FLOPs / (peak · matmul_efficiency), bytes / memory bandwidth) + kernels · floor
+    time = max(FLOPs / (peak · efficiency), bytes / memory bandwidth) + kernels · floor
 
-Applied to a layer's totals, this is a bound-by-the-slower-resource estimate; the per-op
-refinement (small GEMMs far from peak, memory-bound ops) belongs to calibration.
+Matrix multiplies far from peak when small. Achievable efficiency is a saturating curve of
+the GEMM's smallest dimension d (elements), per compute dtype:
+
+    efficiency(d) = E∞ · d / (d + d½)
+
+E∞ is ``Device.matmul_efficiency`` (the large-GEMM asymptote), d½ is
+``Device.half_dim(dtype)``: the dimension at which a GEMM reaches half of it. The smallest
+dimension is what tiling sees: a GEMM narrower than a few tiles (cuBLAS's tensor-core tiles
+are 64 to 256 wide) leaves SMs idle or short of data reuse (NVIDIA, "Matrix Multiplication
+Background User's Guide", 2023, sections 2.3 and 3). The per-kernel floor covers launch and
+tail, so the curve models only what the floor does not. ``autopar calibrate`` fits E∞·peak
+and d½ from measured GEMM times (``cost_models.calibrate.fit_gemm_curve``). Without a
+dimension, a roofline uses E∞, the large-GEMM rate.
+
+Memory-bound ops run at ``memory_bandwidth_GBps``. Applied to a layer's totals the roofline
+bounds the layer by its slower resource.
 """
 
 from __future__ import annotations
@@ -15,10 +29,34 @@ from cost_models.hardware import Device
 ADAM_TENSORS_TOUCHED = 7
 
 
-def roofline_s(flops: float, mem_bytes: float, num_ops: float, device: Device, dtype: str) -> float:
-    t_flops = flops / (device.peak(dtype) * device.matmul_efficiency)
+def gemm_efficiency(device: Device, dtype: str, min_dim: float | None = None) -> float:
+    """Achievable fraction of ``dtype``'s peak for a GEMM whose smallest dimension is
+    ``min_dim`` (None: a large GEMM, the asymptote)."""
+    asymptote = device.matmul_efficiency
+    if min_dim is None:
+        return asymptote
+    if min_dim <= 0:
+        raise ValueError(f"a GEMM dimension must be positive, got {min_dim}")
+    return asymptote * min_dim / (min_dim + device.half_dim(dtype))
+
+
+def roofline_s(flops: float, mem_bytes: float, num_ops: float, device: Device, dtype: str,
+               *, gemm_min_dim: float | None = None) -> float:
+    """Time of ops doing ``flops`` and moving ``mem_bytes``, in ``num_ops`` kernels.
+
+    ``gemm_min_dim``: the smallest dimension of the GEMMs doing the FLOPs, when known.
+    """
+    rate = device.peak(dtype) * gemm_efficiency(device, dtype, gemm_min_dim)
     t_mem = mem_bytes / (device.memory_bandwidth_GBps * 1e9)
-    return max(t_flops, t_mem) + num_ops * device.kernel_floor_s
+    return max(flops / rate, t_mem) + num_ops * device.kernel_floor_s
+
+
+def gemm_s(m: int, n: int, k: int, device: Device, dtype: str, *,
+           bytes_per_element: int = 2) -> float:
+    """One (m×k)·(k×n) GEMM: reads both inputs and writes the output once."""
+    flops = 2.0 * m * n * k
+    moved = (m * k + k * n + m * n) * bytes_per_element
+    return roofline_s(flops, moved, 1, device, dtype, gemm_min_dim=min(m, n, k))
 
 
 def optimizer_step_s(local_params: float, state_bytes_per_param: float, device: Device) -> float:

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from cost_models.calibrate import fit_gemm_curve
 from cost_models.comm import (
     Group,
     all_gather_s,
@@ -17,7 +20,7 @@ from cost_models.comm import (
     p2p_s,
     reduce_scatter_s,
 )
-from cost_models.compute import roofline_s
+from cost_models.compute import gemm_efficiency, gemm_s, roofline_s
 from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster, GiB
 from cost_models.memory import precision, zero_model_states
@@ -281,6 +284,40 @@ def test_roofline_is_bound_by_the_slower_resource():
         flops / (0.7 * 312e12) + 5e-6)
     # An elementwise op over 1 GB: memory-bound at 2,039 GB/s.
     assert roofline_s(1e8, 1e9, 1, device, "bfloat16") == pytest.approx(1e9 / 2039e9 + 5e-6)
+
+
+def test_gemm_efficiency_rises_with_size_towards_the_asymptote():
+    device = Cluster.preset("dgx-a100-80g").device  # asymptote 0.7, half dimension 128
+    dims = [16, 64, 128, 512, 4096, 65536]
+    effs = [gemm_efficiency(device, "bfloat16", d) for d in dims]
+    assert effs == sorted(effs) and effs[-1] < 0.7
+    assert effs[2] == pytest.approx(0.35)  # half of the asymptote at d = 128
+    assert effs[-1] == pytest.approx(0.7, rel=2e-3)
+    assert gemm_efficiency(device, "bfloat16") == 0.7  # no size given: a large GEMM
+
+
+def test_small_gemm_runs_far_from_peak():
+    device = Cluster.preset("dgx-a100-80g").device
+    # 256³ in bf16: 2·256³ FLOPs at 0.7·256/(256 + 128) of 312 TFLOP/s beats the 0.39 MB
+    # of operands at 2,039 GB/s; plus the 5 us floor.
+    flops = 2 * 256**3
+    expected = flops / (312e12 * 0.7 * 256 / 384) + 5e-6
+    assert gemm_s(256, 256, 256, device, "bfloat16") == pytest.approx(expected)
+    big = 2 * 8192**3
+    assert roofline_s(big, 0, 1, device, "bfloat16", gemm_min_dim=8192) == pytest.approx(
+        big / (312e12 * 0.7 * 8192 / (8192 + 128)) + 5e-6)
+
+
+@given(rate=st.floats(1e9, 1e15), half=st.floats(0, 2048), floor=st.floats(0, 1e-4))
+def test_fitted_gemm_curve_recovers_known_parameters(rate, half, floor):
+    device = replace(Cluster.local(2).device, peak_flops={"float32": rate / 0.5},
+                     matmul_efficiency=0.5, matmul_half_dim={"float32": half},
+                     kernel_floor_s=floor)
+    sizes = [128, 256, 512, 1024, 2048]
+    times = [roofline_s(2 * n**3, 0, 1, device, "float32", gemm_min_dim=n) for n in sizes]
+    curve = fit_gemm_curve(sizes, times, floor_s=floor)
+    assert curve.asymptote_flops == pytest.approx(rate, rel=1e-6)
+    assert curve.half_dim == pytest.approx(half, rel=1e-6, abs=1e-6 * max(sizes))
 
 
 def test_zero_model_states_match_the_zero_paper():
