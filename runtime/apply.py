@@ -5,11 +5,13 @@ The order is torchtitan's, written down once here:
     1. validate        the plan against the model and the world; no collective yet
     2. mesh            build the (dp, tp) DeviceMesh
     3. tensor parallel ``parallelize_module`` on the tp axis        (runtime.tensor_parallel)
-    4. (activation checkpointing, compilation: later)
-    5. data parallel   DDP, or FSDP2 per layer then the root       (runtime.data_parallel)
+    4. recompute       checkpoint the layers' forwards             (runtime.recompute)
+    5. data parallel   DDP, or FSDP2 per layer then the root,      (runtime.data_parallel)
+                       with the plan's precision policy            (runtime.precision)
 
 TP comes before FSDP because FSDP2 shards DTensor parameters that TP has already
-distributed (the 2-D pattern); checkpointing wraps modules before FSDP hooks them.
+distributed (the 2-D pattern); checkpointing wraps forwards before FSDP hooks the
+modules, so FSDP2's all-gathers and casts stay outside the recomputed region.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import Plan, PlanError
+from runtime.precision import fsdp_policies, is_mixed
+from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
 
 logger = logging.getLogger(__name__)
@@ -113,11 +117,14 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> AppliedP
     mesh = build_mesh(plan.mesh, device_type)
     logger.info("mesh dp=%d x tp=%d on %s", plan.mesh.dp, plan.mesh.tp, device_type)
     layers = list(plan.layers)
-    if uses_ddp(layers):
+    if uses_ddp(layers, mixed_precision=is_mixed(plan)):
+        apply_recompute(model, layers)
         return AppliedPlan(apply_ddp(model, device), model, mesh, plan, device)
-    meshes = data_parallel_meshes(mesh)
+    meshes = data_parallel_meshes(mesh, plan.hsdp_shard_size)
     apply_tensor_parallel(model, [la for la in layers if la.is_tp], meshes.tp)
-    apply_fsdp(model, layers, meshes)
+    apply_recompute(model, layers)
+    layer_policy, root_policy = fsdp_policies(plan)
+    apply_fsdp(model, layers, meshes, mp_policy=layer_policy, root_mp_policy=root_policy)
     return AppliedPlan(model, model, mesh, plan, device)
 
 

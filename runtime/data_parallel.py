@@ -3,14 +3,44 @@
 Semantics (``runtime.plan``): a layer that is not tensor-parallel computes redundantly
 inside its tp group, so its replicas span the whole world.
 
-    strategy    engine                                         gradients averaged over
-    replicate   fully_shard, HSDP mesh (world, 1): nothing sharded  world
-    fsdp        fully_shard, 1-D mesh of the world                  world (sharded)
-    tp          fully_shard, HSDP mesh (dp, 1), after TP            dp
-    tp_fsdp     fully_shard, 1-D dp mesh, after TP (torchtitan 2-D) dp (sharded)
-    (the rest)  fully_shard on the root, as ``replicate``           world
+    strategy    engine                                           gradients averaged over
+    replicate   fully_shard, HSDP mesh (world, 1): nothing sharded   world
+    zero1       fully_shard, 1-D world mesh, no reshard after fwd    world (sharded)
+    zero2       fully_shard, 1-D world mesh, no reshard after fwd    world (sharded)
+    fsdp        fully_shard, 1-D mesh of the world                   world (sharded)
+    hsdp        fully_shard, 2-D mesh (world / s, s), s = Plan.hsdp_shard_size
+                                                                     world (sharded in s)
+    tp          fully_shard, HSDP mesh (dp, 1), after TP             dp
+    tp_fsdp     fully_shard, 1-D dp mesh, after TP (torchtitan 2-D)  dp (sharded)
+    (the rest)  fully_shard on the root, as ``replicate``            world
 
 Averaging identical tp copies of a non-TP gradient over the world equals averaging over dp.
+
+Across the ``Plan.gradient_accumulation`` micro-batches of one step
+(``microbatch_sync``, called before each micro-batch's forward):
+
+    strategy          parameters between micro-batches   gradient communication
+    replicate, tp     (replicated)                       all-reduced once, last micro-batch
+    zero1             kept unsharded (gathered once)     accumulated unsharded; reduce-scattered
+                                                         once, on the last micro-batch
+    zero2             kept unsharded (gathered once)     reduce-scattered every micro-batch,
+                                                         accumulated sharded
+    fsdp, tp_fsdp     resharded after forward and        reduce-scattered every micro-batch
+                      backward (gathered twice each)
+    hsdp              as fsdp inside a shard group       reduce-scattered every micro-batch;
+                                                         all-reduced across groups once
+
+zero1/zero2 reshard after the last micro-batch's backward, so the optimizer updates the
+sharded (float32) parameters and the next step's first forward gathers the new values.
+With one micro-batch zero1 and zero2 are the same program: ZeRO-3 without resharding after
+forward. Under pipelining the schedule drives these flags itself (every FSDP2 module of a
+stage accumulates unsharded and reduces once, see ``runtime.pipeline``).
+
+``offload`` (``fsdp``/``tp_fsdp`` layers): ``CPUOffloadPolicy(pin_memory=False)``; FSDP2
+keeps the sharded parameters and gradients in host memory and the optimizer steps them
+there. Pinned memory (the default) fails on machines without an accelerator.
+
+Mixed precision: every ``fully_shard`` takes ``runtime.precision.fsdp_policies``.
 
 Why FSDP2 for everything once a plan mixes strategies: one engine owns every gradient,
 and its root orchestrates all the per-layer groups in one backward, so there is one set
@@ -22,35 +52,40 @@ FSDP2 already knows how to combine such a mesh with TP's DTensor parameters (the
 two engines side by side: DDP over the non-FSDP parameters with FSDP2's excluded via
 ``DistributedDataParallel._set_params_and_buffers_to_ignore_for_model`` (and DDP does not
 take DTensor parameters without ``tensor.parallel.ddp._pre_dp_module_transform``), or
-``torch.distributed._composable.replicate`` (FSDP2-based DDP, private). A plan whose
-layers are all ``replicate`` (pure data parallelism) uses DDP itself: bucketed,
-overlapped, the reference implementation. Gradients of every combination are checked
-against one process in tests/test_runtime_numerics.py.
-
-Offloading (``CPUOffloadPolicy``) is never switched on here. On CPU-only machines its
-default ``pin_memory=True`` fails ("Cannot access accelerator device"); a caller that
-wants offload must pass ``CPUOffloadPolicy(pin_memory=False)`` there.
+``torch.distributed._composable.replicate`` (FSDP2-based DDP, private). A float32 plan
+whose layers are all ``replicate`` (pure data parallelism) uses DDP itself: bucketed,
+overlapped, the reference implementation (mixed-precision plans stay on FSDP2, see
+``runtime.precision``). Gradients of every combination are checked against one process
+in tests/test_runtime_numerics.py and tests/test_runtime_dims.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.nn.parallel import DistributedDataParallel
 
 from runtime.mesh import DataParallelMeshes
-from runtime.plan import LayerPlan
+from runtime.plan import LayerPlan, PlanError
 
 logger = logging.getLogger(__name__)
 
 
-def uses_ddp(layers: list[LayerPlan]) -> bool:
-    """Pure data parallelism: every planned layer is ``replicate``."""
-    return all(layer.strategy == "replicate" for layer in layers)
+def uses_ddp(layers: list[LayerPlan], *, mixed_precision: bool = False) -> bool:
+    """Pure float32 data parallelism: every planned layer is ``replicate``."""
+    return not mixed_precision and all(layer.strategy == "replicate" for layer in layers)
 
 
 def apply_ddp(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -62,32 +97,83 @@ def apply_ddp(model: nn.Module, device: torch.device, group: dist.ProcessGroup |
     return ddp
 
 
-def _mesh_for(layer: LayerPlan, meshes: DataParallelMeshes):
+def _mesh_for(layer: LayerPlan, meshes: DataParallelMeshes) -> DeviceMesh:
+    if layer.strategy == "hsdp":
+        if meshes.hsdp is None:
+            raise PlanError(f"layer {layer.module!r} uses 'hsdp' but the plan has no "
+                            "hsdp_shard_size")
+        return meshes.hsdp
     return {
         "replicate": meshes.world_replicate,
+        "zero1": meshes.world,
+        "zero2": meshes.world,
         "fsdp": meshes.world,
         "tp": meshes.dp_replicate,
         "tp_fsdp": meshes.dp,
     }[layer.strategy]
 
 
-def apply_fsdp(model: nn.Module, layers: list[LayerPlan], meshes: DataParallelMeshes) -> nn.Module:
+RESHARD_AFTER_FORWARD = ("fsdp", "hsdp", "tp_fsdp")
+"""Strategies that free gathered parameters after forward (ZeRO-3); zero1/zero2 keep them."""
+
+
+def _offload(layer: LayerPlan) -> OffloadPolicy:
+    return CPUOffloadPolicy(pin_memory=False) if layer.offload else OffloadPolicy()
+
+
+def apply_fsdp(
+    model: nn.Module,
+    layers: list[LayerPlan],
+    meshes: DataParallelMeshes,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    root_mp_policy: MixedPrecisionPolicy | None = None,
+) -> nn.Module:
     """``fully_shard`` each layer on the mesh of its strategy, then the root (in place).
 
-    Layers must be disjoint (``apply_plan`` checks). Sharded layers reshard after
-    forward (ZeRO-3); replicated ones have nothing to reshard.
+    Layers must be disjoint (``apply_plan`` checks). ``mp_policy`` applies to the layers,
+    ``root_mp_policy`` to the root (``runtime.precision.fsdp_policies``).
     """
     counts: dict[str, int] = {}
     for layer in layers:
         module = model.get_submodule(layer.module)
-        sharded = layer.strategy in ("fsdp", "tp_fsdp")
-        fully_shard(module, mesh=_mesh_for(layer, meshes), reshard_after_forward=sharded)
-        counts[layer.strategy] = counts.get(layer.strategy, 0) + 1
+        fully_shard(module, mesh=_mesh_for(layer, meshes),
+                    reshard_after_forward=layer.strategy in RESHARD_AFTER_FORWARD,
+                    mp_policy=mp_policy or MixedPrecisionPolicy(),
+                    offload_policy=_offload(layer))
+        key = layer.strategy + (" offloaded" if layer.offload else "")
+        counts[key] = counts.get(key, 0) + 1
     # The root holds every parameter outside the planned layers; replicate them.
-    fully_shard(model, mesh=meshes.world_replicate, reshard_after_forward=False)
+    fully_shard(model, mesh=meshes.world_replicate, reshard_after_forward=False,
+                mp_policy=root_mp_policy or MixedPrecisionPolicy())
     logger.info(
         "applied FSDP2 per layer (%s) + replicated root over %d rank(s)",
         ", ".join(f"{n} {s}" for s, n in sorted(counts.items())) or "no layers",
         meshes.world.size(),
     )
     return model
+
+
+def _sync_flags(module: FSDPModule, strategy: str, last: bool) -> None:
+    """Set one FSDP2 module's communication for the next micro-batch (table above)."""
+    if strategy in ("replicate", "tp", "zero1"):
+        module.set_requires_gradient_sync(last, recurse=False)
+    if strategy in ("zero1", "zero2"):
+        module.set_reshard_after_backward(last, recurse=False)
+    if strategy == "hsdp":
+        module.set_requires_all_reduce(last, recurse=False)
+
+
+def microbatch_sync(module: nn.Module, layers: list[LayerPlan], *, last: bool
+                    ) -> contextlib.AbstractContextManager:
+    """Before a micro-batch's forward: the context to run its forward and backward in.
+
+    DDP: ``no_sync`` unless ``last``. FSDP2: per-layer flags as in the module docstring;
+    the root (replicated) syncs only on the last micro-batch.
+    """
+    if isinstance(module, DistributedDataParallel):
+        return contextlib.nullcontext() if last else module.no_sync()
+    for layer in layers:
+        _sync_flags(module.get_submodule(layer.module), layer.strategy, last)
+    _sync_flags(module, "replicate", last)
+    return contextlib.nullcontext()

@@ -7,7 +7,7 @@ is only present when the plan has more than one pipeline stage.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -17,7 +17,7 @@ from runtime.plan import Mesh, PlanError
 # Meshes are pure topology, so one per (world, shape) is reused: creating one makes process
 # groups, which cost time and sockets and are never freed before the world is destroyed.
 _MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
-_DP_MESHES: dict[int, tuple[DeviceMesh, DataParallelMeshes]] = {}
+_DP_MESHES: dict[tuple[int, int | None], tuple[DeviceMesh, DataParallelMeshes]] = {}
 
 
 def build_mesh(plan_mesh: Mesh, device_type: str) -> DeviceMesh:
@@ -65,9 +65,13 @@ class DataParallelMeshes:
     """2-D ``(dp, 1)``: replicate over dp, shard over nobody (``tp`` layers)."""
     world_replicate: DeviceMesh
     """2-D ``(dp * tp, 1)``: replicate over every rank (``replicate`` layers, the root)."""
+    hsdp: DeviceMesh | None = None
+    """2-D ``(dp * tp / s, s)`` for ``Plan.hsdp_shard_size`` s: shard inside runs of s
+    consecutive ranks (a node), replicate across them (``hsdp`` layers)."""
 
 
-def data_parallel_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
+def data_parallel_meshes(mesh: DeviceMesh, hsdp_shard_size: int | None = None
+                         ) -> DataParallelMeshes:
     """Derive the sub-meshes from a mesh made by ``build_mesh``. Collective.
 
     All are slices, flattenings or unflattenings of the one root mesh, so FSDP2 can
@@ -75,9 +79,20 @@ def data_parallel_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
     ``DeviceMesh._flatten`` / ``_unflatten`` are private in torch 2.13 (torchtitan uses
     ``_flatten`` the same way); the numerics tests catch a change in their behaviour.
     """
-    cached = _DP_MESHES.get(id(mesh))
+    key = (id(mesh), hsdp_shard_size)
+    cached = _DP_MESHES.get(key)
     if cached is not None and cached[0] is mesh:
         return cached[1]
+    if hsdp_shard_size is None:
+        meshes = _base_meshes(mesh)
+    else:
+        base = data_parallel_meshes(mesh)
+        meshes = replace(base, hsdp=_hsdp_mesh(base.world, hsdp_shard_size))
+    _DP_MESHES[key] = (mesh, meshes)
+    return meshes
+
+
+def _base_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
     names = mesh.mesh_dim_names or ()
     if "pp" in names:
         raise NotImplementedError("pipeline stages: slice the stage's (dp, tp) mesh first")
@@ -85,12 +100,21 @@ def data_parallel_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
     world = mesh["dp", "tp"]._flatten("dp_tp")
     dp_replicate = mesh._unflatten("dp", (dp, 1), ("dp_replicate", "dp_shard"))
     world_replicate = world._unflatten(0, (dp * tp, 1), ("world_replicate", "world_shard"))
-    meshes = DataParallelMeshes(
+    return DataParallelMeshes(
         dp=mesh["dp"],
         tp=mesh["tp"],
         world=world,
         dp_replicate=dp_replicate["dp_replicate", "dp_shard"],
         world_replicate=world_replicate,
     )
-    _DP_MESHES[id(mesh)] = (mesh, meshes)
-    return meshes
+
+
+def _hsdp_mesh(world: DeviceMesh, shard_size: int | None) -> DeviceMesh | None:
+    """``world`` unflattened to ``(replicate, shard)``: row-major, so shard groups are runs
+    of consecutive ranks (one node each). Names carry the size, since a root mesh keeps
+    every name it has been given."""
+    if shard_size is None:
+        return None
+    n = world.size()
+    names = (f"hsdp{shard_size}_replicate", f"hsdp{shard_size}_shard")
+    return world._unflatten(0, (n // shard_size, shard_size), names)

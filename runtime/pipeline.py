@@ -6,9 +6,11 @@ The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
     2. mesh            the (pp, dp, tp) DeviceMesh; this rank's pp coordinate picks its
                        stages (``runtime.plan.stage_rank``: looped, or V for ZBVZeroBubble)
     3. tensor parallel per stage module, on the stage's tp axis       (runtime.tensor_parallel)
-    4. data parallel   FSDP2 per layer, then each stage module as a root, on the stage's
-                       (dp, tp) sub-meshes                            (runtime.data_parallel)
-    5. schedule        one manual ``PipelineStage`` per local stage (tracing with
+    4. recompute       the stage's layers' forwards checkpointed     (runtime.recompute)
+    5. data parallel   FSDP2 per layer, then each stage module as a root, on the stage's
+                       (dp, tp) sub-meshes, with the plan's precision (runtime.data_parallel,
+                       runtime.precision)
+    6. schedule        one manual ``PipelineStage`` per local stage (tracing with
                        ``pipeline()`` + SplitPoint hangs with V schedules on gloo), and the
                        plan's ``Schedule*`` class over the pp axis
 
@@ -25,6 +27,14 @@ micro-batch. autograd sums the micro-batches' gradients, and the schedule divide
 ``num_microbatches`` (``scale_grads=True``), which gives the gradient of the replica's
 mean loss; FSDP2 then averages over dp (and over identical tp copies). That is the
 gradient of the global mean loss, as for ``pp == 1``.
+
+Precision: activations cross stages in ``param_dtype`` (only the last stage casts its
+output to float32, for the loss). float16 scales the last stage's loss inside the
+schedule's loss function; the scaler's overflow flag is all-reduced over every rank, so
+all stages skip the same steps. Across micro-batches the schedule sets the FSDP2 flags of
+every stage itself: parameters stay gathered and gradients accumulate unsharded until
+the last micro-batch, whatever the layer's ZeRO stage (zero1, zero2 and fsdp run the same
+program here; only their memory between steps differs).
 """
 
 from __future__ import annotations
@@ -52,6 +62,8 @@ from runtime.apply import _device, check_world
 from runtime.data_parallel import apply_fsdp
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import Plan, PlanError, stage_rank
+from runtime.precision import fsdp_policies, make_loss_scaler
+from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
 from runtime.train import LossFn, OptimizerFactory, Trainer, _adamw
 
@@ -163,24 +175,39 @@ class PipelineTrainer(Trainer):
         self.stages = [stages[s] for s in self.stage_ids]
         """This rank's stage modules (parallelized in place), in stage order."""
         self.module = self.stages[0] if len(self.stages) == 1 else None
-        meshes = data_parallel_meshes(self.mesh["dp", "tp"])
-        pp_group = self.mesh.get_group("pp")
-        pipe_stages = []
-        for s, module in zip(self.stage_ids, self.stages, strict=True):
-            module.to(self._device)
-            layers = [la for la in plan.layers if la.stage == s]
-            apply_tensor_parallel(module, [la for la in layers if la.is_tp], meshes.tp)
-            apply_fsdp(module, layers, meshes)
-            _keep_unsharded_through_step(module)
-            pipe_stages.append(PipelineStage(module, s, plan.num_stages, self._device,
-                                             group=pp_group))
-        self.schedule = _schedule(plan, pipe_stages, loss_fn, scale_grads)
+        self.loss_scaler = make_loss_scaler(plan, self._device)
+        if self.loss_scaler is not None:
+            # Creates the scale on every rank; only the last stage scales a loss.
+            self.loss_scaler.scale(torch.ones((), device=self._device))
+        pipe_stages = [self._parallelize(s, module)
+                       for s, module in zip(self.stage_ids, self.stages, strict=True)]
+        self.schedule = _schedule(plan, pipe_stages, self._scaled_loss, scale_grads)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.num_stages - 1 in self.stage_ids
         self.optimizer = optimizer_factory([p for m in self.stages for p in m.parameters()])
         logger.info("pipeline %s: pp rank %d runs stage(s) %s, %d micro-batches",
                     plan.pipeline.schedule, self.pp_rank, self.stage_ids,
                     plan.pipeline.num_microbatches)
+
+    def _parallelize(self, stage_id: int, module: nn.Module) -> PipelineStage:
+        """TP, recompute and FSDP2 on one stage module (in place); its PipelineStage."""
+        plan = self.plan
+        module.to(self._device)
+        meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)
+        layers = [la for la in plan.layers if la.stage == stage_id]
+        apply_tensor_parallel(module, [la for la in layers if la.is_tp], meshes.tp)
+        apply_recompute(module, layers)
+        layer_policy, root_policy = fsdp_policies(plan)
+        last = stage_id == plan.num_stages - 1
+        apply_fsdp(module, layers, meshes, mp_policy=layer_policy,
+                   root_mp_policy=root_policy if last else layer_policy)
+        _keep_unsharded_through_step(module)
+        return PipelineStage(module, stage_id, plan.num_stages, self._device,
+                             group=self.mesh.get_group("pp"))
+
+    def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.loss_fn(output, target)
+        return loss if self.loss_scaler is None else self.loss_scaler.scale(loss)
 
     @property
     def device(self) -> torch.device:
@@ -201,6 +228,8 @@ class PipelineTrainer(Trainer):
         self.schedule.step(*args, target=targets if self.has_last else None,
                            losses=losses if self.has_last else None)
         local = torch.stack(losses).mean().detach() if self.has_last else torch.zeros(())
+        if self.has_last and self.loss_scaler is not None:
+            local = local / self.loss_scaler.get_scale()
         total = local.to(self._device, torch.float32)
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         # One pp coordinate holds the last stage: dp × tp ranks (tp copies are equal).

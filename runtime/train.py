@@ -5,6 +5,15 @@ those of one process training on the whole batch. Each data-parallel rank takes 
 slice of the global batch (dim 0), computes the mean loss of its slice, and the engines
 average gradients over dp, which is exact for equal slices of a mean loss. The ranks of
 one tp group take the same slice.
+
+Gradient accumulation (``Plan.gradient_accumulation`` = k): the local slice is cut into
+k equal micro-batches along dim 0; each micro-batch's mean loss is divided by k before
+its backward, so the accumulated gradient is the mean over the local slice, as without
+accumulation. Communication across the micro-batches follows each strategy
+(``runtime.data_parallel.microbatch_sync``: DDP ``no_sync`` until the last one, FSDP2
+flags per layer). float16 plans scale each micro-batch's loss
+(``runtime.precision.make_loss_scaler``) and ``step`` skips a step whose gradients
+overflowed on any rank.
 """
 
 from __future__ import annotations
@@ -17,7 +26,9 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from runtime.apply import apply
+from runtime.data_parallel import microbatch_sync
 from runtime.plan import Plan, PlanError
+from runtime.precision import make_loss_scaler
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -47,6 +58,8 @@ class Trainer:
         mesh = self.applied.mesh
         self.dp_rank = mesh.get_local_rank("dp")
         self.dp_size = mesh.size(mesh.mesh_dim_names.index("dp"))
+        self.loss_scaler = make_loss_scaler(plan, self.device)
+        """``ShardedGradScaler`` of a float16 plan (``loss_scaling = "dynamic"``), else None."""
 
     @property
     def device(self) -> torch.device:
@@ -75,19 +88,37 @@ class Trainer:
         return tuple(cut(x) for x in inputs), cut(targets)
 
     def forward_backward(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
-        """Forward and backward on this rank's local batch; return the global mean loss.
+        """Forward and backward on this rank's local batch, in ``plan.gradient_accumulation``
+        micro-batches; return the global mean loss.
 
         Every dp rank must hold the same number of samples (``shard_batch`` ensures it).
         """
-        loss = self.loss_fn(self.module(*inputs), targets)
-        loss.backward()
+        parts = split_microbatches(inputs, targets, self.plan.gradient_accumulation,
+                                   self.dp_size)
+        losses = []
+        for i, (x, y) in enumerate(parts):
+            with microbatch_sync(self.module, list(self.plan.layers), last=i == len(parts) - 1):
+                loss = self.loss_fn(self.module(*x), y)
+                self._backward(loss / len(parts))
+            losses.append(loss.detach().float())
         # tp ranks of one group hold the same loss, so the world mean is the dp mean.
-        global_loss = loss.detach().clone()
+        global_loss = torch.stack(losses).mean()
         dist.all_reduce(global_loss, op=dist.ReduceOp.SUM)
         return global_loss / dist.get_world_size()
 
+    def _backward(self, loss: torch.Tensor) -> None:
+        if self.loss_scaler is not None:
+            loss = self.loss_scaler.scale(loss)
+        loss.backward()
+
     def step(self) -> None:
-        self.optimizer.step()
+        """Optimizer step, then zero the gradients. With loss scaling the gradients are
+        unscaled first, and the step is skipped on every rank if any rank's overflowed."""
+        if self.loss_scaler is None:
+            self.optimizer.step()
+        else:
+            self.loss_scaler.step(self.optimizer)
+            self.loss_scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
 
     def train_step(self, inputs: tuple, targets: torch.Tensor, *, global_batch: bool = True) -> float:
@@ -107,3 +138,23 @@ class Trainer:
                 value = value.full_tensor()
             out[name] = value.cpu().clone()
         return out
+
+
+def split_microbatches(inputs: tuple, targets: torch.Tensor, count: int, dp: int
+                       ) -> list[tuple[tuple, torch.Tensor]]:
+    """Cut a local batch into ``count`` equal micro-batches along dim 0 (non-tensor inputs
+    are passed to each as they are)."""
+    local = targets.shape[0]
+    if local % count:
+        raise PlanError(
+            f"the local batch of {local} samples does not split into "
+            f"gradient_accumulation={count} equal micro-batches; use a global batch that "
+            f"is a multiple of dp × gradient_accumulation = {dp * count}, or change "
+            "gradient_accumulation"
+        )
+    size = local // count
+
+    def cut(x, i):
+        return x[i * size:(i + 1) * size] if isinstance(x, torch.Tensor) else x
+
+    return [(tuple(cut(x, i) for x in inputs), cut(targets, i)) for i in range(count)]
