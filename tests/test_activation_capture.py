@@ -158,8 +158,8 @@ def test_full_recompute_keeps_the_block_input(megatron_block):
 def test_fused_attention_leaves_little_for_selective_recompute():
     """Flash attention already recomputes the s×s scores, so the default zoo GPT (fused
     SDPA, no dropout) frees only the kernel's own outputs: the attention output [b, s, h]
-    (out_proj's saved input is a view of it, recomputed with the kernel) and its
-    log-sum-exp [b, a, s], both float32 here. q, k and v are the projections' outputs: kept.
+    (out_proj's saved input is a view of it) and its log-sum-exp [b, a, s], both float32
+    here. q, k and v are the projections' outputs: kept.
     Recomputing reruns the kernel's 4·b·a·s²·(h/a) FLOPs."""
     block = _block(_megatron(attention="fused", dropout=0.0))
     assert block.selective_saved_bytes == (SBH + BATCH * HEADS * SEQ) * F32
