@@ -10,19 +10,46 @@ Each style maps to one of PyTorch's ``ParallelStyle``s (see ``runtime.plan.TP_ST
 Outputs are local tensors (``use_local_output=True``), so code between the split modules
 runs unchanged on the local shard: the zoo's attention reads its head count from the
 tensor shape, which is why a head-aligned split of q/k/v is exact.
+
+Sequence parallelism (``LayerPlan.sequence_parallel``; Korthikanti et al. 2022), as
+torchtitan applies it to a block, with the layer's styles read as:
+
+    sequence_parallel SequenceParallel()          runs on sequence shards (DTensor Shard(1))
+    colwise           ColwiseParallel()           inside a submodule entered through
+                      + PrepareModuleInput on its PrepareModuleInput(Shard(1) -> Replicate):
+                      parent                      one all-gather per parent (``attn``,
+                                                  ``mlp``); shape reads there see the whole
+                                                  sequence. Directly in the layer:
+                                                  ColwiseParallel(input_layouts=Shard(1))
+    rowwise           RowwiseParallel(output_layouts=Shard(1))   reduce-scatter
+
+The layer itself gets ``PrepareModuleInputOutput``: its input arrives as sequence shards
+from a sequence-parallel layer just before it in the plan (plan order is execution order),
+else whole and split locally (no communication); its output stays sharded, as a DTensor,
+when the next layer of the plan is sequence-parallel too, else it is all-gathered whole.
+Between two such layers the residual stream is a Shard(1) DTensor, so anything that
+touched it in between would run with global semantics or fail loudly, never compute on a
+shard as if it were whole. Element-wise code between the layer's submodules (residual
+adds) runs on local shards: ``passes.tensor_parallel`` offers the SP styles only where
+the graph shows it acts per token.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
+import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
+    PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
@@ -41,6 +68,8 @@ _STYLE_TARGETS: dict[str, tuple[type[nn.Module], int, str]] = {
 # head size; a split must not cut a head in two.
 _HEAD_COUNT_ATTRS = ("n_head", "num_heads", "num_attention_heads")
 _HEAD_DIM_ATTRS = ("head_dim",)
+SP_STYLES = ("colwise", "rowwise", "sequence_parallel")
+"""The styles a sequence-parallel layer may use."""
 
 
 def parallel_style(style: str) -> ParallelStyle:
@@ -65,6 +94,7 @@ def validate_tp_layer(model: nn.Module, layer: LayerPlan, tp_degree: int) -> Non
     Raises PlanError naming the layer, the submodule, the dim and the degree.
     """
     root = model.get_submodule(layer.module)
+    _check_sequence_parallel(layer)
     for sub, style in layer.tp_styles.items():
         where = f"layer {layer.module!r}, tp_styles[{sub!r}] = {style!r}"
         try:
@@ -75,6 +105,8 @@ def validate_tp_layer(model: nn.Module, layer: LayerPlan, tp_degree: int) -> Non
                 f"name a child of {layer.module!r} (e.g. one of "
                 f"{[n for n, _ in root.named_children()][:8]})"
             ) from None
+        if style == "sequence_parallel":
+            continue  # any module: it runs under DTensor semantics on sequence shards
         kind, dim, dim_name = _STYLE_TARGETS[style]
         if not isinstance(target, kind):
             raise PlanError(
@@ -90,6 +122,41 @@ def validate_tp_layer(model: nn.Module, layer: LayerPlan, tp_degree: int) -> Non
             )
         if style in ("colwise", "colwise_gather"):
             _check_heads(root, sub, where, size, tp_degree)
+
+
+def _check_sequence_parallel(layer: LayerPlan) -> None:
+    """The 'sequence_parallel' styles and the layer's flag must agree, and an SP layer
+    may only use styles whose sequence-sharded form the runtime knows."""
+    where = f"layer {layer.module!r}"
+    marked = [sub for sub, style in layer.tp_styles.items() if style == "sequence_parallel"]
+    if not layer.sequence_parallel:
+        if marked:
+            raise PlanError(
+                f"{where}: tp_styles[{marked[0]!r}] = 'sequence_parallel' but the layer's "
+                "sequence_parallel is false; set sequence_parallel true or drop the entry")
+        return
+    if not marked:
+        raise PlanError(
+            f"{where}: sequence_parallel is true but no tp_styles entry is "
+            "'sequence_parallel'; name the norm/element-wise submodules that run on sequence "
+            "shards (the planner's TPOption.sp_styles, e.g. {'ln_1': 'sequence_parallel', "
+            "...}) or set sequence_parallel false")
+    for sub, style in layer.tp_styles.items():
+        if style not in SP_STYLES:
+            raise PlanError(
+                f"{where}: tp_styles[{sub!r}] = {style!r} cannot be sequence-parallel; a "
+                f"sequence-parallel layer takes {', '.join(map(repr, SP_STYLES))} styles, "
+                "so set sequence_parallel false for it")
+        if not sub:
+            raise PlanError(
+                f"{where}: tp_styles[''] = {style!r}: a sequence-parallel layer names its "
+                "submodules, not itself")
+        parent = sub.rpartition(".")[0]
+        if style == "colwise" and parent in layer.tp_styles:
+            raise PlanError(
+                f"{where}: tp_styles[{sub!r}] = 'colwise' under tp_styles[{parent!r}]; with "
+                f"sequence parallelism {parent!r} gathers the sequence for its colwise "
+                "Linears and cannot have a style of its own")
 
 
 def _check_heads(root: nn.Module, sub: str, where: str, out_features: int, tp: int) -> None:
@@ -112,16 +179,96 @@ def _check_heads(root: nn.Module, sub: str, where: str, out_features: int, tp: i
 
 
 def apply_tensor_parallel(model: nn.Module, layers: list[LayerPlan], tp_mesh: DeviceMesh) -> None:
-    """Shard the TP layers' submodules over ``tp_mesh`` in place."""
-    for layer in layers:
+    """Shard the TP layers' submodules over ``tp_mesh`` in place.
+
+    ``layers`` are the plan's layers of this module in execution order; layers that are not
+    tensor-parallel are skipped, but they end a run of sequence-parallel layers (whose
+    residual stream is passed on sharded only to an immediately following SP layer).
+    """
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        if not layer.is_tp:
+            continue
         root = model.get_submodule(layer.module)
+        if layer.sequence_parallel:
+            prev_sp = i > 0 and layers[i - 1].sequence_parallel
+            next_sp = i + 1 < len(layers) and layers[i + 1].sequence_parallel
+            _apply_sequence_parallel(root, layer, tp_mesh, prev_sp=prev_sp, next_sp=next_sp)
+            continue
         plan = {sub: parallel_style(style) for sub, style in layer.tp_styles.items() if sub}
         if "" in layer.tp_styles:
             parallelize_module(root, tp_mesh, parallel_style(layer.tp_styles[""]))
         if plan:
             parallelize_module(root, tp_mesh, plan)
-    if layers:
+    tp_layers = [layer.module for layer in layers if layer.is_tp]
+    if tp_layers:
+        sp = sum(1 for layer in layers if layer.sequence_parallel)
         logger.info(
-            "applied tensor parallelism (tp=%d) to %d layer(s): %s",
-            tp_mesh.size(), len(layers), ", ".join(layer.module for layer in layers),
+            "applied tensor parallelism (tp=%d) to %d layer(s), %d sequence-parallel: %s",
+            tp_mesh.size(), len(tp_layers), sp, ", ".join(tp_layers),
         )
+
+
+def _apply_sequence_parallel(root: nn.Module, layer: LayerPlan, tp_mesh: DeviceMesh, *,
+                             prev_sp: bool, next_sp: bool) -> None:
+    """One SP layer: its boundary layouts from its neighbours, then its submodules."""
+    root.register_forward_pre_hook(_sequence_check(layer, tp_mesh.size(), prev_sp))
+    parallelize_module(root, tp_mesh, PrepareModuleInputOutput(
+        input_layouts=(Shard(1) if prev_sp else Replicate(),),
+        desired_input_layouts=(Shard(1),),
+        use_local_input=True,
+        output_layouts=(Shard(1),),
+        desired_output_layouts=(Shard(1) if next_sp else Replicate(),),
+        use_local_output=not next_sp,
+    ))
+    parallelize_module(root, tp_mesh, sequence_parallel_styles(layer.tp_styles))
+
+
+def sequence_parallel_styles(tp_styles: dict[str, str]) -> dict[str, ParallelStyle]:
+    """The ParallelStyle of each submodule of a sequence-parallel layer (module docstring).
+
+    A colwise Linear's parent gathers the sequence once for all its colwise children, so
+    q/k/v share one all-gather forward and one reduce-scatter backward (their input
+    gradients are summed as Partial DTensors first).
+    """
+    styles: dict[str, ParallelStyle] = {}
+    for sub, style in tp_styles.items():
+        parent = sub.rpartition(".")[0]
+        if style == "sequence_parallel":
+            styles[sub] = SequenceParallel(use_local_output=True)
+        elif style == "rowwise":
+            styles[sub] = RowwiseParallel(output_layouts=Shard(1))
+        elif parent:
+            styles[sub] = ColwiseParallel()
+            styles.setdefault(parent, PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                use_local_output=False))
+        else:
+            styles[sub] = ColwiseParallel(input_layouts=Shard(1))
+    return styles
+
+
+def _sequence_check(layer: LayerPlan, tp: int, prev_sp: bool) -> Callable:
+    """A forward pre-hook: the input must split evenly along the sequence (known only
+    when data arrives), and arrive sharded when the layer before it handed on shards."""
+    where = f"layer {layer.module!r} (sequence_parallel)"
+
+    def check(module: nn.Module, args: tuple) -> None:
+        if len(args) != 1 or not isinstance(args[0], torch.Tensor) or args[0].dim() < 2:
+            raise PlanError(
+                f"{where}: takes its input as one positional [batch, seq, ...] tensor, got "
+                f"{len(args)} positional argument(s); set sequence_parallel false for it")
+        x = args[0]
+        if prev_sp and not isinstance(x, DTensor):
+            raise PlanError(
+                f"{where}: expected the sequence shards of the sequence-parallel layer before "
+                "it in the plan, got a plain tensor; list the plan's layers in execution "
+                "order, or set sequence_parallel false for one of the two")
+        seq = x.shape[1]
+        if seq % tp:
+            raise PlanError(
+                f"{where}: sequence length {seq} (dim 1 of its input of shape "
+                f"{tuple(x.shape)}) is not divisible by tp={tp}; use a sequence length that "
+                f"is a multiple of {tp} or set sequence_parallel false")
+
+    return check
