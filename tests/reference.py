@@ -38,3 +38,47 @@ def hf_gpt2(use_cache: bool = False) -> nn.Module:
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(cfg)
 
+
+
+def mixed_precision_reference(model: nn.Module, batches: list, loss_fn, *, dtype: torch.dtype,
+                              lr: float, scales: dict[int, float] | None = None,
+                              inf_grads: dict[int, str] | None = None) -> dict:
+    """One process training ``model`` (float32 master weights) with the casting of
+    runtime.precision: each step a ``dtype`` copy of the weights runs forward and backward
+    on the whole batch (floating inputs cast to ``dtype``, output cast to float32 for the
+    loss); its gradients are cast to float32 onto the master weights and AdamW steps them.
+
+    float16 scales the loss with ``torch.amp.GradScaler("cpu")`` (which skips steps with
+    inf/nan gradients); ``scales``: {step: loss scale set before that step}.
+    ``inf_grads``: {step: parameter name} whose first gradient element is set to inf
+    before that step's optimizer update. Returns per-step losses, the unscaled float32
+    gradients of every step, each step's scale, and the final parameters.
+    """
+    import copy
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    scales = scales or {}
+    scaler = torch.amp.GradScaler("cpu", init_scale=scales.get(0, 2.0**16),
+                                  enabled=dtype == torch.float16)
+    params = dict(model.named_parameters())
+    out: dict = {"losses": [], "grads": [], "scales": []}
+    for step, (inputs, targets) in enumerate(batches):
+        if step and step in scales:
+            scaler.update(new_scale=scales[step])
+        compute = copy.deepcopy(model).to(dtype)
+        cast = [x.to(dtype) if x.is_floating_point() else x for x in inputs]
+        loss = loss_fn(compute(*cast).float(), targets)
+        scaler.scale(loss).backward()
+        scale = scaler.get_scale()
+        for name, p in compute.named_parameters():
+            params[name].grad = p.grad.float()
+        out["losses"].append(loss.item())
+        out["scales"].append(scale)
+        out["grads"].append({n: p.grad / scale for n, p in params.items()})
+        if inf_grads and step in inf_grads:
+            params[inf_grads[step]].grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    out["params"] = {n: p.detach().clone() for n, p in params.items()}
+    return out
