@@ -458,3 +458,35 @@ def test_hsdp_without_shard_size_is_a_plan_error():
     with pytest.raises(PlanError, match="uses 'hsdp' but the plan has no hsdp_shard_size"):
         gpt("hsdp", 2)
 
+
+
+# -- pipelines honour recompute and precision ---------------------------------------------
+
+
+def pipeline_dims_job(plan_json: str) -> dict:
+    """tests/test_pipeline_numerics.py's job, with gradients as a one-step list."""
+    from test_pipeline_numerics import GPT6, pipeline_job
+
+    out = pipeline_job(GPT6, plan_json)
+    return {**out, "grads": [out["grads"]], "scales": [1.0] * STEPS}
+
+
+def _pipeline_plan(**fields) -> str:
+    from test_pipeline_numerics import pipeline_plan
+
+    data = Plan.from_json(pipeline_plan("1F1B", pp=2, m=2)).to_dict()
+    data["layers"] = [{**la, "recompute": "full" if la["module"].startswith("h.") else "none"}
+                      for la in data["layers"]]
+    return Plan.from_dict({**data, **fields}).to_json()
+
+
+def test_pipeline_recomputes_in_bfloat16_like_one_process(pool2):
+    from test_pipeline_numerics import GPT6
+
+    results = pool2.run(pipeline_dims_job, _pipeline_plan(param_dtype="bfloat16"))
+    ref = low_reference(GPT6, "bfloat16")
+    loss_rtol, grad_frac, param_atol = LOW["bfloat16"]
+    for rank, got in enumerate(results):
+        _close(got["losses"], ref["losses"], dict(rtol=loss_rtol, atol=0), f"rank {rank} losses")
+        _grads_close(got["grads"][0], ref["grads"][0], grad_frac, f"rank {rank}")
+        _assert_near_fp32(got, GPT6, "bfloat16", f"rank {rank}")
