@@ -26,6 +26,7 @@ from runtime.plan import (
     PipelineSpec,
     Plan,
     Rationale,
+    parse_option,
 )
 from runtime.plan_report import human_bytes, ms
 
@@ -49,7 +50,7 @@ def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
     classes = tuple(
         ClassCosts(layer_class=o.name, count=o.count,
                    options=tuple(_option(c) for c in o.costs.values()))
-        for o in class_options(graph, result.plan.mesh, cluster, prec)
+        for o in class_options(graph, result.plan.mesh, cluster, prec, result.plan.microbatches)
     )
     return Rationale(
         model_flops_per_step=float(sum(x.fwd_flops + x.bwd_flops for x in graph.layers)),
@@ -64,7 +65,7 @@ def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
 
 
 def _option(cost) -> OptionCost:
-    return OptionCost(strategy=cost.strategy, compute_s=cost.compute_s, comm_s=cost.comm_s,
+    return OptionCost(strategy=cost.option, compute_s=cost.compute_s, comm_s=cost.comm_s,
                       params_bytes=int(cost.params_bytes), grads_bytes=int(cost.grads_bytes),
                       optimizer_bytes=int(cost.optimizer_bytes),
                       activations_bytes=int(cost.activations_bytes),
@@ -136,15 +137,16 @@ def explain(plan: Plan, module: str) -> Explanation:
     if costs is None:
         raise ConfigError(f"the plan's rationale has no costs for class {layer.layer_class!r}")
     by_strategy = {o.strategy: o for o in costs.options}
-    chosen = by_strategy[layer.strategy]
+    chosen = by_strategy[layer.option]
     verdicts = tuple(_verdict(plan, chosen, o) for o in costs.options)
     mix: dict[str, int] = {}
     for x in plan.layers:
         if x.layer_class == layer.layer_class:
-            mix[x.strategy] = mix.get(x.strategy, 0) + 1
-    unavailable = {s: _why_unavailable(s, plan) for s in STRATEGIES if s not in by_strategy}
+            mix[x.option] = mix.get(x.option, 0) + 1
+    present = {parse_option(o)["strategy"] for o in by_strategy}
+    unavailable = {s: _why_unavailable(s, plan) for s in STRATEGIES if s not in present}
     return Explanation(module=module, layer_class=layer.layer_class, class_size=costs.count,
-                       strategy=layer.strategy, class_mix=mix, options=verdicts,
+                       strategy=layer.option, class_mix=mix, options=verdicts,
                        unavailable=unavailable, reason=_reason(plan, verdicts, mix),
                        source=plan.prediction.source)
 
@@ -172,18 +174,23 @@ def _cost_of(plan: Plan, layer) -> OptionCost:
     for c in plan.rationale.classes:
         if c.layer_class == layer.layer_class:
             for o in c.options:
-                if o.strategy == layer.strategy:
+                if o.strategy == layer.option:
                     return o
-    raise AssertionError(f"no cost for {layer.module} {layer.strategy}")
+    raise AssertionError(f"no cost for {layer.module} {layer.option}")
 
 
 def _why_unavailable(strategy: str, plan: Plan) -> str:
+    ranks = plan.mesh.dp * plan.mesh.tp
     if strategy in TP_STRATEGIES and plan.mesh.tp == 1:
         return "the mesh has tp = 1"
-    if strategy == "tp_fsdp" and plan.mesh.dp == 1:
-        return "the mesh has dp = 1 (nothing to shard over)"
-    return (f"no exact tensor-parallel split of this layer is known whose sizes tp = "
-            f"{plan.mesh.tp} divides")
+    if strategy == "tp_fsdp" and plan.mesh.dp == 1 or strategy in ("zero1", "zero2") and ranks == 1:
+        return "the mesh has one data-parallel rank (nothing to shard over)"
+    if strategy == "hsdp":
+        return "a stage's ranks fit in one node (hybrid sharding needs several)"
+    if strategy in TP_STRATEGIES:
+        return (f"no exact tensor-parallel split of this layer is known whose sizes tp = "
+                f"{plan.mesh.tp} divides")
+    return "another option is at least as fast and needs no more memory (dominated)"
 
 
 def _reason(plan: Plan, verdicts: tuple[OptionVerdict, ...], mix: dict[str, int]) -> str:

@@ -100,6 +100,37 @@ SCHEDULES = {
 }
 
 
+def option_label(strategy: str, recompute: str = "none", offload: bool = False,
+                 sequence_parallel: bool = False) -> str:
+    """One layer's choice as one word, e.g. ``tp_fsdp+sp+full``: the strategy, then
+    ``+sp``, ``+offload`` and the recompute mode when not the default."""
+    parts = [strategy]
+    if sequence_parallel:
+        parts.append("sp")
+    if offload:
+        parts.append("offload")
+    if recompute != "none":
+        parts.append(recompute)
+    return "+".join(parts)
+
+
+def parse_option(label: str) -> dict[str, Any]:
+    """The LayerPlan fields an option label stands for (inverse of option_label)."""
+    strategy, *rest = label.split("+")
+    fields: dict[str, Any] = {"strategy": strategy, "recompute": "none", "offload": False,
+                              "sequence_parallel": False}
+    for part in rest:
+        if part == "sp":
+            fields["sequence_parallel"] = True
+        elif part == "offload":
+            fields["offload"] = True
+        elif part in RECOMPUTE:
+            fields["recompute"] = part
+        else:
+            raise PlanError(f"option {label!r}: unknown part {part!r}")
+    return fields
+
+
 class PlanError(ConfigError):
     """A plan is malformed or does not fit the model or world it is applied to."""
 
@@ -251,6 +282,11 @@ class LayerPlan:
     @property
     def is_tp(self) -> bool:
         return self.strategy in TP_STRATEGIES
+
+    @property
+    def option(self) -> str:
+        """The strategy with its recompute / offload / SP choices, as one label."""
+        return option_label(self.strategy, self.recompute, self.offload, self.sequence_parallel)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,6 +21,7 @@ from runtime.plan import (
     MemoryBreakdown,
     OptionCost,
     Plan,
+    option_label,
     stage_rank,
 )
 
@@ -90,8 +91,7 @@ def collapse(layers: tuple[LayerPlan, ...]) -> list[Row]:
     for layer in layers:
         prev = rows[-1] if rows else None
         if (prev and prev.layer.layer_class == layer.layer_class
-                and prev.layer.strategy == layer.strategy and prev.layer.stage == layer.stage
-                and _recompute(prev.layer) == _recompute(layer)):
+                and prev.layer.option == layer.option and prev.layer.stage == layer.stage):
             rows[-1] = Row(prev.first, layer.module, prev.count + 1, prev.layer)
         else:
             rows.append(Row(layer.module, layer.module, 1, layer))
@@ -99,9 +99,12 @@ def collapse(layers: tuple[LayerPlan, ...]) -> list[Row]:
 
 
 def _recompute(layer: LayerPlan) -> str:
-    # The schema may grow a recomputation field; until then a layer keeps its activations.
-    value = getattr(layer, "recompute", None)
-    return str(value) if value not in (None, False, "", "none") else "no"
+    return "no" if layer.recompute == "none" else layer.recompute
+
+
+def _strategy(layer: LayerPlan) -> str:
+    """The strategy column: the strategy with +sp and +offload (recompute has its own)."""
+    return option_label(layer.strategy, "none", layer.offload, layer.sequence_parallel)
 
 
 def shard_degrees(layer: LayerPlan, plan: Plan) -> tuple[int, int]:
@@ -109,7 +112,8 @@ def shard_degrees(layer: LayerPlan, plan: Plan) -> tuple[int, int]:
     dp, tp = plan.mesh.dp, plan.mesh.tp
     return (
         tp if layer.strategy in TP_STRATEGIES else 1,
-        {"replicate": 1, "fsdp": dp * tp, "tp": 1, "tp_fsdp": dp}[layer.strategy],
+        {"replicate": 1, "tp": 1, "tp_fsdp": dp,
+         "hsdp": plan.hsdp_shard_size or 1}.get(layer.strategy, dp * tp),
     )
 
 
@@ -127,7 +131,7 @@ def option_cost(plan: Plan, layer: LayerPlan) -> OptionCost | None:
         return None
     for c in plan.rationale.classes:
         if c.layer_class == layer.layer_class:
-            return next((o for o in c.options if o.strategy == layer.strategy), None)
+            return next((o for o in c.options if o.strategy == layer.option), None)
     return None
 
 
@@ -284,7 +288,7 @@ def layer_lines(plan: Plan) -> list[str]:
         tp, shards = shard_degrees(row.layer, plan)
         mem = human_bytes(row.layer.memory_bytes) if row.layer.memory_bytes is not None else "-"
         time = ms(row.layer.time_s) if row.layer.time_s is not None else "-"
-        rows.append((names, row.layer.layer_class, str(row.count), row.layer.strategy, str(tp),
+        rows.append((names, row.layer.layer_class, str(row.count), _strategy(row.layer), str(tp),
                      str(shards), str(row.layer.stage), _recompute(row.layer), mem, time))
     return ["", f"Layers  [{src}; mem/rank and time per layer: parameters, gradients, "
             "optimizer states and saved activations; forward + backward with communication]",

@@ -28,7 +28,7 @@ def make_layer(name: str, cls: str, index: int, *, params: int, fwd_flops: float
     return LayerInfo(name=name, layer_class=cls, index=index, param_count=params,
                      param_bytes=params * 4, fwd_flops=fwd_flops, bwd_flops=2 * fwd_flops,
                      saved_bytes=saved_bytes, output_bytes=act_bytes, mem_bytes=3 * act_bytes,
-                     num_ops=10, tp=option)
+                     num_ops=10, input_bytes=act_bytes, tp=option)
 
 
 def make_cluster(*, nodes: int = 1, per_node: int = 4, memory_bytes: int = 80 * GiB,

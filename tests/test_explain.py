@@ -11,7 +11,7 @@ from report_cases import BATCH, SEQ, gpt2_small_plan
 from autopar.diff import diff, format_diff
 from autopar.errors import ConfigError
 from autopar.explain import explain, format_explanation
-from autopar.planner.costs import allowed_strategies, layer_cost
+from autopar.planner.costs import layer_options
 from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
@@ -24,30 +24,32 @@ def test_explain_names_the_chosen_option_and_prices_every_allowed_one():
     plan = gpt2_small_plan(nodes=2)
     layer = plan.layer("h.3")
     e = explain(plan, "h.3")
-    assert e.strategy == layer.strategy and e.layer_class == layer.layer_class
+    assert e.strategy == layer.option and e.layer_class == layer.layer_class
     spec = get_model("gpt2-small")
     graph = build_layer_graph(spec.build("meta"), spec.example_inputs(BATCH, SEQ, device="meta"),
                               seq_len=SEQ)
     info = next(x for x in graph.layers if x.name == "h.3")
     cluster = Cluster.preset("dgx-a100-80g", nodes=2)
-    allowed = allowed_strategies(info, plan.mesh)
+    allowed = layer_options(info, SEQ, plan.mesh, cluster, precision("float32"),
+                            plan.microbatches)
     assert {v.strategy for v in e.options} == set(allowed)
     for v in e.options:
-        cost = layer_cost(info, v.strategy, plan.mesh, cluster, precision("float32"))
+        cost = allowed[v.strategy]
         assert v.time_s == pytest.approx(cost.time_s)
         assert v.memory_bytes == pytest.approx(cost.resident_bytes, abs=4)
-        assert v.chosen == (v.strategy == layer.strategy)
+        assert v.chosen == (v.strategy == layer.option)
     text = format_explanation(e)
-    assert f"h.3: {layer.strategy}" in text
+    assert f"h.3: {layer.option}" in text
     for v in e.options:
         assert v.strategy in text and ms(v.time_s) in text
 
 
 def test_explain_says_memory_binds_when_a_faster_option_does_not_fit():
-    plan = gpt2_small_plan(memory_gib=4)
-    fsdp_layers = [x.module for x in plan.layers if x.strategy == "fsdp"]
-    assert fsdp_layers, "at 4 GiB per device some layers must be sharded"
-    e = explain(plan, fsdp_layers[-1])
+    plan = gpt2_small_plan(memory_gib=2)
+    slowed = [e for e in (explain(plan, x.module) for x in plan.layers)
+              if any(v.delta_time_s < 0 for v in e.options)]
+    assert slowed, "at 2 GiB per device some layers must trade time for memory"
+    e = slowed[0]
     faster = [v for v in e.options if v.delta_time_s < 0]
     assert faster and not any(v.fits for v in faster)
     assert "memory binds" in e.reason

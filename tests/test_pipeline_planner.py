@@ -135,7 +135,7 @@ def megatron_rows(min_params_b: float):
 
 
 @pytest.mark.parametrize("row", megatron_rows(39)[:2], ids=lambda r: f"{r['params_b']}B")
-def test_larger_megatron_rows_get_pipeline_parallelism_with_tp_inside_a_node(row):
+def test_larger_megatron_rows_are_fastest_with_pipeline_parallelism_and_tp_inside_a_node(row):
     # Same model, cluster and batch as the published run (fp16, DGX A100 80GB).
     cfg = GPTConfig(n_layer=int(row["layers"]), n_head=int(row["heads"]),
                     n_embd=int(row["hidden"]), vocab_size=51200, block_size=2048)
@@ -148,6 +148,6 @@ def test_larger_megatron_rows_get_pipeline_parallelism_with_tp_inside_a_node(row
     assert plan.mesh.pp > 1
     assert plan.mesh.tp <= cluster.devices_per_node
     assert plan.prediction.memory.total_bytes <= cluster.device.memory_bytes
-    # Without pipelining nothing fits: TP would have to cross nodes.
-    with pytest.raises(Exception, match="no plan fits"):
-        search(graph, cluster, precision_name="float16", pipeline=False)
+    # Without pipelining the model fits only by sharding and recomputing more: slower.
+    flat = search(graph, cluster, precision_name="float16", pipeline=False).plan
+    assert flat.prediction.step_time_s > plan.prediction.step_time_s

@@ -11,36 +11,55 @@ from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner import search
-from autopar.planner.costs import allowed_strategies, layer_cost
-from autopar.planner.search import candidate_meshes
+from autopar.planner.costs import (
+    HOST_MEMORY_BYTES,
+    allowed_options,
+    hsdp_shard_size,
+    layer_cost,
+    layer_options,
+)
+from autopar.planner.ilp import min_memory
+from autopar.planner.search import accumulation_steps, candidate_meshes, class_options
 from cost_models.hardware import Link
 from cost_models.memory import precision
 from passes.records import Collective, LayerGraph
 from runtime.plan import TP_STRATEGIES, Plan
 
 
-def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32") -> float:
-    """Best step time over every mesh and every per-layer strategy assignment."""
+def every_option(layer, mesh, cluster, prec, m: int, *, prune: bool = True) -> list:
+    """Every option of one layer, with its cost (dominated ones removed when ``prune``)."""
+    if prune:
+        return list(layer_options(layer, None, mesh, cluster, prec, m).values())
+    hsdp = hsdp_shard_size(cluster)
+    return [layer_cost(layer, o, mesh, cluster, prec, m, hsdp_shard_size=hsdp)
+            for o in allowed_options(layer, mesh, hsdp_shard_size=hsdp, microbatches=m)]
+
+
+def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32", *,
+                prune: bool = True) -> float:
+    """Best step time over every mesh, gradient accumulation and per-layer option."""
     prec = precision(prec_name)
     best = float("inf")
     for mesh, reason in candidate_meshes(cluster, graph.batch_size):
         if reason:
             continue
-        options = [
-            [layer_cost(layer, s, mesh, cluster, prec) for s in allowed_strategies(layer, mesh)]
-            for layer in graph.layers
-        ]
-        for combo in itertools.product(*options):
-            resident = sum(c.resident_bytes for c in combo)
-            buffer = max(c.buffer_bytes for c in combo)
-            if (1 + cluster.memory_margin_fraction) * (resident + buffer) > cluster.device.memory_bytes:
-                continue
-            best = min(best, sum(c.time_s for c in combo))
+        for m in accumulation_steps(graph, mesh):
+            options = [every_option(layer, mesh, cluster, prec, m, prune=prune)
+                       for layer in graph.layers]
+            for combo in itertools.product(*options):
+                resident = sum(c.resident_bytes for c in combo)
+                buffer = max(c.buffer_bytes for c in combo)
+                if (1 + cluster.memory_margin_fraction) * (resident + buffer) > \
+                        cluster.device.memory_bytes:
+                    continue
+                if sum(c.host_bytes for c in combo) > HOST_MEMORY_BYTES:
+                    continue
+                best = min(best, sum(c.time_s for c in combo))
     return best
 
 
-def random_instance(rng: random.Random) -> tuple[LayerGraph, object]:
-    n_layers = rng.randint(2, 6)
+def random_instance(rng: random.Random, max_layers: int = 4) -> tuple[LayerGraph, object]:
+    n_layers = rng.randint(2, max_layers)
     n_classes = rng.randint(1, min(3, n_layers))
     shapes = [
         dict(params=rng.choice([1, 4, 16, 64]) * 1_000_000,
@@ -86,6 +105,13 @@ def test_ilp_objective_equals_brute_force_on_small_instances(seed):
     check_invariants(result.plan, graph, cluster)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_removing_dominated_options_loses_nothing(seed):
+    graph, cluster = random_instance(random.Random(100 + seed), max_layers=2)
+    assert brute_force(graph, cluster) == pytest.approx(
+        brute_force(graph, cluster, prune=False), rel=1e-9)
+
+
 def check_invariants(plan: Plan, graph: LayerGraph, cluster) -> None:
     mesh = plan.mesh
     assert mesh.world_size == cluster.world_size
@@ -98,23 +124,93 @@ def check_invariants(plan: Plan, graph: LayerGraph, cluster) -> None:
     for lp, layer in zip(plan.layers, graph.layers, strict=True):
         if lp.strategy in TP_STRATEGIES:
             assert layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors)
-            assert lp.tp_styles == layer.tp.styles
+            assert lp.tp_styles == (layer.tp.sp_styles if lp.sequence_parallel else layer.tp.styles)
     # The plan survives its own JSON.
     assert Plan.from_json(plan.to_json()) == plan
 
 
-def test_identical_layers_may_take_different_strategies_when_memory_is_tight():
-    # Four identical blocks: replicated is fastest, but only some of them fit replicated.
+def states_model():
+    """Four identical blocks whose parameters, not activations, fill memory."""
     layers = [make_layer(f"h.{i}", "Block", i, params=50_000_000, fwd_flops=1e12,
                          saved_bytes=1_000_000, act_bytes=100_000, tp=False) for i in range(4)]
-    graph = graph_of(layers, 4)
-    full = search(graph, make_cluster(per_node=4), pipeline=False).plan
-    need = full.prediction.memory.total_bytes
-    cluster = make_cluster(per_node=4, memory_bytes=int(need * 0.8))
+    return graph_of(layers, 4)
+
+
+def activations_model():
+    """Four blocks whose saved activations fill memory; the attention core holds 40% of
+    them for 5% of the forward FLOPs (what selective recomputation frees and reruns).
+    Batch 4 on 4 devices leaves no room for gradient accumulation."""
+    tokens, h = 8192, 1024
+    layers = [replace(make_layer(f"h.{i}", "Block", i, params=12 * h * h,
+                                 fwd_flops=24 * h * h * tokens, saved_bytes=34 * tokens * h * 4,
+                                 act_bytes=tokens * h * 4, tp=False),
+                      selective_saved_bytes=14 * tokens * h * 4,
+                      selective_fwd_flops=0.05 * 24 * h * h * tokens)
+              for i in range(4)]
+    return graph_of(layers, 4)
+
+
+def least_memory_without(graph: LayerGraph, cluster, excluded: str) -> float:
+    """The least per-rank memory of any pp = 1 plan whose options avoid ``excluded``."""
+    prec = precision("float32")
+    best = float("inf")
+    for mesh, reason in candidate_meshes(cluster, graph.batch_size):
+        for m in accumulation_steps(graph, mesh) if not reason else ():
+            options = [replace(c, costs={k: v for k, v in c.costs.items() if excluded not in k})
+                       for c in class_options(graph, mesh, cluster, prec, m)]
+            best = min(best, min_memory(options, cluster.memory_margin_fraction)[0])
+    return best
+
+
+ZERO_STAGE = {"replicate": 0, "tp": 0, "zero1": 1, "zero2": 2, "fsdp": 3, "hsdp": 3,
+              "tp_fsdp": 3}
+
+
+def test_identical_layers_may_take_different_options_when_memory_is_tight():
+    graph = states_model()
+    need = search(graph, make_cluster(per_node=4), pipeline=False).plan.prediction.memory
+    cluster = make_cluster(per_node=4, memory_bytes=int(need.total_bytes * 0.9))
     plan = search(graph, cluster, pipeline=False).plan
-    strategies = [lp.strategy for lp in plan.layers]
-    assert set(strategies) == {"replicate", "fsdp"}, strategies
+    assert len({lp.option for lp in plan.layers}) > 1, [lp.option for lp in plan.layers]
     assert plan.solver.objective_s == pytest.approx(brute_force(graph, cluster), rel=1e-6)
+
+
+def test_zero_stage_rises_as_memory_shrinks_and_offload_comes_last():
+    graph = states_model()
+    ample = search(graph, make_cluster(per_node=4), pipeline=False).plan
+    need = ample.prediction.memory.total_bytes
+    stages = []
+    for fraction in (1.05, 0.9, 0.8, 0.7, 0.5, 0.4):
+        cluster = make_cluster(per_node=4, memory_bytes=int(need * fraction))
+        plan = search(graph, cluster, pipeline=False).plan
+        check_invariants(plan, graph, cluster)
+        stages.append(max(4 if lp.offload else ZERO_STAGE[lp.strategy] for lp in plan.layers))
+        if any(lp.offload for lp in plan.layers):
+            # Offload only when nothing else fits.
+            assert least_memory_without(graph, cluster, "offload") > cluster.device.memory_bytes
+    assert stages == sorted(stages), stages
+    assert stages[0] <= 2 and stages[-1] == 4, stages
+
+
+def test_recompute_turns_on_exactly_when_memory_binds_selective_before_full():
+    graph = activations_model()
+    ample = search(graph, make_cluster(per_node=4), pipeline=False).plan
+    assert {lp.recompute for lp in ample.layers} == {"none"}
+    need = ample.prediction.memory.total_bytes
+    modes = []
+    for fraction in (1.05, 0.9, 0.8, 0.6, 0.5):
+        cluster = make_cluster(per_node=4, memory_bytes=int(need * fraction))
+        plan = search(graph, cluster, pipeline=False).plan
+        check_invariants(plan, graph, cluster)
+        used = {lp.recompute for lp in plan.layers} - {"none"}
+        if used:  # memory binds: the fastest plan no longer fits
+            assert need > cluster.device.memory_bytes
+        else:
+            assert plan.solver.objective_s == pytest.approx(ample.solver.objective_s)
+        modes.append(used)
+    first = next(i for i, m in enumerate(modes) if m)
+    assert modes[first] == {"selective"}, modes
+    assert "full" in modes[-1] and all("full" not in m for m in modes[:first + 1]), modes
 
 
 def large_vocab_model():
@@ -144,24 +240,26 @@ def pcie_cluster(memory_gib: float):
     return replace(cluster, intra_node=Link(kind="pcie", bandwidth_GBps=10, latency_s=1e-5))
 
 
-def test_moves_from_replicate_to_fsdp_to_tp_as_memory_shrinks():
+def test_moves_from_data_parallel_to_recompute_to_tp_as_memory_shrinks():
     graph = large_vocab_model()
     phases = []
-    for gib in (4.0, 3.0, 2.5):
+    for gib in (4.0, 2.0, 1.5):
         plan = search(graph, pcie_cluster(gib), pipeline=False).plan
         check_invariants(plan, graph, pcie_cluster(gib))
         used = {lp.strategy for lp in plan.layers}
-        phases.append("tp" if used & set(TP_STRATEGIES) else "fsdp" if "fsdp" in used else "dp")
-    assert phases == ["dp", "fsdp", "tp"]
+        phases.append("tp" if used & set(TP_STRATEGIES) else
+                      "recompute" if any(lp.recompute != "none" for lp in plan.layers) else "dp")
+    assert phases == ["dp", "recompute", "tp"]
 
 
 def test_infeasible_error_gives_smallest_memory_any_plan_needs():
     graph = large_vocab_model()
     with pytest.raises(InfeasibleError) as info:
-        search(graph, pcie_cluster(1.0))
+        search(graph, pcie_cluster(0.3))
     message = str(info.value)
     assert "smallest per-rank memory any plan needs is" in message
-    needed = float(message.split("needs is ")[1].split(" GiB")[0])  # GiB at this size
+    number, unit = message.split("needs is ")[1].split()[:2]
+    needed = float(number) / {"GiB": 1, "MiB": 1024}[unit]
     # Just above that figure a plan exists; just below, none.
     search(graph, pcie_cluster(needed * 1.01))
     with pytest.raises(InfeasibleError):

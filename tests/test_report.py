@@ -76,9 +76,9 @@ def test_alternatives_say_why_they_lost():
     delta = slower.step_time_s - plan.prediction.step_time_s
     assert f"slower by {ms(delta)}" in text
     assert text.count("\n  ") >= 3
-    tight = gpt2_small_plan(memory_gib=4)
+    tight = gpt2_small_plan(memory_gib=0.5)
     infeasible = [a for a in tight.rationale.alternatives if a.status == "infeasible"]
-    assert infeasible, "at 4 GiB some mesh should not fit"
+    assert infeasible, "at 0.5 GiB some mesh should not fit"
     assert "does not fit: needs " + human_bytes(infeasible[0].min_memory_bytes) in format_plan(
         tight, top_k=10)
 

@@ -1,13 +1,36 @@
-"""Time and memory of one layer under one strategy on one mesh.
+"""Time and memory of one layer under one option on one mesh.
 
 The bridge between the layer records (passes.records) and the machine estimators
 (cost_models): every number the ILP sees is made here, in seconds or bytes.
 
-Conventions (runtime/plan.py defines the strategies):
+An *option* is a strategy (runtime/plan.py) with its per-layer choices of sequence
+parallelism, offload and recomputation, written as one label (``runtime.plan.option_label``,
+e.g. ``tp_fsdp+sp+full``).
+
+Conventions:
 - A layer that is not tensor-parallel computes redundantly inside its tp group, on the
   batch slice of its dp replica; its replicas span all ``dp * tp`` ranks.
-- A TP layer splits its sharded FLOPs, parameters and saved activations by ``tp``.
+- A TP layer splits its sharded FLOPs, parameters and saved activations by ``tp``; with
+  sequence parallelism also the saved activations outside the TP regions.
+- Data-parallel traffic follows the runtime (runtime/data_parallel.py): parameters are
+  gathered in the compute dtype, gradients reduced in ``Precision.grad_bytes`` per element.
 - Communication is not overlapped with compute here (all of it is exposed).
+
+Memory per strategy, over the N ranks that shard it (P, G, K: the layer's parameter,
+gradient and optimizer bytes on one rank before sharding; m micro-batches per step):
+
+    strategy   resident                          transient (largest over the layers)
+    replicate  P + G + K
+    zero1      P + P/N + (G if m > 1 else G/N) + K/N   G if m = 1 (one layer's unsharded grad)
+    zero2      P + P/N + G/N + K/N               G
+    fsdp/hsdp  (P + G + K)/N                     2P + G (gathered layer, next one prefetched)
+    +offload   nothing on the device             2P + G + P/N (the staged shard)
+
+Recomputation (Korthikanti et al. 2022): ``selective`` frees the saved outputs of
+runtime.plan.SELECTIVE_RECOMPUTE_OPS and runs them again in backward; ``full`` keeps only
+the layer's input and runs the whole forward (TP collectives included) again in backward.
+Either way the freed activations come back, one layer at a time, during that layer's
+backward: a transient.
 """
 
 from __future__ import annotations
@@ -15,48 +38,72 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.comm import Group, all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
-from cost_models.compute import optimizer_step_s, roofline_s
-from cost_models.hardware import Cluster
+from cost_models.compute import ADAM_TENSORS_TOUCHED, optimizer_step_s, roofline_s
+from cost_models.hardware import Cluster, Link
 from cost_models.memory import Precision
-from passes.records import LayerInfo
-from runtime.plan import TP_STRATEGIES, Mesh
+from passes.records import Collective, LayerInfo
+from runtime.plan import (
+    OFFLOAD_STRATEGIES,
+    RECOMPUTE,
+    TP_STRATEGIES,
+    Mesh,
+    option_label,
+    parse_option,
+)
 
 CAPTURE_ACTIVATION_BYTES = 4
-"""Capture runs in fp32: recorded activation sizes are scaled by precision / this."""
-
+"""Capture runs in fp32: recorded floating activation sizes are scaled by precision / this."""
 
 WGRAD_FRACTION = 0.5
 """Share of backward compute that computes weight gradients: a matmul's backward is two
 matmuls of the forward's size, one for the input gradient and one for the weight gradient.
 Zero-bubble schedules run it as a separate W pass."""
 
+HOST_LINK = Link(kind="pcie", bandwidth_GBps=25.0, latency_s=10e-6)
+"""Device <-> host copies of offloaded layers: PCIe 4.0 x16, 32 GB/s per direction on
+paper, about 25 GB/s achieved (NVIDIA A100 datasheet; DGX A100 has one x16 link per GPU)."""
+HOST_MEMORY_BYTES = 256 * 1024**3
+"""Host memory one device may fill with offloaded states: a DGX A100 has 2 TB of DRAM
+for 8 GPUs."""
+HOST_MEMORY_GBPS = 50.0
+"""Host DRAM bandwidth one device's offloaded optimizer step gets: a DGX A100's two EPYC
+7742 sockets have 8 DDR4-3200 channels each (2 × 205 GB/s), shared by 8 GPUs."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class LayerCost:
+    option: str
+    """The label of the option (strategy + SP / offload / recompute), e.g. 'fsdp+full'."""
     strategy: str
+    recompute: str
+    offload: bool
+    sequence_parallel: bool
     microbatches: int
     fwd_s: float
     """Per micro-batch: forward compute, TP collectives, FSDP all-gather."""
     bwd_s: float
-    """Per micro-batch: input-gradient compute, TP collectives, FSDP all-gather."""
+    """Per micro-batch: input-gradient compute, recomputation, TP collectives, FSDP
+    all-gather, per-micro-batch gradient reduce-scatter (zero2)."""
     wgrad_s: float
     """Per micro-batch: weight-gradient compute."""
     step_s: float
-    """Per step: data-parallel gradient reduction and the optimizer step."""
+    """Per step: data-parallel gradient reduction, once-per-step gathers and the optimizer."""
     compute_s: float
-    """Per step, all compute (micro-batches and optimizer)."""
+    """Per step, all compute (micro-batches, recomputation and optimizer)."""
     comm_s: float
-    """Per step, all communication."""
+    """Per step, all communication (host copies of offloaded layers included)."""
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
     activations_bytes: float
     """Saved activations of one micro-batch."""
     buffer_bytes: float
-    """Transient memory while this layer runs (an FSDP layer's gathered parameters and
-    unsharded gradient); the plan holds the largest over its layers, not the sum."""
+    """Transient memory while this layer runs (gathered parameters, an unsharded gradient,
+    recomputed activations); the plan holds the largest over its layers, not the sum."""
     output_bytes: float
     """The layer's output for one micro-batch (what crosses a pipeline stage boundary)."""
+    host_bytes: float = 0.0
+    """States kept in host memory (offloaded parameters, gradients, optimizer states)."""
 
     @property
     def time_s(self) -> float:
@@ -75,22 +122,81 @@ class LayerCost:
         return self.states_bytes + inflight * self.activations_bytes
 
 
-def allowed_strategies(layer: LayerInfo, mesh: Mesh) -> tuple[str, ...]:
-    """Strategies this layer can take on this mesh."""
-    options = ["replicate", "fsdp"]
+def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | None = None,
+                       microbatches: int = 1) -> tuple[str, ...]:
+    """Strategies this layer can take on this mesh. ZeRO-1 differs from ZeRO-2 only when
+    gradients accumulate over micro-batches (FSDP2 reduce-scatters each layer's gradient
+    as soon as its last backward ends), so it is offered only then."""
+    world = mesh.dp * mesh.tp
+    options = ["replicate"]
+    if world > 1:
+        options += ["zero1", "zero2"] if microbatches > 1 else ["zero2"]
+    options.append("fsdp")
+    if hsdp_shard_size and 1 < hsdp_shard_size < world and world % hsdp_shard_size == 0:
+        options.append("hsdp")
     if mesh.tp > 1 and layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors):
         options += ["tp", "tp_fsdp"] if mesh.dp > 1 else ["tp"]
     return tuple(options)
 
 
+def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
+                    hsdp_shard_size: int | None = None, microbatches: int = 1,
+                    recompute: bool = True, offload: bool = True,
+                    sequence_parallel: bool = True) -> tuple[str, ...]:
+    """Every option label this layer can take: strategies × SP × offload × recompute."""
+    modes = [r for r in RECOMPUTE if recompute or r == "none"]
+    if layer.selective_saved_bytes + layer.selective_fixed_bytes <= 0:
+        modes = [r for r in modes if r != "selective"]
+    can_sp = (sequence_parallel and layer.tp is not None and layer.tp.sp_collectives is not None
+              and seq_len is not None and seq_len % mesh.tp == 0)
+    out = []
+    for strategy in allowed_strategies(layer, mesh, hsdp_shard_size=hsdp_shard_size,
+                                       microbatches=microbatches):
+        for sp in (False, True) if strategy in TP_STRATEGIES and can_sp else (False,):
+            for off in (False, True) if offload and strategy in OFFLOAD_STRATEGIES else (False,):
+                out += [option_label(strategy, r, off, sp) for r in modes]
+    return tuple(out)
+
+
+def prune_dominated(costs: dict[str, LayerCost]) -> dict[str, LayerCost]:
+    """Drop options no better than another in every time and memory term (the ILP and the
+    pipeline simulator could never prefer them), keeping the first of exact ties."""
+    keys = list(costs)
+
+    def terms(c: LayerCost) -> tuple[float, ...]:
+        return (c.fwd_s, c.bwd_s, c.wgrad_s, c.step_s, c.time_s, c.states_bytes,
+                c.activations_bytes, c.buffer_bytes, c.host_bytes)
+
+    kept = {}
+    for i, k in enumerate(keys):
+        mine = terms(costs[k])
+        dominated = False
+        for j, other_key in enumerate(keys):
+            if j == i:
+                continue
+            other = terms(costs[other_key])
+            if all(o <= x for o, x in zip(other, mine, strict=True)) and (
+                    other != mine or j < i):
+                dominated = True
+                break
+        if not dominated:
+            kept[k] = costs[k]
+    return kept
+
+
 def layer_cost(
     layer: LayerInfo,
-    strategy: str,
+    option: str,
     mesh: Mesh,
     cluster: Cluster,
     prec: Precision,
     microbatches: int = 1,
+    *,
+    hsdp_shard_size: int | None = None,
 ) -> LayerCost:
+    choice = parse_option(option)
+    strategy, recompute = choice["strategy"], choice["recompute"]
+    offload, sp = choice["offload"], choice["sequence_parallel"]
     dp, tp, m = mesh.dp, mesh.tp, microbatches
     world = dp * tp
     is_tp = strategy in TP_STRATEGIES
@@ -103,7 +209,7 @@ def layer_cost(
         tp_params = layer.param_count * (1 - frac + frac / tp)
     else:
         tp_params = float(layer.param_count)
-    shards = {"replicate": 1, "fsdp": world, "tp": 1, "tp_fsdp": dp}[strategy]
+    shards = _shard_ranks(strategy, dp, tp, hsdp_shard_size)
     local_params = tp_params / shards
 
     # One micro-batch is 1 / (dp · m) of the captured global batch.
@@ -113,38 +219,48 @@ def layer_cost(
     device, dtype = cluster.device, prec.compute_dtype
     fwd_compute = roofline_s(fwd_flops, mem, layer.num_ops, device, dtype)
     bwd_compute = roofline_s(layer.bwd_flops * ratio, 2 * mem, 2 * layer.num_ops, device, dtype)
-    optimizer = optimizer_step_s(local_params, prec.state_bytes, device)
 
-    saved = layer.saved_bytes * act_scale / (dp * m)
-    if is_tp:
-        assert layer.tp is not None
-        sharded_saved = layer.tp.sharded_saved_bytes * act_scale / (dp * m)
-        activations = saved - sharded_saved + sharded_saved / tp
+    tp_fwd, tp_bwd = _tp_comm_s(layer, is_tp, sp, mesh, cluster, act_scale / (dp * m))
+    activations, rematerialized, recompute_s, recompute_comm = _activations(
+        layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_compute, tp_fwd)
+    dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
+    host = _offload_s(offload, local_params, prec, m) if offload else (0.0, 0.0, 0.0)
+    host_per_micro, host_per_step, host_optimizer = host
+    if offload:
+        optimizer = host_optimizer
     else:
-        activations = saved
-
-    tp_fwd, tp_bwd = _tp_comm_s(layer, strategy, mesh, cluster, act_scale / (dp * m))
-    gather, sync = _dp_comm_s(strategy, mesh, cluster, prec, tp_params)
-    buffer = 0.0
-    if strategy in ("fsdp", "tp_fsdp"):
-        # FSDP2 holds the gathered layer, the next one prefetched, and the unsharded gradient.
-        buffer = tp_params * (2 * prec.param_bytes + prec.grad_bytes)
+        optimizer = optimizer_step_s(local_params, prec.state_bytes, device)
+    states = _states_bytes(strategy, offload, tp_params, shards, m, prec)
+    per_micro_comm = (tp_fwd + tp_bwd + recompute_comm + 2 * dp_comm.gather_per_micro
+                      + dp_comm.reduce_per_micro + host_per_micro)
+    per_step_comm = dp_comm.per_step + host_per_step
     return LayerCost(
-        strategy=strategy,
+        option=option_label(strategy, recompute, offload, sp),
+        strategy=strategy, recompute=recompute, offload=offload, sequence_parallel=sp,
         microbatches=m,
-        fwd_s=fwd_compute + tp_fwd + gather,
-        bwd_s=(1 - WGRAD_FRACTION) * bwd_compute + tp_bwd + gather,
+        fwd_s=fwd_compute + tp_fwd + dp_comm.gather_per_micro + host_per_micro / 2,
+        bwd_s=((1 - WGRAD_FRACTION) * bwd_compute + recompute_s + recompute_comm + tp_bwd
+               + dp_comm.gather_per_micro + dp_comm.reduce_per_micro + host_per_micro / 2),
         wgrad_s=WGRAD_FRACTION * bwd_compute,
-        step_s=sync + optimizer,
-        compute_s=m * (fwd_compute + bwd_compute) + optimizer,
-        comm_s=m * (tp_fwd + tp_bwd + 2 * gather) + sync,
-        params_bytes=local_params * prec.param_bytes,
-        grads_bytes=local_params * prec.grad_bytes,
-        optimizer_bytes=local_params * prec.optimizer_bytes,
+        step_s=per_step_comm + optimizer,
+        compute_s=m * (fwd_compute + bwd_compute + recompute_s) + optimizer,
+        comm_s=m * per_micro_comm + per_step_comm,
+        params_bytes=states[0],
+        grads_bytes=states[1],
+        optimizer_bytes=states[2],
         activations_bytes=activations,
-        buffer_bytes=buffer,
-        output_bytes=layer.output_bytes * act_scale / (dp * m),
+        buffer_bytes=states[3] + rematerialized,
+        output_bytes=layer.output_bytes * act_scale / (dp * m) / (tp if sp else 1),
+        host_bytes=local_params * prec.state_bytes if offload else 0.0,
     )
+
+
+def _shard_ranks(strategy: str, dp: int, tp: int, hsdp_shard_size: int | None) -> int:
+    if strategy == "hsdp":
+        if not hsdp_shard_size:
+            raise ValueError("strategy 'hsdp' needs hsdp_shard_size")
+        return hsdp_shard_size
+    return {"replicate": 1, "tp": 1, "tp_fsdp": dp}.get(strategy, dp * tp)
 
 
 def _local_flops(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int) -> float:
@@ -155,28 +271,131 @@ def _local_flops(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int) -> f
     return (layer.fwd_flops - sharded) / batch_shards + sharded / (batch_shards * tp)
 
 
-def _tp_comm_s(layer: LayerInfo, strategy: str, mesh: Mesh, cluster: Cluster,
+def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: int,
+                 batch_shards: int, act_scale: float, fwd_compute: float, tp_fwd: float
+                 ) -> tuple[float, float, float, float]:
+    """(saved bytes of one micro-batch, bytes rematerialized in backward, recompute compute
+    seconds, recompute communication seconds)."""
+    def scaled(floating: float, fixed: float = 0.0) -> float:
+        return (floating * act_scale + fixed) / batch_shards
+
+    fixed = layer.saved_fixed_bytes
+    saved = scaled(layer.saved_bytes - fixed, fixed)
+    split = 1.0  # share of saved bytes this rank keeps
+    if is_tp:
+        assert layer.tp is not None
+        divided = layer.tp.sharded_saved_bytes + (layer.tp.sp_saved_bytes if sp else 0)
+        divided_bytes = scaled(divided)
+        full = saved - divided_bytes + divided_bytes / tp
+        split = full / saved if saved else 1.0
+    kept = saved * split
+    if recompute == "none":
+        return kept, 0.0, 0.0, 0.0
+    if recompute == "selective":
+        freed = scaled(layer.selective_saved_bytes, layer.selective_fixed_bytes)
+        freed = min(freed / (tp if is_tp else 1), kept)
+        share = layer.selective_fwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+        return kept - freed, freed, share * fwd_compute, 0.0
+    checkpoint = scaled(layer.input_bytes) / (tp if sp else 1)
+    return min(checkpoint, kept), kept, fwd_compute, tp_fwd
+
+
+def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Cluster,
                scale: float) -> tuple[float, float]:
     """Forward and backward tensor-parallel collectives of one micro-batch."""
-    if strategy not in TP_STRATEGIES:
+    if not is_tp:
         return 0.0, 0.0
     assert layer.tp is not None
+    collectives: tuple[Collective, ...] = layer.tp.collectives
+    if sp:
+        assert layer.tp.sp_collectives is not None
+        collectives = layer.tp.sp_collectives
     group = Group(mesh.tp, 1)
     times = {"fwd": 0.0, "bwd": 0.0}
-    for c in layer.tp.collectives:
+    for c in collectives:
         times[c.phase] += collective_s(c.kind, c.nbytes * scale, group, cluster)
     return times["fwd"], times["bwd"]
 
 
+@dataclass(frozen=True)
+class _DPComm:
+    gather_per_micro: float
+    """One parameter all-gather, issued before forward and again before backward."""
+    reduce_per_micro: float
+    per_step: float
+
+
 def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
-               tp_params: float) -> tuple[float, float]:
-    """(FSDP all-gather before each use, per micro-batch; gradient reduction, per step)."""
+               tp_params: float, shards: int) -> _DPComm:
     dp, tp = mesh.dp, mesh.tp
     group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
-    param_bytes = tp_params * prec.param_bytes
-    grad_bytes = tp_params * prec.grad_bytes
+    params = tp_params * prec.param_bytes
+    grads = tp_params * prec.grad_bytes
     if strategy in ("replicate", "tp"):
-        return 0.0, all_reduce_s(grad_bytes, group, cluster)
-    # FSDP2 default: gather for forward, reshard, gather again for backward; gradients are
-    # reduce-scattered once, after the last micro-batch.
-    return all_gather_s(param_bytes, group, cluster), reduce_scatter_s(grad_bytes, group, cluster)
+        return _DPComm(0.0, 0.0, all_reduce_s(grads, group, cluster))
+    if strategy == "zero1":
+        return _DPComm(0.0, 0.0, all_gather_s(params, group, cluster)
+                       + reduce_scatter_s(grads, group, cluster))
+    if strategy == "zero2":
+        return _DPComm(0.0, reduce_scatter_s(grads, group, cluster),
+                       all_gather_s(params, group, cluster))
+    if strategy == "hsdp":
+        shard = Group(shards, 1)
+        replicas = Group(dp * tp // shards, shards)
+        return _DPComm(all_gather_s(params, shard, cluster), 0.0,
+                       reduce_scatter_s(grads, shard, cluster)
+                       + all_reduce_s(grads / shards, replicas, cluster))
+    # fsdp / tp_fsdp (FSDP2 default): gather for forward, reshard, gather again for
+    # backward; gradients are reduce-scattered once, after the last micro-batch.
+    return _DPComm(all_gather_s(params, group, cluster), 0.0,
+                   reduce_scatter_s(grads, group, cluster))
+
+
+def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m: int,
+                  prec: Precision) -> tuple[float, float, float, float]:
+    """(params, grads, optimizer, transient) bytes on the device; see the module table."""
+    p = tp_params * prec.param_bytes
+    g = tp_params * prec.grad_bytes
+    k = tp_params * prec.optimizer_bytes
+    n = shards
+    if strategy in ("replicate", "tp"):
+        return p, g, k, 0.0
+    if strategy == "zero1":
+        return p + p / n, (g if m > 1 else g / n), k / n, (0.0 if m > 1 else g)
+    if strategy == "zero2":
+        return p + p / n, g / n, k / n, g
+    if offload:
+        return 0.0, 0.0, 0.0, 2 * p + g + p / n
+    return p / n, g / n, k / n, 2 * p + g
+
+
+def _offload_s(offload: bool, local_params: float, prec: Precision, m: int
+               ) -> tuple[float, float, float]:
+    """(host copies per micro-batch, per step, optimizer step on the host) of an offloaded
+    layer: its parameter shard is copied to the device before each of the two gathers,
+    its gradient shard back once per step, and Adam runs at host memory bandwidth."""
+    shard = local_params * prec.param_bytes
+    per_micro = 2 * (shard / (HOST_LINK.bandwidth_GBps * 1e9) + HOST_LINK.latency_s)
+    per_step = local_params * prec.grad_bytes / (HOST_LINK.bandwidth_GBps * 1e9)
+    optimizer = (local_params * prec.state_bytes * ADAM_TENSORS_TOUCHED / 4
+                 / (HOST_MEMORY_GBPS * 1e9))
+    return per_micro, per_step, optimizer
+
+
+def hsdp_shard_size(cluster: Cluster, pp: int = 1) -> int | None:
+    """HSDP shards inside a node and replicates across nodes: the shard group is a node,
+    when a stage spans more than one."""
+    per_stage = cluster.world_size // pp
+    size = cluster.devices_per_node
+    return size if 1 < size < per_stage and per_stage % size == 0 else None
+
+
+def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cluster,
+                  prec: Precision, microbatches: int = 1) -> dict[str, LayerCost]:
+    """Every option of one layer with its cost, dominated options removed."""
+    hsdp = hsdp_shard_size(cluster, mesh.pp)
+    labels = allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
+                             microbatches=microbatches)
+    return prune_dominated({
+        o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp)
+        for o in labels})

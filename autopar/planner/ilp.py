@@ -14,8 +14,11 @@ transient buffer β_{c,s} (bytes per rank):
                 uses[c,s]:        y_{c,s} ≤ n_c u_{c,s}                      ∀ c, s: β > 0
                 buffer[c,s]:      b ≥ β_{c,s} u_{c,s}                        ∀ c, s: β > 0
                 memory_fits:      (1 + μ) (Σ_c Σ_s m_{c,s} y_{c,s} + b) ≤ C
+                host_fits:        Σ_c Σ_s h_{c,s} y_{c,s} ≤ H      (offloaded states, bytes)
 
-where C is the device's memory and μ the allocator margin. Identical layers are
+where C is the device's memory, μ the allocator margin and H the host memory one device
+may fill. A strategy s here is an option: a strategy with its sequence-parallel, offload
+and recompute choices (runtime.plan.option_label). Identical layers are
 interchangeable in this objective, so counting them loses nothing against choosing per
 layer, and the program grows with the number of layer classes, not with depth. The LP
 relaxation (y, u continuous) gives the lower bound reported with the plan.
@@ -28,8 +31,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from autopar.planner.costs import LayerCost
-from runtime.plan import STRATEGIES
+from autopar.planner.costs import HOST_MEMORY_BYTES, LayerCost
 
 GIB = 1024**3
 MS = 1e3
@@ -62,9 +64,9 @@ class ILPResult:
 
 
 def expand_counts(counts: dict[str, int]) -> list[str]:
-    """{strategy: number of layers} -> one strategy per layer, in the order of STRATEGIES
-    (identical layers are interchangeable, so any fixed order is as good)."""
-    return [s for s in STRATEGIES for _ in range(counts.get(s, 0))]
+    """{option: number of layers} -> one option per layer, in the order of the class's
+    options (identical layers are interchangeable, so any fixed order is as good)."""
+    return [s for s, n in counts.items() for _ in range(n)]
 
 
 def make_solver(time_limit_s: float) -> pulp.LpSolver:
@@ -72,6 +74,24 @@ def make_solver(time_limit_s: float) -> pulp.LpSolver:
     if pulp.HiGHS(msg=False).available():
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+
+
+def ilp_relevant(c: ClassOptions) -> ClassOptions:
+    """The class with only the options the program could prefer: an option no faster, no
+    smaller (resident at the class's in-flight count) and with no smaller buffer than
+    another is never needed. Fewer near-identical columns keep HiGHS's branching short."""
+    def terms(cost: LayerCost) -> tuple[float, ...]:
+        return (cost.time_s, cost.resident_with(c.inflight), cost.buffer_bytes, cost.host_bytes)
+
+    items = list(c.costs.items())
+    kept = {}
+    for i, (key, cost) in enumerate(items):
+        mine = terms(cost)
+        if not any(all(o <= x for o, x in zip(terms(other), mine, strict=True))
+                   and (terms(other) != mine or j < i)
+                   for j, (_, other) in enumerate(items) if j != i):
+            kept[key] = cost
+    return ClassOptions(name=c.name, count=c.count, costs=kept, inflight=c.inflight)
 
 
 class StrategyILP:
@@ -85,7 +105,11 @@ class StrategyILP:
         *,
         minimise: str = "time",
         relax: bool = False,
+        host_capacity_bytes: float = HOST_MEMORY_BYTES,
     ) -> None:
+        self.host_capacity_bytes = host_capacity_bytes
+        if minimise == "time":
+            classes = [ilp_relevant(c) for c in classes]
         self.classes = classes
         self.capacity_bytes = capacity_bytes
         self.margin = margin_fraction
@@ -123,6 +147,7 @@ class StrategyILP:
             self.prob += self._memory_expr
         self.add_count_layers()
         self.add_buffer()
+        self.add_host_fits()
 
     def add_objective_time(self) -> None:
         self.prob += pulp.lpSum(
@@ -151,6 +176,16 @@ class StrategyILP:
             (1 + self.margin) * self._memory_expr <= self.capacity_bytes / GIB - FEASIBILITY_SLACK_GIB,
             "memory_fits",
         )
+
+    def add_host_fits(self) -> None:
+        offloaded = [(c, s, cost.host_bytes) for c in self.classes
+                     for s, cost in c.costs.items() if cost.host_bytes > 0]
+        if offloaded:
+            self.prob += (
+                pulp.lpSum(nbytes / GIB * self.y[c.name, s] for c, s, nbytes in offloaded)
+                <= self.host_capacity_bytes / GIB - FEASIBILITY_SLACK_GIB,
+                "host_fits",
+            )
 
     def solve(self, time_limit_s: float = 10.0) -> ILPResult:
         solver = make_solver(time_limit_s)
@@ -191,7 +226,23 @@ def min_memory(classes: list[ClassOptions], margin_fraction: float
                ) -> tuple[float, dict[str, dict[str, int]]]:
     """The smallest per-rank memory (margin included) any assignment needs, and one that
     needs it. Exact without a solver: once the largest buffer is fixed, every class
-    independently takes its least-memory strategy among those within that buffer."""
+    independently takes its least-memory strategy among those within that buffer. When
+    that assignment would overflow the host with offloaded states, the figure is taken
+    without offload (then an upper bound on the least memory)."""
+    need, choice = _min_device_memory(classes, margin_fraction)
+    by_name = {c.name: c for c in classes}
+    host = sum(n * by_name[name].costs[s].host_bytes
+               for name, counts in choice.items() for s, n in counts.items())
+    if host <= HOST_MEMORY_BYTES:
+        return need, choice
+    kept = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
+                         costs={s: x for s, x in c.costs.items() if x.host_bytes == 0})
+            for c in classes]
+    return _min_device_memory(kept, margin_fraction)
+
+
+def _min_device_memory(classes: list[ClassOptions], margin_fraction: float
+                       ) -> tuple[float, dict[str, dict[str, int]]]:
     caps = sorted({0.0} | {cost.buffer_bytes for c in classes for cost in c.costs.values()})
     best, best_choice = float("inf"), {}
     for cap in caps:

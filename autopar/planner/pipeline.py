@@ -23,7 +23,13 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from autopar.planner.costs import LayerCost, allowed_strategies, layer_cost
+from autopar.planner.costs import (
+    LayerCost,
+    allowed_options,
+    hsdp_shard_size,
+    layer_cost,
+    layer_options,
+)
 from autopar.planner.ilp import (
     FEASIBILITY_SLACK_GIB,
     GIB,
@@ -171,10 +177,8 @@ class _Context:
         mesh, m = config.mesh, config.microbatches
         key = (layer.layer_class, mesh.dp, mesh.tp, m)
         if key not in self._costs:
-            self._costs[key] = {
-                s: layer_cost(layer, s, mesh, self.cluster, self.prec, microbatches=m)
-                for s in allowed_strategies(layer, mesh)
-            }
+            self._costs[key] = layer_options(layer, self.graph.seq_len, mesh, self.cluster,
+                                             self.prec, m)
         return self._costs[key]
 
     def cuts(self, config: PipelineConfig) -> list[tuple[int, ...]]:
@@ -426,11 +430,17 @@ def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) ->
     costs = []
     for i, layer in enumerate(graph.layers):
         options = ctx.costs(i, config)
-        strategy = by_name[layer.name].strategy
-        if strategy not in options:
-            raise ValueError(f"layer {layer.name!r}: strategy {strategy!r} is not possible on "
-                             f"this mesh (options: {', '.join(options)})")
-        costs.append(options[strategy])
+        option = by_name[layer.name].option
+        if option not in options:  # a dominated option, or one this mesh cannot run
+            hsdp = hsdp_shard_size(cluster, config.mesh.pp)
+            if option not in allowed_options(layer, config.mesh, seq_len=graph.seq_len,
+                                             hsdp_shard_size=hsdp,
+                                             microbatches=config.microbatches):
+                raise ValueError(f"layer {layer.name!r}: option {option!r} is not possible on "
+                                 f"this mesh (options: {', '.join(options)})")
+            options = {option: layer_cost(layer, option, config.mesh, cluster, prec,
+                                          config.microbatches, hsdp_shard_size=hsdp)}
+        costs.append(options[option])
     prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
                          lower_bound_s=ctx.bound(config, stage_of, costs))
     return ctx.finish(prepared)

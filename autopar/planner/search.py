@@ -1,9 +1,12 @@
-"""The outer search: mesh shapes around the inner ILP.
+"""The outer search: mesh shapes and gradient accumulation around the inner ILP.
 
 For every mesh dp × tp with tp inside a node (tp divides the devices per node) and dp
-dividing the global batch, solve the strategy ILP; keep the fastest feasible plan. The
-reported lower bound is the smallest LP-relaxation value over all candidate meshes, so
-it bounds every plan the search space holds.
+dividing the global batch, and every gradient accumulation m (a power of two dividing the
+per-replica batch), solve the option ILP; keep the fastest feasible plan. Accumulation
+only trades time for activation memory, so for each mesh m grows from 1 and stops once
+the best plan found is no slower than the next m's memory-blind lower bound (every class
+on its fastest option). The reported lower bound is the smallest LP-relaxation value over
+all candidates, so it bounds every plan the search space holds.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError
-from autopar.planner.costs import LayerCost, allowed_strategies, layer_cost
+from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options
 from autopar.planner.ilp import (
     ClassOptions,
     expand_counts,
@@ -31,7 +34,7 @@ from autopar.report import human_bytes
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision, precision
 from cost_models.schedule import Timeline
-from passes.records import LayerGraph
+from passes.records import LayerGraph, LayerInfo
 from runtime.plan import (
     TP_STRATEGIES,
     LayerPlan,
@@ -62,6 +65,7 @@ class Candidate:
     """Pipeline candidates: the schedule, virtual stages per rank and micro-batches."""
     virtual_stages: int = 1
     microbatches: int = 1
+    """Pipeline micro-batches, or the gradient accumulation of a pp = 1 candidate."""
 
 
 class ProgressFn(Protocol):
@@ -93,14 +97,28 @@ def candidate_meshes(cluster: Cluster, global_batch: int) -> list[tuple[Mesh, st
     return out
 
 
-def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision
-                  ) -> list[ClassOptions]:
-    options = []
-    for name, members in graph.classes.items():
-        rep = members[0]
-        costs = {s: layer_cost(rep, s, mesh, cluster, prec) for s in allowed_strategies(rep, mesh)}
-        options.append(ClassOptions(name=name, count=len(members), costs=costs))
-    return options
+MAX_ACCUMULATION = 64
+"""Largest gradient accumulation searched for pp = 1 meshes."""
+
+
+def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision,
+                  microbatches: int = 1) -> list[ClassOptions]:
+    return [ClassOptions(name=name, count=len(members),
+                         costs=layer_options(members[0], graph.seq_len, mesh, cluster, prec,
+                                             microbatches))
+            for name, members in graph.classes.items()]
+
+
+def accumulation_steps(graph: LayerGraph, mesh: Mesh) -> list[int]:
+    """Gradient accumulation candidates: powers of two dividing the per-replica batch."""
+    local = graph.batch_size // mesh.dp
+    return [m for m in (2**i for i in range(7)) if m <= min(local, MAX_ACCUMULATION)
+            and local % m == 0]
+
+
+def _fastest_s(options: list[ClassOptions]) -> float:
+    """Step time with every class on its fastest option, memory ignored: a lower bound."""
+    return sum(c.count * min(cost.time_s for cost in c.costs.values()) for c in options)
 
 
 def search(
@@ -148,20 +166,30 @@ def search(
         if reason:
             candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
             continue
-        options = class_options(graph, m, cluster, prec)
-        result = solve_strategies(options, cluster.device.memory_bytes,
-                                  cluster.memory_margin_fraction, time_limit_s)
-        if result.status != "optimal":
-            need, _ = min_memory(options, cluster.memory_margin_fraction)
-            candidates.append(Candidate(mesh=m, status="infeasible", min_memory_bytes=need,
-                                        reason=f"needs at least {human_bytes(need)} per rank"))
+        mesh_best = None
+        least_need = float("inf")
+        for k in accumulation_steps(graph, m):
+            options = class_options(graph, m, cluster, prec, k)
+            if mesh_best is not None and mesh_best[0].objective_s <= _fastest_s(options):
+                continue  # more accumulation cannot beat this mesh's plan
+            result = solve_strategies(options, cluster.device.memory_bytes,
+                                      cluster.memory_margin_fraction, time_limit_s)
+            solver_name = result.solver
+            if result.status != "optimal":
+                least_need = min(least_need, min_memory(options, cluster.memory_margin_fraction)[0])
+                continue
+            cand = Candidate(mesh=m, status="optimal", objective_s=result.objective_s,
+                             lower_bound_s=result.lower_bound_s, choice=result.choice,
+                             microbatches=k)
+            if mesh_best is None or cand.objective_s < mesh_best[0].objective_s:
+                mesh_best = (cand, options)
+        if mesh_best is None:
+            candidates.append(Candidate(mesh=m, status="infeasible", min_memory_bytes=least_need,
+                                        reason=f"needs at least {human_bytes(least_need)} per rank"))
             continue
-        cand = Candidate(mesh=m, status="optimal", objective_s=result.objective_s,
-                         lower_bound_s=result.lower_bound_s, choice=result.choice)
-        candidates.append(cand)
-        if best is None or cand.objective_s < best[0].objective_s:
-            best = (cand, options)
-        solver_name = result.solver
+        candidates.append(mesh_best[0])
+        if best is None or mesh_best[0].objective_s < best[0].objective_s:
+            best = mesh_best
     _tell(progress, candidates, len(meshes))
 
     pipe_best = None
@@ -222,24 +250,39 @@ def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candi
                             memory=memory, capacity_bytes=cluster.device.memory_bytes,
                             source=cluster.provenance)
     return _build_plan(graph, cluster, prec, cand.mesh, costs, (0,) * len(costs), prediction,
-                       report)
+                       report, accumulation=cand.microbatches)
 
 
 def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh,
                 costs: list[LayerCost] | tuple[LayerCost, ...], stages: tuple[int, ...],
                 prediction: Prediction, report: SolverReport,
-                pipeline: PipelineSpec | None = None) -> Plan:
-    """The Plan document: one LayerPlan per layer with its chosen strategy and stage."""
+                pipeline: PipelineSpec | None = None, accumulation: int = 1) -> Plan:
+    """The Plan document: one LayerPlan per layer with its chosen option and stage."""
     layers = []
     for layer, cost, stage in zip(graph.layers, costs, stages, strict=True):
-        styles = dict(layer.tp.styles) if cost.strategy in TP_STRATEGIES and layer.tp else {}
-        layers.append(LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=styles,
-                                stage=stage, layer_class=layer.layer_class,
-                                memory_bytes=int(cost.resident_bytes), time_s=cost.time_s))
+        layers.append(LayerPlan(
+            module=layer.name, strategy=cost.strategy, tp_styles=_tp_styles(layer, cost),
+            stage=stage, layer_class=layer.layer_class, memory_bytes=int(cost.resident_bytes),
+            time_s=cost.time_s, recompute=cost.recompute, offload=cost.offload,
+            sequence_parallel=cost.sequence_parallel))
+    uses_hsdp = any(cost.strategy == "hsdp" for cost in costs)
     return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
                 f"{cluster.devices_per_node})", global_batch=graph.batch_size,
                 seq_len=graph.seq_len, mesh=mesh, layers=tuple(layers), param_dtype=prec.name,
+                reduce_dtype="float32" if prec.grad_bytes == 4 else prec.name,
+                loss_scaling="dynamic" if prec.name == "float16" else "none",
+                gradient_accumulation=accumulation,
+                hsdp_shard_size=hsdp_shard_size(cluster, mesh.pp) if uses_hsdp else None,
                 prediction=prediction, solver=report, pipeline=pipeline)
+
+
+def _tp_styles(layer: LayerInfo, cost: LayerCost) -> dict[str, str]:
+    if cost.strategy not in TP_STRATEGIES or layer.tp is None:
+        return {}
+    sp_styles = getattr(layer.tp, "sp_styles", None)
+    if cost.sequence_parallel and sp_styles:
+        return dict(sp_styles)
+    return dict(layer.tp.styles)
 
 
 def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
