@@ -121,7 +121,7 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> AppliedP
         apply_recompute(model, layers)
         return AppliedPlan(apply_ddp(model, device), model, mesh, plan, device)
     meshes = data_parallel_meshes(mesh, plan.hsdp_shard_size)
-    apply_tensor_parallel(model, [la for la in layers if la.is_tp], meshes.tp)
+    apply_tensor_parallel(model, layers, meshes.tp)
     apply_recompute(model, layers)
     layer_policy, root_policy = fsdp_policies(plan)
     apply_fsdp(model, layers, meshes, mp_policy=layer_policy, root_mp_policy=root_policy)

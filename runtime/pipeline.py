@@ -195,7 +195,7 @@ class PipelineTrainer(Trainer):
         module.to(self._device)
         meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)
         layers = [la for la in plan.layers if la.stage == stage_id]
-        apply_tensor_parallel(module, [la for la in layers if la.is_tp], meshes.tp)
+        apply_tensor_parallel(module, layers, meshes.tp)
         apply_recompute(module, layers)
         layer_policy, root_policy = fsdp_policies(plan)
         last = stage_id == plan.num_stages - 1

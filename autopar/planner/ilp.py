@@ -106,8 +106,10 @@ class StrategyILP:
         minimise: str = "time",
         relax: bool = False,
         host_capacity_bytes: float = HOST_MEMORY_BYTES,
+        fixed_buffer_bytes: float | None = None,
     ) -> None:
         self.host_capacity_bytes = host_capacity_bytes
+        self.fixed_buffer = fixed_buffer_bytes
         if minimise == "time":
             classes = [ilp_relevant(c) for c in classes]
         self.classes = classes
@@ -129,12 +131,15 @@ class StrategyILP:
                 f"u_{i}_{s}", 0, 1, pulp.LpContinuous if relax else pulp.LpBinary)
             for i, c in enumerate(classes)
             for s, cost in c.costs.items()
-            if cost.buffer_bytes > 0
+            if cost.buffer_bytes > 0 and fixed_buffer_bytes is None
         }
         # Memory rows are written in GiB and time in milliseconds: with raw bytes (~1e9)
         # beside seconds (~1e-3) HiGHS returned a non-optimal "optimal" answer that the
         # brute-force test caught (tests/test_planner.py, seed 12).
-        self.b = self.prob.add_variable("buffer_gib", lowBound=0)
+        if fixed_buffer_bytes is None:
+            self.b = self.prob.add_variable("buffer_gib", lowBound=0)
+        else:
+            self.b = fixed_buffer_bytes / GIB
         self._memory_expr = pulp.lpSum(
             cost.resident_with(c.inflight) / GIB * self.y[c.name, s]
             for c in classes
@@ -207,12 +212,46 @@ class StrategyILP:
                          solver=solver.name, solve_time_s=elapsed)
 
 
+def solve_by_buffer_cap(classes: list[ClassOptions], capacity_bytes: float,
+                        margin_fraction: float, time_limit_s: float = 10.0) -> ILPResult:
+    """The integer program solved once per value of the largest buffer b, each time with
+    only the options whose buffer fits under it and b fixed: no binaries u, so every
+    sub-program is a small knapsack HiGHS closes at once, where the binaries' big-M rows
+    made it branch for up to seconds (the 1T-parameter Megatron row took minutes).
+    Exact: the optimum's largest buffer is one of the values tried."""
+    classes = [ilp_relevant(c) for c in classes]
+    caps = sorted({cost.buffer_bytes for c in classes for cost in c.costs.values()})
+    best: ILPResult | None = None
+    elapsed, solver = 0.0, make_solver(time_limit_s).name
+    for cap in caps:
+        sub = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
+                            costs={s: x for s, x in c.costs.items() if x.buffer_bytes <= cap})
+               for c in classes]
+        if any(not c.costs for c in sub):
+            continue
+        fastest = sum(c.count * min(x.time_s for x in c.costs.values()) for c in sub)
+        if best is not None and fastest >= best.objective_s:
+            continue  # even ignoring memory this cap cannot do better
+        result = StrategyILP(sub, capacity_bytes, margin_fraction,
+                             fixed_buffer_bytes=cap).solve(time_limit_s)
+        elapsed += result.solve_time_s
+        if result.status == "optimal" and (best is None or result.objective_s < best.objective_s):
+            best = result
+    if best is None:
+        return ILPResult(status="infeasible", objective_s=float("inf"),
+                         lower_bound_s=float("inf"), choice={}, solver=solver,
+                         solve_time_s=elapsed)
+    return ILPResult(status="optimal", objective_s=best.objective_s,
+                     lower_bound_s=best.objective_s, choice=best.choice, solver=best.solver,
+                     solve_time_s=elapsed)
+
+
 def solve_strategies(
     classes: list[ClassOptions], capacity_bytes: float, margin_fraction: float,
     time_limit_s: float = 10.0,
 ) -> ILPResult:
     """The integer program, with its LP relaxation's value as the lower bound."""
-    result = StrategyILP(classes, capacity_bytes, margin_fraction).solve(time_limit_s)
+    result = solve_by_buffer_cap(classes, capacity_bytes, margin_fraction, time_limit_s)
     if result.status != "optimal":
         return result
     lp = StrategyILP(classes, capacity_bytes, margin_fraction, relax=True).solve(time_limit_s)

@@ -34,9 +34,9 @@ from autopar.planner.ilp import (
     FEASIBILITY_SLACK_GIB,
     GIB,
     ClassOptions,
-    StrategyILP,
     expand_counts,
     min_memory,
+    solve_by_buffer_cap,
 )
 from cost_models.comm import Group, group_link, p2p_s
 from cost_models.hardware import Cluster
@@ -294,8 +294,8 @@ class _Context:
         return [{s: o.count} for o, s in zip(options, fastest, strict=True)]
 
     def _ilp_counts(self, options: list[ClassOptions]) -> list[dict[str, int]] | None:
-        result = StrategyILP(options, self.cluster.device.memory_bytes,
-                             self.cluster.memory_margin_fraction).solve(self.time_limit_s)
+        result = solve_by_buffer_cap(options, self.cluster.device.memory_bytes,
+                                     self.cluster.memory_margin_fraction, self.time_limit_s)
         if result.status != "optimal":
             return None
         return [result.choice[o.name] for o in options]
