@@ -44,6 +44,8 @@ def layer_plans(draw, mesh: Mesh) -> LayerPlan:
         layer_class=draw(st.sampled_from(["", "Block", "Embedding"])),
         memory_bytes=draw(st.none() | sizes),
         time_s=draw(st.none() | finite),
+        recompute=draw(st.sampled_from(["none", "selective", "full"])),
+        offload=strategy in ("fsdp", "tp_fsdp") and draw(st.booleans()),
     )
 
 
@@ -90,6 +92,8 @@ def plans(draw) -> Plan:
         seq_len=draw(st.none() | st.integers(1, 8192)),
         mesh=mesh,
         layers=tuple(layers),
+        hsdp_shard_size=1 if any(la.strategy == "hsdp" for la in layers) else None,
+        param_dtype=draw(st.sampled_from(["float32", "bfloat16"])),
         pipeline=pipeline,
         prediction=prediction,
         solver=solver,
@@ -136,7 +140,7 @@ def _edit(path: str, value) -> dict:
     ("mesh.tp", 0, ["mesh.tp must be a positive integer"]),
     ("mesh.ep", 2, ["plan: mesh: unknown field(s) ['ep']"]),
     ("global_batch", 7, ["global_batch 7 is not divisible", "mesh.dp=2"]),
-    ("layers.0.strategy", "zero2", ["layer 'h.0'", "unknown strategy 'zero2'", "tp_fsdp"]),
+    ("layers.0.strategy", "zero4", ["layer 'h.0'", "unknown strategy 'zero4'", "tp_fsdp"]),
     ("layers.0.tp_styles", {"fc": "diagonal"}, ["'diagonal' is not one of", "colwise"]),
     ("layers.0.tp_styles", {}, ["needs tp_styles"]),
     ("layers.0.stage", 1, ["on stage 1 but the plan has 1 stage(s)"]),
