@@ -59,8 +59,9 @@ def gemm_s(m: int, n: int, k: int, device: Device, dtype: str, *,
     return roofline_s(flops, moved, 1, device, dtype, gemm_min_dim=min(m, n, k))
 
 
-def optimizer_step_s(local_params: float, state_bytes_per_param: float, device: Device) -> float:
-    """Adam over the parameters this rank holds: memory-bound elementwise work."""
-    return local_params * state_bytes_per_param * ADAM_TENSORS_TOUCHED / 4 / (
-        device.memory_bandwidth_GBps * 1e9
-    )
+def optimizer_step_s(local_params: float, state_bytes_per_param: float, device: Device,
+                     *, bandwidth_GBps: float | None = None) -> float:
+    """Adam over the parameters this rank holds: memory-bound elementwise work, at the
+    device's memory bandwidth or ``bandwidth_GBps`` (host memory, for offloaded states)."""
+    bandwidth = device.memory_bandwidth_GBps if bandwidth_GBps is None else bandwidth_GBps
+    return local_params * state_bytes_per_param * ADAM_TENSORS_TOUCHED / 4 / (bandwidth * 1e9)

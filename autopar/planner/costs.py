@@ -38,7 +38,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.comm import Group, all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
-from cost_models.compute import ADAM_TENSORS_TOUCHED, optimizer_step_s, roofline_s
+from cost_models.compute import optimizer_step_s, roofline_s
 from cost_models.hardware import Cluster, Link
 from cost_models.memory import Precision
 from passes.records import Collective, LayerInfo
@@ -158,30 +158,23 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
     return tuple(out)
 
 
+def undominated(costs: dict[str, LayerCost], terms) -> dict[str, LayerCost]:
+    """The options no other option matches or beats in every one of ``terms(cost)``
+    (smaller is better), keeping the first of exact ties."""
+    values = {k: terms(c) for k, c in costs.items()}
+    keys = list(costs)
+    return {k: costs[k] for i, k in enumerate(keys)
+            if not any(all(o <= x for o, x in zip(values[other], values[k], strict=True))
+                       and (values[other] != values[k] or j < i)
+                       for j, other in enumerate(keys) if j != i)}
+
+
 def prune_dominated(costs: dict[str, LayerCost]) -> dict[str, LayerCost]:
     """Drop options no better than another in every time and memory term (the ILP and the
-    pipeline simulator could never prefer them), keeping the first of exact ties."""
-    keys = list(costs)
-
-    def terms(c: LayerCost) -> tuple[float, ...]:
-        return (c.fwd_s, c.bwd_s, c.wgrad_s, c.step_s, c.time_s, c.states_bytes,
-                c.activations_bytes, c.buffer_bytes, c.host_bytes)
-
-    kept = {}
-    for i, k in enumerate(keys):
-        mine = terms(costs[k])
-        dominated = False
-        for j, other_key in enumerate(keys):
-            if j == i:
-                continue
-            other = terms(costs[other_key])
-            if all(o <= x for o, x in zip(other, mine, strict=True)) and (
-                    other != mine or j < i):
-                dominated = True
-                break
-        if not dominated:
-            kept[k] = costs[k]
-    return kept
+    pipeline simulator could never prefer them)."""
+    return undominated(costs, lambda c: (c.fwd_s, c.bwd_s, c.wgrad_s, c.step_s, c.time_s,
+                                         c.states_bytes, c.activations_bytes, c.buffer_bytes,
+                                         c.host_bytes))
 
 
 def layer_cost(
@@ -198,7 +191,6 @@ def layer_cost(
     strategy, recompute = choice["strategy"], choice["recompute"]
     offload, sp = choice["offload"], choice["sequence_parallel"]
     dp, tp, m = mesh.dp, mesh.tp, microbatches
-    world = dp * tp
     is_tp = strategy in TP_STRATEGIES
     act_scale = prec.activation_bytes / CAPTURE_ACTIVATION_BYTES
 
@@ -224,7 +216,7 @@ def layer_cost(
     activations, rematerialized, recompute_s, recompute_comm = _activations(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_compute, tp_fwd)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
-    host = _offload_s(offload, local_params, prec, m) if offload else (0.0, 0.0, 0.0)
+    host = _offload_s(local_params, prec, device) if offload else (0.0, 0.0, 0.0)
     host_per_micro, host_per_step, host_optimizer = host
     if offload:
         optimizer = host_optimizer
@@ -369,16 +361,15 @@ def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m
     return p / n, g / n, k / n, 2 * p + g
 
 
-def _offload_s(offload: bool, local_params: float, prec: Precision, m: int
-               ) -> tuple[float, float, float]:
+def _offload_s(local_params: float, prec: Precision, device) -> tuple[float, float, float]:
     """(host copies per micro-batch, per step, optimizer step on the host) of an offloaded
     layer: its parameter shard is copied to the device before each of the two gathers,
     its gradient shard back once per step, and Adam runs at host memory bandwidth."""
     shard = local_params * prec.param_bytes
     per_micro = 2 * (shard / (HOST_LINK.bandwidth_GBps * 1e9) + HOST_LINK.latency_s)
     per_step = local_params * prec.grad_bytes / (HOST_LINK.bandwidth_GBps * 1e9)
-    optimizer = (local_params * prec.state_bytes * ADAM_TENSORS_TOUCHED / 4
-                 / (HOST_MEMORY_GBPS * 1e9))
+    optimizer = optimizer_step_s(local_params, prec.state_bytes, device,
+                                 bandwidth_GBps=HOST_MEMORY_GBPS)
     return per_micro, per_step, optimizer
 
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import pulp
 
-from autopar.planner.costs import HOST_MEMORY_BYTES, LayerCost
+from autopar.planner.costs import HOST_MEMORY_BYTES, LayerCost, undominated
 
 GIB = 1024**3
 MS = 1e3
@@ -78,19 +78,11 @@ def make_solver(time_limit_s: float) -> pulp.LpSolver:
 
 def ilp_relevant(c: ClassOptions) -> ClassOptions:
     """The class with only the options the program could prefer: an option no faster, no
-    smaller (resident at the class's in-flight count) and with no smaller buffer than
-    another is never needed. Fewer near-identical columns keep HiGHS's branching short."""
-    def terms(cost: LayerCost) -> tuple[float, ...]:
-        return (cost.time_s, cost.resident_with(c.inflight), cost.buffer_bytes, cost.host_bytes)
-
-    items = list(c.costs.items())
-    kept = {}
-    for i, (key, cost) in enumerate(items):
-        mine = terms(cost)
-        if not any(all(o <= x for o, x in zip(terms(other), mine, strict=True))
-                   and (terms(other) != mine or j < i)
-                   for j, (_, other) in enumerate(items) if j != i):
-            kept[key] = cost
+    smaller (resident at the class's in-flight count) and with no smaller buffer or host
+    use than another is never needed. Fewer near-identical columns keep HiGHS's branching
+    short."""
+    kept = undominated(c.costs, lambda x: (x.time_s, x.resident_with(c.inflight),
+                                           x.buffer_bytes, x.host_bytes))
     return ClassOptions(name=c.name, count=c.count, costs=kept, inflight=c.inflight)
 
 

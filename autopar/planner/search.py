@@ -279,7 +279,7 @@ def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh
 def _tp_styles(layer: LayerInfo, cost: LayerCost) -> dict[str, str]:
     if cost.strategy not in TP_STRATEGIES or layer.tp is None:
         return {}
-    sp_styles = getattr(layer.tp, "sp_styles", None)
+    sp_styles = layer.tp.sp_styles
     if cost.sequence_parallel and sp_styles:
         return dict(sp_styles)
     return dict(layer.tp.styles)
