@@ -246,7 +246,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     """The cluster profile as TOML (the format of cost_models/presets/)."""
     host = platform.node() or "this-machine"
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    curves = {d: _gemm_curve(t, m.floor_s) for d, t in m.gemm_s.items()}
+    curves = {d: fitted_gemm_curve(t, m.floor_s) for d, t in m.gemm_s.items()}
     # Device has one efficiency: float32's. Other dtypes fold theirs into their peak, so that
     # peak x efficiency is each dtype's fitted large-GEMM rate.
     eff = _efficiency(curves.get("float32"), m.gemm_s.get("float32", {}))
@@ -310,7 +310,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     return "\n".join(lines) + "\n"
 
 
-def _gemm_curve(times: dict[int, float], floor_s: float) -> GemmCurve:
+def fitted_gemm_curve(times: dict[int, float], floor_s: float) -> GemmCurve:
     """The fitted curve; with times too noisy to fit one, the largest GEMMs' rate and no
     size effect (the summary ``fit_matmul`` makes)."""
     try:

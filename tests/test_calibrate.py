@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.calibrate import fitted_gemm_curve
 from autopar.cli import main
 from cost_models.calibrate import (
     AlphaBeta,
@@ -19,6 +20,7 @@ from cost_models.calibrate import (
     predict_s,
 )
 from cost_models.comm import Group, all_gather_s, all_reduce_s, p2p_s
+from cost_models.compute import roofline_s
 from cost_models.hardware import Cluster, Link
 
 SIZES = [4096 * 4**i for i in range(7)]  # 4 KiB … 16 MiB
@@ -102,9 +104,19 @@ def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
     d = cluster.device
     assert d.peak("float32") > 0 and 0 < d.matmul_efficiency <= 1
     assert d.memory_bandwidth_GBps > 0 and d.memory_bytes > 0 and d.kernel_floor_s > 0
-    for dtype, gemm in cluster.extra["gemm"].items():  # peak x efficiency = large-GEMM rate
-        assert d.peak(dtype) * d.matmul_efficiency == pytest.approx(gemm["tflops"][-1] * 1e12,
-                                                                     rel=2e-3)
+    for dtype, gemm in cluster.extra["gemm"].items():
+        # The profile's roofline reproduces the GEMM curve refitted on the recorded rates
+        # (rounded to 4 digits in the file, hence rel 1e-2): peak, efficiency, d_half and the
+        # kernel floor were written consistently. Not "equals the measured times": on a loaded
+        # 2-core VM the rates can fall with size (cache) or not grow at all (oversubscribed
+        # threads wait out a scheduler tick), which no saturating curve follows.
+        sizes = gemm["sizes"]
+        times = [2 * n**3 / (r * 1e12) for n, r in zip(sizes, gemm["tflops"], strict=True)]
+        curve = fitted_gemm_curve(dict(zip(sizes, times, strict=True)), d.kernel_floor_s)
+        for n in sizes:
+            modelled = roofline_s(2 * n**3, 0, 1, d, dtype, gemm_min_dim=n)
+            assert modelled == pytest.approx(d.kernel_floor_s + 2 * n**3 / curve.rate(n),
+                                             rel=1e-2)
     link = cluster.intra_node
     assert link.kind == "loopback" and link.bandwidth_GBps > 0 and link.latency_s >= 0
 
