@@ -137,24 +137,38 @@ class PlanError(ConfigError):
 
 @dataclass(frozen=True, kw_only=True)
 class Mesh:
-    """Degrees of the device mesh, outermost first: pipeline, data, tensor."""
+    """Degrees of the device mesh, outermost first: pipeline, data, context, tensor."""
 
     pp: int = 1
     """Pipeline-parallel degree (number of stages)."""
     dp: int = 1
     """Data-parallel degree (replicas of one stage, each on its own slice of the batch)."""
+    cp: int = 1
+    """Context-parallel degree: ranks that split every sample's sequence (load-balanced
+    chunks, ring attention). Parameters are replicated over cp like over dp, so gradients
+    are reduced, and FSDP shards, over dp × cp."""
     tp: int = 1
     """Tensor-parallel degree (devices of one node that split each TP layer)."""
 
     def __post_init__(self) -> None:
-        for axis in ("pp", "dp", "tp"):
+        for axis in ("pp", "dp", "cp", "tp"):
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"mesh.{axis} must be a positive integer, got {value!r}")
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.tp
+        return self.pp * self.dp * self.cp * self.tp
+
+    def describe(self, sep: str = " × ") -> str:
+        """'pp=1 × dp=4 × tp=2'; cp shown only when it is used."""
+        axes = ("pp", "dp", "cp", "tp") if self.cp > 1 else ("pp", "dp", "tp")
+        return sep.join(f"{a}={getattr(self, a)}" for a in axes)
+
+    @property
+    def replicas(self) -> int:
+        """Ranks of one stage that hold the same TP shard of a parameter: dp × cp."""
+        return self.dp * self.cp
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -464,6 +478,7 @@ class Plan:
                 f"global_batch {self.global_batch} is not divisible by the data-parallel degree "
                 f"mesh.dp={self.mesh.dp}; choose a batch that is a multiple of {self.mesh.dp}"
             )
+        self._check_context_parallel()
         self._check_pipeline()
         self._check_precision()
         self._check_accumulation()
@@ -533,6 +548,20 @@ class Plan:
                 f"gradient_accumulation = {self.mesh.dp} × {k}; each micro-batch needs the "
                 "same number of samples")
 
+    def _check_context_parallel(self) -> None:
+        cp = self.mesh.cp
+        if cp == 1:
+            return
+        if self.seq_len is None:
+            raise PlanError(f"mesh.cp={cp} splits the sequence, but the plan has no seq_len; "
+                            "set seq_len (tokens per sample)")
+        if self.seq_len % (2 * cp):
+            raise PlanError(
+                f"seq_len {self.seq_len} is not divisible by 2 × mesh.cp = {2 * cp}: context "
+                f"parallelism gives each rank two of {2 * cp} equal chunks (one early, one "
+                "late, so causal attention work is balanced); choose a sequence length that is "
+                f"a multiple of {2 * cp} or a smaller cp")
+
     def _check_hsdp(self) -> None:
         uses = [la.module for la in self.layers if la.strategy == "hsdp"]
         size = self.hsdp_shard_size
@@ -541,10 +570,10 @@ class Plan:
                 raise PlanError(f"layer {uses[0]!r} uses 'hsdp' but the plan has no "
                                 "hsdp_shard_size (ranks per shard group, e.g. one node)")
             return
-        replicas = self.mesh.dp * self.mesh.tp
+        replicas = self.mesh.replicas * self.mesh.tp
         if not isinstance(size, int) or isinstance(size, bool) or size < 1 or replicas % size:
             raise PlanError(f"hsdp_shard_size {size!r} must be a positive divisor of the "
-                            f"ranks of a stage, dp × tp = {replicas}")
+                            f"ranks of a stage, dp × cp × tp = {replicas}")
 
     @property
     def microbatches(self) -> int:
