@@ -89,6 +89,21 @@ SELECTIVE_RECOMPUTE_OPS = (
     "aten._scaled_dot_product_efficient_attention",
     "aten._scaled_dot_product_cudnn_attention",
 )
+# What ``recompute = "selective"`` keeps (torchtitan's op-level selective checkpointing):
+# the outputs of these ops are saved in forward, every other op of the layer is run again
+# in backward (norms, activations, dropout with its RNG state replayed, and the attention
+# core: bmm / fused attention, Korthikanti et al. 2022's selective recomputation).
+# Weight matmuls and TP collectives are the expensive ops, so backward repeats neither.
+# Named as overload packets; runtime.recompute builds its checkpoint policy from this list
+# and passes.annotate credits exactly the bytes that policy does not hold.
+SELECTIVE_SAVE_OPS = (
+    "aten.mm", "aten.addmm", "aten._scaled_mm", "aten._grouped_mm",
+    "_c10d_functional.all_reduce", "_c10d_functional.reduce_scatter_tensor",
+    "_c10d_functional.all_gather_into_tensor", "_c10d_functional.all_to_all_single",
+    "_c10d_functional_autograd.reduce_scatter_tensor",
+    "_c10d_functional_autograd.all_gather_into_tensor",
+    "_c10d_functional_autograd.all_to_all_single",
+)
 # Pipeline schedules, named as torch.distributed.pipelining's Schedule* classes, with the
 # virtual stages per rank each accepts ("v" = any v >= 2).
 SCHEDULES = {
