@@ -62,7 +62,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
         raise AutoparError("neither the checkpoint nor the plan names its model; pass --model")
     path = reshard(args.ckpt, args.out, plan, get_model(name).build("meta"))
     print(f"{name} step {manifest.step}: saved under {manifest.world_size} rank(s), written for "
-          f"mesh pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp} to {path}")
+          f"mesh {plan.mesh.describe()} to {path}")
     return 0
 
 

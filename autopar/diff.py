@@ -100,5 +100,5 @@ def format_diff(d: PlanDiff, a_name: str = "a", b_name: str = "b") -> str:
 
 def _short(value: object) -> str:
     if hasattr(value, "pp") and hasattr(value, "tp"):
-        return f"pp={value.pp} dp={value.dp} tp={value.tp}"
+        return value.describe(" ")
     return repr(value) if isinstance(value, (dict, str)) else str(value)

@@ -83,10 +83,16 @@ def ranked_alternatives(result: SearchResult) -> tuple[Alternative, ...]:
             mesh=c.mesh, status=c.status,
             step_time_s=c.objective_s if feasible else None,
             min_memory_bytes=int(need) if need is not None and not feasible else None,
+            lower_bound_s=(c.lower_bound_s if c.status == "skipped"
+                           and c.lower_bound_s < float("inf") else None),
             reason=c.reason, pipeline=_pipeline_of(c)))
-    order = {"optimal": 0, "infeasible": 1}
-    return tuple(sorted(alts, key=lambda a: (order.get(a.status, 2), a.step_time_s or 0.0,
-                                             a.min_memory_bytes or 0)))
+    def rank(a: Alternative) -> tuple:
+        if a.status == "optimal":
+            return (0, a.step_time_s or 0.0)
+        if a.lower_bound_s is not None:  # could not win: ranked by its bound
+            return (1, a.lower_bound_s)
+        return (2 if a.status == "infeasible" else 3, a.min_memory_bytes or 0)
+    return tuple(sorted(alts, key=rank))
 
 
 # -- explain one layer ---------------------------------------------------------------------
@@ -180,10 +186,10 @@ def _cost_of(plan: Plan, layer) -> OptionCost:
 
 
 def _why_unavailable(strategy: str, plan: Plan) -> str:
-    ranks = plan.mesh.dp * plan.mesh.tp
+    ranks = plan.mesh.replicas * plan.mesh.tp
     if strategy in TP_STRATEGIES and plan.mesh.tp == 1:
         return "the mesh has tp = 1"
-    if strategy == "tp_fsdp" and plan.mesh.dp == 1 or strategy in ("zero1", "zero2") and ranks == 1:
+    if strategy == "tp_fsdp" and plan.mesh.replicas == 1 or strategy in ("zero1", "zero2") and ranks == 1:
         return "the mesh has one data-parallel rank (nothing to shard over)"
     if strategy == "hsdp":
         return "a stage's ranks fit in one node (hybrid sharding needs several)"

@@ -43,8 +43,7 @@ def launch_for(plan: Plan, nodes: int | None = None, nproc_per_node: int | None 
     if launch.world_size != plan.world_size:
         raise ConfigError(
             f"{nodes} node(s) × {nproc_per_node} process(es) = {launch.world_size} ranks, but the "
-            f"plan is for {plan.world_size} (mesh pp={plan.mesh.pp} × dp={plan.mesh.dp} × "
-            f"tp={plan.mesh.tp}); pass --nodes and --nproc-per-node whose product is "
+            f"plan is for {plan.world_size} (mesh {plan.mesh.describe()}); pass --nodes and --nproc-per-node whose product is "
             f"{plan.world_size}, or re-plan for this cluster"
         )
     return launch
@@ -71,6 +70,7 @@ def torchtitan_toml(plan: Plan) -> str:
         "[parallelism]",
         f"data_parallel_replicate_degree = {1 if shard else mesh.dp}",
         f"data_parallel_shard_degree = {mesh.dp if shard else 1}",
+        f"context_parallel_degree = {mesh.cp}",
         f"tensor_parallel_degree = {mesh.tp}",
         f"pipeline_parallel_degree = {mesh.pp}",
         f'pipeline_parallel_schedule = "{schedule}"',
@@ -129,7 +129,7 @@ def slurm_script(plan: Plan, plan_path: str, launch: Launch, *, job_name: str = 
         f"#SBATCH --gpus-per-node={launch.nproc_per_node}",
         f"#SBATCH --time={time_limit}",
         f"# world size {launch.world_size} = {launch.nodes} node(s) × {launch.nproc_per_node}: "
-        f"mesh pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp}",
+        f"mesh {plan.mesh.describe()}",
         "set -euo pipefail",
         'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         "export MASTER_ADDR",

@@ -34,7 +34,7 @@ class SearchProgress:
         best = f"{best_s * 1e3:.3f} ms/step" if best_s is not None else "none fits yet"
         mesh = candidate.mesh
         line = (f"searching: {evaluated}/{total} candidates, best {best} "
-                f"(last: pp={mesh.pp} dp={mesh.dp} tp={mesh.tp} {candidate.status})")
+                f"(last: {mesh.describe(' ')} {candidate.status})")
         self.stream.write("\r" + line.ljust(self._width))
         self.stream.flush()
         self._width = len(line)

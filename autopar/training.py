@@ -26,8 +26,7 @@ def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int
     """Global mean loss per step, from rank 0."""
     if plan.world_size != nproc:
         raise AutoparError(
-            f"the plan is for {plan.world_size} ranks (mesh pp={plan.mesh.pp} × dp={plan.mesh.dp} × "
-            f"tp={plan.mesh.tp})"
+            f"the plan is for {plan.world_size} ranks (mesh {plan.mesh.describe()})"
             f" but --nproc is {nproc}; pass --nproc {plan.world_size} or re-plan"
         )
     results = spawn(train_worker, nproc, spec.name, plan.to_json(), steps, batch, seq, seed,
@@ -53,8 +52,8 @@ def train_worker(model_name: str, plan_json: str, steps: int, batch: int, seq: i
 def describe_run(model_name: str, plan: Plan, batch: int) -> str:
     """The header `autopar run` prints: mesh, pipeline schedule, and each layer's strategy."""
     mesh = plan.mesh
-    head = (f"{model_name} on {plan.world_size} CPU rank(s): mesh pp={mesh.pp} × dp={mesh.dp} "
-            f"× tp={mesh.tp}, global batch {batch}")
+    head = (f"{model_name} on {plan.world_size} CPU rank(s): mesh {mesh.describe()}, "
+            f"global batch {batch}")
     if plan.pipeline is not None:
         p = plan.pipeline
         head += (f", schedule {p.schedule} with {p.num_microbatches} micro-batches"

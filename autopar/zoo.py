@@ -130,7 +130,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    """Decoder-only transformer: forward(idx [B, T] int64) -> logits [B, T, vocab]."""
+    """Decoder-only transformer: forward(idx [B, T] int64, pos [T] int64 = 0..T-1)
+    -> logits [B, T, vocab]."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -151,9 +152,12 @@ class GPT(nn.Module):
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """``pos`` [T]: each token's position (default 0..T-1); context parallelism passes
+        the global positions of a rank's sequence chunks."""
         _, T = idx.shape
-        pos = torch.arange(T, device=idx.device)
+        if pos is None:
+            pos = torch.arange(T, device=idx.device)
         x = self.wte(idx) + self.wpe(pos)
         for block in self.h:
             x = block(x)

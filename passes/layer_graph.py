@@ -44,6 +44,7 @@ from passes.annotate import (
     count_saved_bytes,
     propagate_shapes,
 )
+from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
 from passes.group_layers import LayerGroup, group_layers
 from passes.records import LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
@@ -91,6 +92,7 @@ def build_layer_graph(
         seq_len=seq_len if seq_len is not None else _seq_len(inputs),
         param_dtype=_param_dtype(model),
         model_name=model_name,
+        context_parallel_problem=context_parallel_problem(gm, model),
         extra={
             "capture_method": info.method,
             "capture_fallback_reason": info.fallback_reason,
@@ -119,6 +121,8 @@ class LayerCosts:
         self.num_ops = sum(1 for n in calls if n.meta[K.OP_KIND].is_kernel)
         self.output_bytes = _output_bytes(nodes)
         self.input_bytes = _input_bytes(nodes)
+        self.attention_kv_bytes = kv_bytes(nodes)
+        self.attention_fwd_flops = attention_flops(nodes)
 
 
 def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
@@ -148,6 +152,8 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None) -> La
         selective_fixed_bytes=costs.selective_fixed_bytes,
         selective_fwd_flops=costs.selective_fwd_flops,
         input_bytes=costs.input_bytes,
+        attention_kv_bytes=costs.attention_kv_bytes,
+        attention_fwd_flops=costs.attention_fwd_flops,
         tp=tp,
     )
 

@@ -83,6 +83,11 @@ class LayerInfo:
     """Forward FLOPs of SELECTIVE_RECOMPUTE_OPS: what selective recomputation runs again."""
     input_bytes: int = 0
     """Bytes of the layer's floating inputs: what full recomputation keeps (its checkpoint)."""
+    attention_kv_bytes: int = 0
+    """Bytes of the keys and values the layer's F.scaled_dot_product_attention reads: what
+    context parallelism's ring passes between ranks (passes/context_parallel.py)."""
+    attention_fwd_flops: float = 0.0
+    """Forward FLOPs of that attention (what a ring step's transfer overlaps with)."""
     tp: TPOption | None = None
     """How this layer can be tensor-parallel, or None if no safe split is known."""
 
@@ -97,6 +102,9 @@ class LayerGraph:
     seq_len: int | None = None
     param_dtype: str = "float32"
     model_name: str = ""
+    context_parallel_problem: str | None = "the graph was not analysed for context parallelism"
+    """Why the model cannot run context-parallel, or None when it can
+    (passes/context_parallel.py)."""
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

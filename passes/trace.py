@@ -126,7 +126,14 @@ def _symbolic_trace(
     model: nn.Module, inputs: tuple, opaque: tuple[str, ...]
 ) -> torch.fx.GraphModule:
     tracer = _LeafTracer(opaque)
-    graph = tracer.trace(model)
+    # Optional forward arguments the inputs leave out stay at their defaults (as export
+    # treats them), so `if pos is None:` branches trace instead of seeing a Proxy.
+    params = list(inspect.signature(model.forward).parameters.values())[len(inputs):]
+    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    graph = tracer.trace(model, concrete_args=defaults or None)
+    for node in [n for n in graph.nodes if n.target is torch.fx._symbolic_trace._assert_is_none]:
+        graph.erase_node(node)  # fx's guard on a None default: not an op of the model
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     required = [n for n in placeholders if not n.args]

@@ -425,6 +425,8 @@ class Alternative:
     """Modelled step time of the best plan on that shape (None when none fits)."""
     min_memory_bytes: int | None = None
     """For infeasible shapes: the least per-rank memory any plan on it needs."""
+    lower_bound_s: float | None = None
+    """For shapes skipped because they cannot win: a step time no plan on them beats."""
     reason: str = ""
     pipeline: PipelineSpec | None = None
 

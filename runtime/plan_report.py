@@ -109,7 +109,7 @@ def _strategy(layer: LayerPlan) -> str:
 
 def shard_degrees(layer: LayerPlan, plan: Plan) -> tuple[int, int]:
     """(tensor-parallel degree, data-parallel shards of its parameters)."""
-    dp, tp = plan.mesh.dp, plan.mesh.tp
+    dp, tp = plan.mesh.replicas, plan.mesh.tp
     return (
         tp if layer.strategy in TP_STRATEGIES else 1,
         {"replicate": 1, "tp": 1, "tp_fsdp": dp,
@@ -140,7 +140,7 @@ def rank_memory(plan: Plan) -> list[tuple[str, MemoryBreakdown]]:
     same and the plan's own prediction is the one row."""
     pred = plan.prediction
     if pred is not None and pred.rank_memory:
-        block = plan.mesh.dp * plan.mesh.tp
+        block = plan.mesh.replicas * plan.mesh.tp
         return [(f"pp rank {r} (r{r * block}–r{(r + 1) * block - 1})", m)
                 for r, m in enumerate(pred.rank_memory)]
     if plan.mesh.pp == 1 or plan.rationale is None:
@@ -154,7 +154,7 @@ def rank_memory(plan: Plan) -> list[tuple[str, MemoryBreakdown]]:
         if cost is not None:
             per_rank.setdefault(stage_rank(layer.stage, plan.mesh.pp, plan.pipeline), []).append(cost)
     rows = []
-    block = plan.mesh.dp * plan.mesh.tp
+    block = plan.mesh.replicas * plan.mesh.tp
     mu = plan.rationale.memory_margin_fraction
     for rank in sorted(per_rank):
         costs = per_rank[rank]
@@ -183,6 +183,10 @@ def why_lost(plan: Plan, alt) -> str:
             return "feasible"
         delta = alt.step_time_s - chosen
         return f"slower by {ms(delta)} (+{delta / chosen:.1%})" if delta > 0 else "ties"
+    if alt.lower_bound_s is not None and chosen is not None:
+        delta = alt.lower_bound_s - chosen
+        return (f"slower by at least {ms(delta)} (+{delta / chosen:.1%}): even its fastest "
+                "options, memory ignored, lose")
     if alt.status == "infeasible" and alt.min_memory_bytes is not None:
         cap = plan.prediction.capacity_bytes if plan.prediction else None
         if cap is not None:
@@ -193,7 +197,7 @@ def why_lost(plan: Plan, alt) -> str:
 
 
 def shape(mesh, pipeline) -> str:
-    text = f"pp={mesh.pp} dp={mesh.dp} tp={mesh.tp}"
+    text = mesh.describe(" ")
     if pipeline is not None and mesh.pp > 1:
         text += f" {pipeline.schedule} m={pipeline.num_microbatches}"
         if pipeline.virtual_stages > 1:
@@ -209,7 +213,8 @@ def alternatives_lines(plan: Plan, top_k: int) -> list[str]:
     shown = r.alternatives[:top_k]
     rows = [("#", "shape", "step time", "vs this plan")]
     for i, alt in enumerate(shown, 1):
-        t = ms(alt.step_time_s) if alt.step_time_s is not None else "-"
+        t = (ms(alt.step_time_s) if alt.step_time_s is not None
+             else f"≥ {ms(alt.lower_bound_s)}" if alt.lower_bound_s is not None else "-")
         rows.append((str(i), shape(alt.mesh, alt.pipeline), t, why_lost(plan, alt)))
     return ["", f"Alternatives considered (best {len(shown)} of {len(r.alternatives)})  [{src}]",
             *table(rows)]
@@ -229,7 +234,7 @@ def header_lines(plan: Plan) -> list[str]:
     lines = [
         f"model {plan.model or '?'} on {plan.cluster or '?'}: global batch {plan.global_batch}"
         + (f" × seq {plan.seq_len}" if plan.seq_len else "") + f"{tokens}, {plan.param_dtype}",
-        f"mesh  pp={plan.mesh.pp} × dp={plan.mesh.dp} × tp={plan.mesh.tp}"
+        f"mesh  {plan.mesh.describe()}"
         f" = {plan.world_size} ranks",
     ]
     if plan.pipeline is not None and plan.mesh.pp > 1:

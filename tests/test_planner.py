@@ -40,7 +40,8 @@ def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32", *,
     """Best step time over every mesh, gradient accumulation and per-layer option."""
     prec = precision(prec_name)
     best = float("inf")
-    for mesh, reason in candidate_meshes(cluster, graph.batch_size):
+    for mesh, reason in candidate_meshes(cluster, graph.batch_size, seq_len=graph.seq_len,
+                                         context_parallel=graph.context_parallel_problem is None):
         if reason:
             continue
         for m in accumulation_steps(graph, mesh):
@@ -58,7 +59,10 @@ def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32", *,
     return best
 
 
-def random_instance(rng: random.Random, max_layers: int = 4) -> tuple[LayerGraph, object]:
+def random_instance(rng: random.Random, max_layers: int = 4, *,
+                    context_parallel: bool = False) -> tuple[LayerGraph, object]:
+    """Random layers, cluster and memory; with ``context_parallel`` the layers attend
+    (K/V bytes and attention FLOPs) and the graph may split its sequence."""
     n_layers = rng.randint(2, max_layers)
     n_classes = rng.randint(1, min(3, n_layers))
     shapes = [
@@ -72,18 +76,27 @@ def random_instance(rng: random.Random, max_layers: int = 4) -> tuple[LayerGraph
         k = rng.randrange(n_classes) if i >= n_classes else i
         s = shapes[k]
         act = s["tokens"] * s["hidden"] * 4
-        layers.append(make_layer(f"l.{i}", f"C{k}", i, params=s["params"],
-                                 fwd_flops=2 * s["params"] * s["tokens"],
-                                 saved_bytes=act * 12, act_bytes=act, tp=s["tp"]))
+        layer = make_layer(f"l.{i}", f"C{k}", i, params=s["params"],
+                           fwd_flops=2 * s["params"] * s["tokens"],
+                           saved_bytes=act * 12, act_bytes=act, tp=s["tp"])
+        if context_parallel:  # attention: K and V of every token; s²-proportional FLOPs
+            layer = replace(layer, attention_kv_bytes=2 * act,
+                            attention_fwd_flops=4 * s["tokens"] * s["hidden"] * 2048,
+                            fwd_flops=layer.fwd_flops + 4 * s["tokens"] * s["hidden"] * 2048)
+        layers.append(layer)
     per_node = rng.choice([1, 2, 4, 8])
     nodes = rng.choice([1, 2]) if per_node * 2 <= 8 else 1
     world = per_node * nodes
-    batch = world * rng.choice([1, 2])
+    # Context-parallel instances get few samples, so dp alone cannot use every device.
+    batch = rng.choice([1, 2]) if context_parallel else world * rng.choice([1, 2])
     sizes = [c.resident_bytes for c in
              (layer_cost(layers[0], "replicate", search_mesh(world), make_cluster(), precision("float32")),)]
     cap = int(sizes[0] * len(layers) * rng.choice([0.3, 0.6, 1.0, 2.0]))
     cluster = make_cluster(nodes=nodes, per_node=per_node, memory_bytes=max(cap, 1))
-    return graph_of(layers, batch), cluster
+    graph = graph_of(layers, batch)
+    if context_parallel:
+        graph = replace(graph, seq_len=2048, context_parallel_problem=None)
+    return graph, cluster
 
 
 def search_mesh(world: int):
@@ -102,6 +115,20 @@ def test_ilp_objective_equals_brute_force_on_small_instances(seed):
     result = search(graph, cluster, pipeline=False)
     assert result.plan.solver.objective_s == pytest.approx(expected, rel=1e-6)
     assert result.plan.prediction.step_time_s == pytest.approx(expected, rel=1e-6)
+    check_invariants(result.plan, graph, cluster)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_ilp_equals_brute_force_with_context_parallel_meshes(seed):
+    graph, cluster = random_instance(random.Random(200 + seed), max_layers=3,
+                                     context_parallel=True)
+    expected = brute_force(graph, cluster)
+    if expected == float("inf"):
+        with pytest.raises(InfeasibleError):
+            search(graph, cluster, pipeline=False)
+        return
+    result = search(graph, cluster, pipeline=False)
+    assert result.plan.solver.objective_s == pytest.approx(expected, rel=1e-6)
     check_invariants(result.plan, graph, cluster)
 
 
@@ -154,7 +181,8 @@ def least_memory_without(graph: LayerGraph, cluster, excluded: str) -> float:
     """The least per-rank memory of any pp = 1 plan whose options avoid ``excluded``."""
     prec = precision("float32")
     best = float("inf")
-    for mesh, reason in candidate_meshes(cluster, graph.batch_size):
+    for mesh, reason in candidate_meshes(cluster, graph.batch_size, seq_len=graph.seq_len,
+                                         context_parallel=graph.context_parallel_problem is None):
         for m in accumulation_steps(graph, mesh) if not reason else ():
             options = [replace(c, costs={k: v for k, v in c.costs.items() if excluded not in k})
                        for c in class_options(graph, mesh, cluster, prec, m)]

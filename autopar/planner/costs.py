@@ -9,7 +9,13 @@ e.g. ``tp_fsdp+sp+full``).
 
 Conventions:
 - A layer that is not tensor-parallel computes redundantly inside its tp group, on the
-  batch slice of its dp replica; its replicas span all ``dp * tp`` ranks.
+  batch slice of its dp replica; its replicas span all ``dp * cp * tp`` ranks.
+- Context parallelism splits every sample's sequence over ``cp`` ranks: per-token work and
+  activations divide by cp like a batch split, parameters are replicated over cp like over
+  dp (so data-parallel traffic and sharding run over ``dp * cp`` ranks), and attention runs
+  as a ring: cp − 1 steps, each passing one K/V block to the next rank while attending to
+  the block in hand, so a step costs the slower of the two (backward passes K/V and their
+  gradients and computes twice as much).
 - A TP layer splits its sharded FLOPs, parameters and saved activations by ``tp``; with
   sequence parallelism also the saved activations outside the TP regions.
 - Data-parallel traffic follows the runtime (runtime/data_parallel.py): parameters are
@@ -37,7 +43,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from cost_models.comm import Group, all_gather_s, all_reduce_s, collective_s, reduce_scatter_s
+from cost_models.comm import (
+    Group,
+    all_gather_s,
+    all_reduce_s,
+    collective_s,
+    group_link,
+    p2p_s,
+    reduce_scatter_s,
+)
 from cost_models.compute import optimizer_step_s, roofline_s
 from cost_models.hardware import Cluster, Link
 from cost_models.memory import Precision
@@ -127,7 +141,7 @@ def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | N
     """Strategies this layer can take on this mesh. ZeRO-1 differs from ZeRO-2 only when
     gradients accumulate over micro-batches (FSDP2 reduce-scatters each layer's gradient
     as soon as its last backward ends), so it is offered only then."""
-    world = mesh.dp * mesh.tp
+    world = mesh.replicas * mesh.tp
     options = ["replicate"]
     if world > 1:
         options += ["zero1", "zero2"] if microbatches > 1 else ["zero2"]
@@ -135,7 +149,7 @@ def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | N
     if hsdp_shard_size and 1 < hsdp_shard_size < world and world % hsdp_shard_size == 0:
         options.append("hsdp")
     if mesh.tp > 1 and layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors):
-        options += ["tp", "tp_fsdp"] if mesh.dp > 1 else ["tp"]
+        options += ["tp", "tp_fsdp"] if mesh.replicas > 1 else ["tp"]
     return tuple(options)
 
 
@@ -190,7 +204,9 @@ def layer_cost(
     choice = parse_option(option)
     strategy, recompute = choice["strategy"], choice["recompute"]
     offload, sp = choice["offload"], choice["sequence_parallel"]
-    dp, tp, m = mesh.dp, mesh.tp, microbatches
+    # Context parallelism splits samples like data parallelism splits the batch: both are
+    # replicas of the parameters, each on 1 / (dp · cp) of the tokens.
+    dp, tp, m = mesh.replicas, mesh.tp, microbatches
     is_tp = strategy in TP_STRATEGIES
     act_scale = prec.activation_bytes / CAPTURE_ACTIVATION_BYTES
 
@@ -213,6 +229,8 @@ def layer_cost(
     bwd_compute = roofline_s(layer.bwd_flops * ratio, 2 * mem, 2 * layer.num_ops, device, dtype)
 
     tp_fwd, tp_bwd = _tp_comm_s(layer, is_tp, sp, mesh, cluster, act_scale / (dp * m))
+    ring = _ring_attention(layer, is_tp, mesh, cluster, act_scale / (dp * m), fwd_compute)
+    tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     activations, rematerialized, recompute_s, recompute_comm = _activations(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_compute, tp_fwd)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
@@ -241,7 +259,7 @@ def layer_cost(
         grads_bytes=states[1],
         optimizer_bytes=states[2],
         activations_bytes=activations,
-        buffer_bytes=states[3] + rematerialized,
+        buffer_bytes=states[3] + rematerialized + ring.buffer_bytes,
         output_bytes=layer.output_bytes * act_scale / (dp * m) / (tp if sp else 1),
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
     )
@@ -309,6 +327,45 @@ def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Clu
     return times["fwd"], times["bwd"]
 
 
+RING_MERGE_KERNELS = 4
+"""Kernels of one ring step's log-sum-exp merge: the running max, two rescales, the sum."""
+
+
+@dataclass(frozen=True)
+class _Ring:
+    fwd_s: float = 0.0
+    """Exposed transfer time of the forward ring (per micro-batch)."""
+    bwd_s: float = 0.0
+    buffer_bytes: float = 0.0
+    """K/V blocks in hand and arriving, with their gradients in backward: 4 blocks."""
+
+
+def _ring_attention(layer: LayerInfo, is_tp: bool, mesh: Mesh, cluster: Cluster,
+                    scale: float, fwd_compute: float) -> _Ring:
+    """Ring attention of one micro-batch over the cp group (ranks tp apart in the mesh).
+
+    Each of the cp − 1 steps sends this rank's current K/V block on while attending to it;
+    the block's attention is 1 / cp of the rank's attention compute, which is the
+    layer's roofline time scaled by attention's share of the FLOPs. What local attention
+    does not pay: each step merges its partial output into the running one by log-sum-exp
+    (memory-bound: read both, write one; RING_MERGE_KERNELS kernels), and in backward
+    adds its query gradient into the running one.
+    """
+    cp = mesh.cp
+    if cp == 1 or not layer.attention_kv_bytes:
+        return _Ring()
+    block = layer.attention_kv_bytes * scale / (mesh.tp if is_tp else 1)  # TP splits heads
+    share = layer.attention_fwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+    step_compute = share * fwd_compute / cp
+    link = group_link(cluster, Group(cp, mesh.tp))
+    out = block / 2  # the output (and query) block: one of K and V's shape
+    device, dtype = cluster.device, "float32"  # the merge runs in fp32 (as flash attention)
+    merge = roofline_s(0.0, 3 * out, RING_MERGE_KERNELS, device, dtype)
+    fwd = (cp - 1) * (max(0.0, p2p_s(block, link) - step_compute) + merge)
+    bwd = (cp - 1) * (max(0.0, p2p_s(2 * block, link) - 2 * step_compute) + merge)
+    return _Ring(fwd_s=fwd, bwd_s=bwd, buffer_bytes=4 * block)
+
+
 @dataclass(frozen=True)
 class _DPComm:
     gather_per_micro: float
@@ -319,7 +376,7 @@ class _DPComm:
 
 def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
                tp_params: float, shards: int) -> _DPComm:
-    dp, tp = mesh.dp, mesh.tp
+    dp, tp = mesh.replicas, mesh.tp
     group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
     params = tp_params * prec.param_bytes
     grads = tp_params * prec.grad_bytes

@@ -1,8 +1,11 @@
 """The outer search: mesh shapes and gradient accumulation around the inner ILP.
 
-For every mesh dp × tp with tp inside a node (tp divides the devices per node) and dp
-dividing the global batch, and every gradient accumulation m (a power of two dividing the
-per-replica batch), solve the option ILP; keep the fastest feasible plan. Accumulation
+For every mesh dp × cp × tp with tp inside a node (tp divides the devices per node), dp
+dividing the global batch and cp a power of two whose 2·cp chunks divide the sequence
+(only for models that can run context-parallel, see passes/context_parallel.py), and every
+gradient accumulation m (a power of two dividing the per-replica batch), solve the option
+ILP; keep the fastest feasible plan. A mesh whose memory-blind bound cannot beat the best
+plan found is not solved. Accumulation
 only trades time for activation memory, so for each mesh m grows from 1 and stops once
 the best plan found is no slower than the next m's memory-blind lower bound (every class
 on its fastest option). The reported lower bound is the smallest LP-relaxation value over
@@ -82,19 +85,30 @@ class SearchResult:
     """The simulated schedule of a pipeline plan."""
 
 
-def candidate_meshes(cluster: Cluster, global_batch: int) -> list[tuple[Mesh, str]]:
-    """Every (dp, tp) mesh of the cluster, with a reason when it cannot be used."""
+def candidate_meshes(cluster: Cluster, global_batch: int, *, seq_len: int | None = None,
+                     context_parallel: bool = False) -> list[tuple[Mesh, str]]:
+    """Every (dp, cp, tp) mesh of the cluster, with a reason when it cannot be used;
+    cp > 1 only when ``context_parallel`` and the sequence splits into 2·cp chunks."""
     world = cluster.world_size
     out = []
     for tp in range(1, min(cluster.devices_per_node, world) + 1):
         if cluster.devices_per_node % tp or world % tp:
             continue
-        mesh = Mesh(dp=world // tp, tp=tp)
-        reason = ""
-        if global_batch % mesh.dp:
-            reason = f"global batch {global_batch} is not divisible by dp={mesh.dp}"
-        out.append((mesh, reason))
+        for cp in context_degrees(world // tp, seq_len if context_parallel else None):
+            mesh = Mesh(dp=world // (tp * cp), cp=cp, tp=tp)
+            reason = ""
+            if global_batch % mesh.dp:
+                reason = f"global batch {global_batch} is not divisible by dp={mesh.dp}"
+            out.append((mesh, reason))
     return out
+
+
+def context_degrees(ranks: int, seq_len: int | None) -> list[int]:
+    """cp = 1, and the powers of two dividing ``ranks`` whose 2·cp chunks divide seq_len."""
+    if seq_len is None:
+        return [1]
+    return [cp for cp in (2**i for i in range(ranks.bit_length()))
+            if ranks % cp == 0 and seq_len % (2 * cp) == 0 or cp == 1]
 
 
 MAX_ACCUMULATION = 64
@@ -139,15 +153,23 @@ def search(
     start = time.perf_counter()
     prec = precision(precision_name)
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
-    meshes = candidate_meshes(cluster, graph.batch_size)
+    meshes = candidate_meshes(cluster, graph.batch_size, seq_len=graph.seq_len,
+                              context_parallel=graph.context_parallel_problem is None)
     if mesh is not None:
-        meshes = [(m, r) for m, r in meshes if (mesh.pp, m.dp, m.tp) == (1, mesh.dp, mesh.tp)]
+        if mesh.cp > 1 and graph.context_parallel_problem is not None:
+            raise ConfigError(f"mesh cp={mesh.cp}: {graph.model_name or 'the model'} cannot "
+                              f"run context-parallel: {graph.context_parallel_problem}")
+        if mesh.cp > 1 and mesh.pp > 1:
+            raise ConfigError(f"mesh {mesh.describe()}: context parallelism is not combined "
+                              "with pipeline stages; use pp=1 or cp=1")
+        meshes = [(m, r) for m, r in meshes if m == mesh]
         pipeline = pipeline and mesh.pp > 1
         if not meshes and mesh.pp == 1:
             raise ConfigError(
-                f"mesh dp={mesh.dp} × tp={mesh.tp} does not fit {cluster.name} with "
+                f"mesh {mesh.describe()} does not fit {cluster.name} with "
                 f"{cluster.world_size} devices ({cluster.devices_per_node} per node; tp must "
-                "divide the devices per node and dp × tp equal the device count)"
+                "divide the devices per node, dp × cp × tp equal the device count, and the "
+                "sequence split into 2·cp equal chunks)"
             )
     usable = [m for m, reason in meshes if not reason]
     pipeline = pipeline and bool(pipeline_configs(graph, cluster))
@@ -168,10 +190,14 @@ def search(
             continue
         mesh_best = None
         least_need = float("inf")
+        outclassed = float("inf")  # the least bound of accumulations the best plan beats
         for k in accumulation_steps(graph, m):
             options = class_options(graph, m, cluster, prec, k)
             if mesh_best is not None and mesh_best[0].objective_s <= _fastest_s(options):
                 continue  # more accumulation cannot beat this mesh's plan
+            if best is not None and best[0].objective_s < _fastest_s(options):
+                outclassed = min(outclassed, _fastest_s(options))
+                continue  # nothing here can beat the best plan found
             result = solve_strategies(options, cluster.device.memory_bytes,
                                       cluster.memory_margin_fraction, time_limit_s)
             solver_name = result.solver
@@ -183,6 +209,12 @@ def search(
                              microbatches=k)
             if mesh_best is None or cand.objective_s < mesh_best[0].objective_s:
                 mesh_best = (cand, options)
+        if mesh_best is None and least_need == float("inf") and outclassed < float("inf"):
+            candidates.append(Candidate(
+                mesh=m, status="skipped", lower_bound_s=outclassed,
+                reason=f"cannot beat the best plan: even its fastest options take "
+                       f"{outclassed:.3g} s per step"))
+            continue
         if mesh_best is None:
             candidates.append(Candidate(mesh=m, status="infeasible", min_memory_bytes=least_need,
                                         reason=f"needs at least {human_bytes(least_need)} per rank"))
@@ -362,14 +394,14 @@ def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
     if not tried:
         raise ConfigError(
             f"no parallel layout of {cluster.world_size} devices suits batch {graph.batch_size}: "
-            + "; ".join(f"dp={c.mesh.dp} × tp={c.mesh.tp}: {c.reason}" for c in candidates))
+            + "; ".join(f"{c.mesh.describe()}: {c.reason}" for c in candidates))
     least = min(tried, key=lambda c: c.min_memory_bytes or float("inf"))
     cap = cluster.device.memory_bytes
     return InfeasibleError(
         f"no plan fits {graph.model_name or 'the model'} (batch {graph.batch_size}) on "
         f"{cluster.world_size} × {cluster.device.name} ({human_bytes(cap)} each): the smallest "
         f"per-rank memory any plan needs is {human_bytes(least.min_memory_bytes)} "
-        f"(mesh pp={least.mesh.pp} × dp={least.mesh.dp} × tp={least.mesh.tp}, allocator margin "
+        f"(mesh {least.mesh.describe()}, allocator margin "
         "included). "
         "Try more devices or nodes, a smaller batch, or a lower precision (--dtype bfloat16)."
     )
