@@ -3,7 +3,7 @@
 The order is torchtitan's, written down once here:
 
     1. validate        the plan against the model and the world; no collective yet
-    2. mesh            build the (dp, tp) DeviceMesh
+    2. mesh            build the (dp, tp) DeviceMesh, (dp, cp, tp) with context parallelism
     3. tensor parallel ``parallelize_module`` on the tp axis        (runtime.tensor_parallel)
     4. recompute       checkpoint the layers' forwards             (runtime.recompute)
     5. data parallel   DDP, or FSDP2 per layer then the root,      (runtime.data_parallel)
@@ -12,6 +12,10 @@ The order is torchtitan's, written down once here:
 TP comes before FSDP because FSDP2 shards DTensor parameters that TP has already
 distributed (the 2-D pattern); checkpointing wraps forwards before FSDP hooks the
 modules, so FSDP2's all-gathers and casts stay outside the recomputed region.
+
+Context parallelism (``mesh.cp > 1``) changes no module: parameters are replicated over
+cp as over dp, so the data-parallel engines reduce (and FSDP2 shards) over dp × cp, and
+the trainer runs attention on the cp ring (``runtime.context_parallel``, ``runtime.train``).
 """
 
 from __future__ import annotations
@@ -24,9 +28,10 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from runtime.context_parallel import ContextParallel, position_argument
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
 from runtime.mesh import build_mesh, data_parallel_meshes
-from runtime.plan import Plan, PlanError
+from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.precision import fsdp_policies, is_mixed
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
@@ -45,6 +50,8 @@ class AppliedPlan:
     mesh: DeviceMesh
     plan: Plan
     device: torch.device
+    context_parallel: ContextParallel | None = None
+    """With mesh.cp > 1: the batch split, position ids and ring attention the trainer uses."""
 
 
 def check_world(plan: Plan) -> None:
@@ -57,14 +64,15 @@ def check_world(plan: Plan) -> None:
     world = dist.get_world_size()
     if plan.world_size != world:
         raise PlanError(
-            f"the plan's mesh (pp={plan.mesh.pp} x dp={plan.mesh.dp} x tp={plan.mesh.tp}) "
+            f"the plan's mesh ({plan.mesh.describe()}) "
             f"needs {plan.world_size} ranks but {world} are running; launch "
             f"{plan.world_size} ranks or re-plan for {world}"
         )
 
 
-def validate_plan(model: nn.Module, plan: Plan) -> None:
-    """Raise PlanError if ``plan`` cannot run ``model`` in this world. Local: no collective."""
+def validate_plan(model: nn.Module, plan: Plan) -> str | None:
+    """Raise PlanError if ``plan`` cannot run ``model`` in this world. Local: no collective.
+    Returns the forward argument for position ids when the plan uses context parallelism."""
     if plan.mesh.pp != 1:
         raise PlanError(
             f"mesh.pp={plan.mesh.pp}: a pipeline plan runs on one module per stage; build "
@@ -79,6 +87,7 @@ def validate_plan(model: nn.Module, plan: Plan) -> None:
             "or load the model with real weights (e.g. spec.build(seed=0)) before applying a plan"
         )
     _validate_layers(model, plan)
+    return position_argument(model) if plan.mesh.cp > 1 else None
 
 
 def _validate_layers(model: nn.Module, plan: Plan) -> None:
@@ -111,21 +120,37 @@ def _device(device_type: str) -> torch.device:
 
 def apply(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> AppliedPlan:
     """Validate, then parallelize ``model`` in place; see the module docstring for the order."""
-    validate_plan(model, plan)
+    position_arg = validate_plan(model, plan)
     device = _device(device_type)
     model.to(device)
     mesh = build_mesh(plan.mesh, device_type)
-    logger.info("mesh dp=%d x tp=%d on %s", plan.mesh.dp, plan.mesh.tp, device_type)
+    logger.info("mesh %s on %s", plan.mesh.describe(), device_type)
     layers = list(plan.layers)
+    cp = _context_parallel(model, mesh, layers, position_arg)
     if uses_ddp(layers, mixed_precision=is_mixed(plan)):
         apply_recompute(model, layers)
-        return AppliedPlan(apply_ddp(model, device), model, mesh, plan, device)
+        return AppliedPlan(apply_ddp(model, device), model, mesh, plan, device, cp)
     meshes = data_parallel_meshes(mesh, plan.hsdp_shard_size)
     apply_tensor_parallel(model, layers, meshes.tp)
     apply_recompute(model, layers)
     layer_policy, root_policy = fsdp_policies(plan)
     apply_fsdp(model, layers, meshes, mp_policy=layer_policy, root_mp_policy=root_policy)
-    return AppliedPlan(model, model, mesh, plan, device)
+    return AppliedPlan(model, model, mesh, plan, device, cp)
+
+
+def _context_parallel(model: nn.Module, mesh: DeviceMesh, layers: list[LayerPlan],
+                      position_arg: str | None) -> ContextParallel | None:
+    """Ring attention on the mesh's cp axis, kept through recomputed layers (so call it
+    before ``apply_recompute``); None when the plan has no cp axis."""
+    if position_arg is None:
+        return None
+    cp = ContextParallel(model, mesh.get_group("cp"), position_arg)
+    for layer in layers:
+        if layer.recompute != "none":
+            cp.keep_through_recompute(model.get_submodule(layer.module))
+    logger.info("context parallel over %d rank(s): ring attention, zigzag chunks",
+                mesh.size(mesh.mesh_dim_names.index("cp")))
+    return cp
 
 
 def apply_plan(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> nn.Module:

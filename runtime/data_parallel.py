@@ -1,7 +1,10 @@
 """Per-layer data parallelism with PyTorch's engines: DDP and FSDP2 ``fully_shard``.
 
 Semantics (``runtime.plan``): a layer that is not tensor-parallel computes redundantly
-inside its tp group, so its replicas span the whole world.
+inside its tp group, so its replicas span the whole world. With context parallelism
+(``mesh.cp > 1``) the cp ranks of a sample hold the same parameters and see different
+tokens of it, so they are replicas too: "dp" below means dp × cp (``DataParallelMeshes``
+flattens the two axes), and "world" is dp × cp × tp.
 
     strategy    engine                                           gradients averaged over
     replicate   fully_shard, HSDP mesh (world, 1): nothing sharded   world
@@ -15,6 +18,9 @@ inside its tp group, so its replicas span the whole world.
     (the rest)  fully_shard on the root, as ``replicate``            world
 
 Averaging identical tp copies of a non-TP gradient over the world equals averaging over dp.
+Averaging over cp is exact too: each cp rank's gradient is that of its local mean loss
+(ring attention's backward sends the K/V part of it to the ranks owning those tokens),
+and equal token counts per rank make the mean of the local means the global mean.
 
 Across the ``Plan.gradient_accumulation`` micro-batches of one step
 (``microbatch_sync``, called before each micro-batch's forward):
@@ -89,7 +95,7 @@ def uses_ddp(layers: list[LayerPlan], *, mixed_precision: bool = False) -> bool:
 
 
 def apply_ddp(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Wrap the whole model in DDP over ``group`` (default: the world)."""
+    """Wrap the whole model in DDP over ``group`` (default: the world, dp × cp × tp)."""
     device_ids = [device] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
     size = dist.get_world_size(group)

@@ -1,8 +1,10 @@
 """The device mesh of a plan, and the sub-meshes the data-parallel engines need.
 
-Ranks are numbered row-major over ``(pp, dp, tp)`` (see ``runtime.plan``): ``tp`` is the
-innermost axis, so a tensor-parallel group is a run of consecutive ranks. The ``pp`` axis
-is only present when the plan has more than one pipeline stage.
+Ranks are numbered row-major over ``(pp, dp, cp, tp)`` (see ``runtime.plan``): ``tp`` is
+the innermost axis, so a tensor-parallel group is a run of consecutive ranks, and the
+context-parallel ranks of one sample sit between dp and tp. The ``pp`` axis is only
+present when the plan has more than one pipeline stage, the ``cp`` axis only when
+``mesh.cp > 1``, so plans without them get the meshes they always had.
 """
 
 from __future__ import annotations
@@ -21,27 +23,33 @@ _DP_MESHES: dict[tuple[int, int | None], tuple[DeviceMesh, DataParallelMeshes]] 
 
 
 def build_mesh(plan_mesh: Mesh, device_type: str) -> DeviceMesh:
-    """A DeviceMesh with axes ``("dp", "tp")``, or ``("pp", "dp", "tp")`` when pp > 1.
+    """A DeviceMesh with axes ``("dp", "tp")``, ``("dp", "cp", "tp")`` when cp > 1, or
+    ``("pp", "dp", "tp")`` when pp > 1.
 
-    Collective: every rank of the default process group must call it.
+    Collective: every rank of the default process group must call it. Raises PlanError,
+    before any collective, for a world of the wrong size or pipelines with cp > 1.
     """
+    if plan_mesh.pp > 1 and plan_mesh.cp > 1:
+        raise PlanError(
+            f"mesh {plan_mesh.describe()}: context parallelism (cp > 1) does not run in "
+            "pipelines yet (the stages would need ring attention and position ids passed "
+            "between them); use mesh.pp = 1 or mesh.cp = 1")
     world = dist.get_world_size()
     if plan_mesh.world_size != world:
         raise PlanError(
-            f"plan mesh pp={plan_mesh.pp} x dp={plan_mesh.dp} x tp={plan_mesh.tp} needs "
-            f"{plan_mesh.world_size} ranks but the process group has {world}; launch "
-            f"{plan_mesh.world_size} ranks or re-plan for {world}"
+            f"plan mesh {plan_mesh.describe()} needs {plan_mesh.world_size} ranks but the "
+            f"process group has {world}; launch {plan_mesh.world_size} ranks or re-plan "
+            f"for {world}"
         )
-    if plan_mesh.pp > 1:
-        shape, names = (plan_mesh.pp, plan_mesh.dp, plan_mesh.tp), ("pp", "dp", "tp")
-    else:
-        shape, names = (plan_mesh.dp, plan_mesh.tp), ("dp", "tp")
+    names = tuple(axis for axis in ("pp", "dp", "cp", "tp")
+                  if axis in ("dp", "tp") or getattr(plan_mesh, axis) > 1)
+    shape = tuple(getattr(plan_mesh, axis) for axis in names)
     world_group = dist.group.WORLD
-    cached = _MESHES.get((shape, device_type))
+    cached = _MESHES.get((shape, names, device_type))
     if cached is not None and cached[0] is world_group:
         return cached[1]
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
-    _MESHES[(shape, device_type)] = (world_group, mesh)
+    _MESHES[(shape, names, device_type)] = (world_group, mesh)
     return mesh
 
 
@@ -56,18 +64,21 @@ class DataParallelMeshes:
     """
 
     dp: DeviceMesh
-    """1-D, the data-parallel axis (``tp_fsdp`` shards over it)."""
+    """1-D, the replicas of a TP shard: the dp axis, or dp × cp flattened when cp > 1
+    (``tp_fsdp`` shards over it)."""
     tp: DeviceMesh
     """1-D, the tensor-parallel axis."""
     world: DeviceMesh
     """1-D, every rank of the stage, dp-major (``fsdp`` shards over it)."""
     dp_replicate: DeviceMesh
-    """2-D ``(dp, 1)``: replicate over dp, shard over nobody (``tp`` layers)."""
+    """2-D ``(dp * cp, 1)``: replicate over the replicas, shard over nobody (``tp`` layers)."""
     world_replicate: DeviceMesh
-    """2-D ``(dp * tp, 1)``: replicate over every rank (``replicate`` layers, the root)."""
+    """2-D ``(dp * cp * tp, 1)``: replicate over every rank (``replicate`` layers, the root)."""
     hsdp: DeviceMesh | None = None
-    """2-D ``(dp * tp / s, s)`` for ``Plan.hsdp_shard_size`` s: shard inside runs of s
-    consecutive ranks (a node), replicate across them (``hsdp`` layers)."""
+    """2-D ``(dp * cp * tp / s, s)`` for ``Plan.hsdp_shard_size`` s: shard inside runs of
+    s consecutive ranks (a node), replicate across them (``hsdp`` layers)."""
+    cp: DeviceMesh | None = None
+    """1-D, the context-parallel axis (ring attention's group); None when cp = 1."""
 
 
 def data_parallel_meshes(mesh: DeviceMesh, hsdp_shard_size: int | None = None
@@ -96,6 +107,8 @@ def _base_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
     names = mesh.mesh_dim_names or ()
     if "pp" in names:
         raise NotImplementedError("pipeline stages: slice the stage's (dp, tp) mesh first")
+    if "cp" in names:
+        return _context_parallel_meshes(mesh)
     dp, tp = mesh.size(0), mesh.size(1)
     world = mesh["dp", "tp"]._flatten("dp_tp")
     dp_replicate = mesh._unflatten("dp", (dp, 1), ("dp_replicate", "dp_shard"))
@@ -106,6 +119,24 @@ def _base_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
         world=world,
         dp_replicate=dp_replicate["dp_replicate", "dp_shard"],
         world_replicate=world_replicate,
+    )
+
+
+def _context_parallel_meshes(mesh: DeviceMesh) -> DataParallelMeshes:
+    """Sub-meshes of a ``(dp, cp, tp)`` mesh: cp ranks hold the same parameters as dp
+    ranks do (they differ only in which tokens they see), so every data-parallel role
+    of the dp axis goes to dp × cp flattened, as torchtitan's ``dp_shard_cp``."""
+    replicas = mesh["dp", "cp"]._flatten("dp_cp")
+    world = mesh["dp", "cp", "tp"]._flatten("dp_cp_tp")
+    n, size = replicas.size(), world.size()
+    return DataParallelMeshes(
+        dp=replicas,
+        tp=mesh["tp"],
+        world=world,
+        dp_replicate=replicas._unflatten(0, (n, 1), ("dp_cp_replicate", "dp_cp_shard")),
+        world_replicate=world._unflatten(0, (size, 1), ("cp_world_replicate",
+                                                       "cp_world_shard")),
+        cp=mesh["cp"],
     )
 
 

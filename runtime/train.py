@@ -6,6 +6,14 @@ slice of the global batch (dim 0), computes the mean loss of its slice, and the 
 average gradients over dp, which is exact for equal slices of a mean loss. The ranks of
 one tp group take the same slice.
 
+Context parallelism (``mesh.cp > 1``): the cp ranks of a dp replica take the same samples
+and split every sequence (dim 1 of each input and of the targets) into their zigzag
+chunks (``runtime.context_parallel``); the model gets the local tokens' positions through
+its position-ids argument, and its ``F.scaled_dot_product_attention`` calls run as ring
+attention during forward and backward. Each rank's loss is the mean over its local
+tokens, and the engines average gradients over dp × cp: every rank holds the same number
+of tokens, so this is the gradient of the global mean, as on one process.
+
 Gradient accumulation (``Plan.gradient_accumulation`` = k): the local slice is cut into
 k equal micro-batches along dim 0; each micro-batch's mean loss is divided by k before
 its backward, so the accumulated gradient is the mean over the local slice, as without
@@ -26,6 +34,7 @@ import torch.nn as nn
 from torch.distributed.tensor import DTensor
 
 from runtime.apply import apply
+from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import microbatch_sync
 from runtime.plan import Plan, PlanError
 from runtime.precision import make_loss_scaler
@@ -58,6 +67,8 @@ class Trainer:
         mesh = self.applied.mesh
         self.dp_rank = mesh.get_local_rank("dp")
         self.dp_size = mesh.size(mesh.mesh_dim_names.index("dp"))
+        self.context_parallel: ContextParallel | None = self.applied.context_parallel
+        """With mesh.cp > 1: the sequence split, position ids and ring attention."""
         self.loss_scaler = make_loss_scaler(plan, self.device)
         """``ShardedGradScaler`` of a float16 plan (``loss_scaling = "dynamic"``), else None."""
 
@@ -66,7 +77,8 @@ class Trainer:
         return self.applied.device
 
     def shard_batch(self, inputs: tuple, targets: torch.Tensor) -> tuple[tuple, torch.Tensor]:
-        """This rank's dp slice (dim 0) of a global batch, moved to the device."""
+        """This rank's dp slice (dim 0) of a global batch, moved to the device; with
+        context parallelism, of that slice's sequences (dim 1) its zigzag chunks."""
         batch = targets.shape[0]
         if batch % self.dp_size:
             raise PlanError(
@@ -82,8 +94,13 @@ class Trainer:
         local = batch // self.dp_size
         lo, hi = self.dp_rank * local, (self.dp_rank + 1) * local
 
+        cp = self.context_parallel
+
         def cut(x):
-            return x[lo:hi].to(self.device) if isinstance(x, torch.Tensor) else x
+            if not isinstance(x, torch.Tensor):
+                return x
+            x = x[lo:hi]
+            return (x if cp is None else cp.shard(x)).to(self.device)
 
         return tuple(cut(x) for x in inputs), cut(targets)
 
@@ -98,13 +115,25 @@ class Trainer:
         losses = []
         for i, (x, y) in enumerate(parts):
             with microbatch_sync(self.module, list(self.plan.layers), last=i == len(parts) - 1):
-                loss = self.loss_fn(self.module(*x), y)
-                self._backward(loss / len(parts))
+                loss = self._forward_backward_one(x, y, len(parts))
             losses.append(loss.detach().float())
-        # tp ranks of one group hold the same loss, so the world mean is the dp mean.
+        # tp ranks of one group hold the same loss, so the world mean is the mean over
+        # dp × cp: over the samples, and over equal token counts of each sequence.
         global_loss = torch.stack(losses).mean()
         dist.all_reduce(global_loss, op=dist.ReduceOp.SUM)
         return global_loss / dist.get_world_size()
+
+    def _forward_backward_one(self, x: tuple, y: torch.Tensor, parts: int) -> torch.Tensor:
+        """One micro-batch; with context parallelism, ring attention stays on through
+        backward (checkpointed layers rerun their forward there)."""
+        if self.context_parallel is None:
+            loss = self.loss_fn(self.module(*x), y)
+            self._backward(loss / parts)
+            return loss
+        with self.context_parallel.attention(y.shape[1], self.device) as positions:
+            loss = self.loss_fn(self.module(*x, **positions), y)
+            self._backward(loss / parts)
+        return loss
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.loss_scaler is not None:
