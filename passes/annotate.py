@@ -19,14 +19,23 @@ Conventions:
   training runs as the fused kernel too (``aten.native_dropout``, what CUDA dispatches to):
   it saves a bool mask, where the CPU/meta decomposition saves a floating noise tensor.
 - Saved bytes are split by dtype (floating, or fixed: bool masks, integer indices) and by
-  the aten op that produced the saved storage: outputs of ``runtime.plan.
-  SELECTIVE_RECOMPUTE_OPS`` are what selective recomputation frees. Producers are aten ops,
-  not graph nodes, because one node (``torch.matmul``, ``F.softmax``) runs several aten ops
-  and only some are recomputed (matmul's copies of q and k are not; its bmm is).
+  what selective recomputation does with them. Its runtime policy (``runtime.recompute``)
+  keeps the layer's inputs and the output of every op in ``runtime.plan.SELECTIVE_SAVE_OPS``
+  (weight matmuls, collectives) and recomputes the rest. So a saved storage is freed unless
+  one of those ops produced it or it is a layer input; and an output of those ops that
+  autograd does not save (a projection whose consumer saves nothing) is held all the same,
+  so it counts against what is freed. The selective fields are therefore "bytes none holds
+  minus bytes selective holds", exact for this policy, and negative for a layer selective
+  would make bigger. Producers are aten ops, not graph nodes, because one node
+  (``torch.matmul``, ``F.linear``) runs several aten ops and only some are kept (linear's
+  addmm is; matmul's copies of q and k and its bmm are not).
+- Selective FLOPs are the forward FLOPs of every op outside ``SELECTIVE_SAVE_OPS``: what
+  backward runs again (for attention: QKᵀ and ·V, or the fused kernel).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 
 import torch
@@ -40,13 +49,13 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from cost_models.errors import AutoparError
 from passes import meta_keys as K
-from runtime.plan import SELECTIVE_RECOMPUTE_OPS
+from runtime.plan import SELECTIVE_SAVE_OPS
 
 aten = torch.ops.aten
 
 SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 DROPOUT_TARGETS = (aten.dropout.default, F.dropout, torch.dropout)
-_SELECTIVE = frozenset(SELECTIVE_RECOMPUTE_OPS)
+_SAVED_BY_SELECTIVE = frozenset(SELECTIVE_SAVE_OPS)
 _NO_KERNEL_FUNCTIONS = {
     "getitem", "getattr", "sym_size", "sym_numel", "sym_stride", "size", "dim", "alias",
     "view", "_unsafe_view", "reshape", "transpose", "permute", "t", "unsqueeze", "squeeze",
@@ -180,34 +189,35 @@ _FLOP_MAPPING = {aten._scaled_dot_product_flash_attention_for_cpu: _flash_flops}
 
 
 def count_flops(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:
-    """FLOPS and SELECTIVE_FLOPS: forward FLOPs of each node, and the part of them done by
-    ``SELECTIVE_RECOMPUTE_OPS`` (FlopCounterMode; see the module docstring)."""
+    """FLOPS and SELECTIVE_FLOPS: forward FLOPs of each node, and the part of them selective
+    recomputation runs again: every op outside ``SELECTIVE_SAVE_OPS`` (FlopCounterMode; see
+    the module docstring)."""
     counter = FlopCounterMode(display=False, custom_mapping=_FLOP_MAPPING)
     start = [(0, 0)]
 
     def before(node: Node) -> None:
-        start[0] = (counter.get_total_flops(), _selective_flops(counter))
+        start[0] = (counter.get_total_flops(), _recomputed_flops(counter))
 
     def after(node: Node, out: object) -> None:
         total, selective = start[0]
         node.meta[K.FLOPS] = float(counter.get_total_flops() - total)
-        node.meta[K.SELECTIVE_FLOPS] = float(_selective_flops(counter) - selective)
+        node.meta[K.SELECTIVE_FLOPS] = float(_recomputed_flops(counter) - selective)
 
     with counter, torch.no_grad():
         run_nodes(gm, nodes, env, "count_flops", before=before, after=after,
                   fused_kernels=True)
 
 
-def _selective_flops(counter: FlopCounterMode) -> int:
-    """FLOPs counted so far for ops in SELECTIVE_RECOMPUTE_OPS (counts are keyed by packet)."""
+def _recomputed_flops(counter: FlopCounterMode) -> int:
+    """FLOPs counted so far for ops outside SELECTIVE_SAVE_OPS (counts are keyed by packet)."""
     per_op = counter.get_flop_counts().get("Global", {})
-    return sum(n for op, n in per_op.items() if str(op) in _SELECTIVE)
+    return sum(n for op, n in per_op.items() if str(op) not in _SAVED_BY_SELECTIVE)
 
 
 def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:
     """SAVED: bytes autograd saves for backward per node (parameters/buffers excluded,
     storages deduplicated over ``nodes``, attributed to the first node saving them), split
-    by dtype and by whether a selective-recompute op produced them."""
+    by dtype and by what selective recomputation frees (see the module docstring)."""
     excluded = {StorageWeakRef(t.untyped_storage()) for t in _attr_tensors(gm, nodes)}
     # storage -> node that produced it ('' for the layer's inputs); a storage first seen
     # while a node runs (its outputs, or internals such as attention's log-sum-exp) is its.
@@ -224,19 +234,20 @@ def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object
             seen.add(ref)
             nbytes = t.untyped_storage().nbytes()
             current.append((owner.get(ref, running[0]), nbytes))
-            split.add(t, nbytes, selective=producers.of.get(ref, "") in _SELECTIVE)
+            split.add(t, nbytes, selective=not producers.kept_by_selective(ref))
         return t
 
     def on_input(node: Node, value: object) -> None:
         for t in pytree.tree_leaves(value):
             if isinstance(t, torch.Tensor):
                 owner.setdefault(StorageWeakRef(t.untyped_storage()), "")
-                producers.of[StorageWeakRef(t.untyped_storage())] = ""
+                producers.add_input(t)
 
     def before(node: Node) -> None:
         current.clear()
         split.reset()
         running[0] = node.name
+        producers.start(node.name)
 
     def after(node: Node, out: object) -> None:
         for t in pytree.tree_leaves(out):
@@ -248,28 +259,79 @@ def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object
             producers:
         run_nodes(gm, nodes, env, "count_saved_bytes", before=before, after=after,
                   on_input=on_input, fresh_inputs=True, fused_kernels=True)
+    _charge_kept_but_unsaved(nodes, producers, seen | excluded)
+
+
+def _charge_kept_but_unsaved(nodes: list[Node], producers: _ProducerMode,
+                             saved: set[StorageWeakRef]) -> None:
+    """Selective recomputation holds every layer input and every output of
+    SELECTIVE_SAVE_OPS, saved by autograd or not; the ones autograd does not save cost
+    memory only under selective, so they are subtracted from what it frees, at the node
+    that made (or first read) them."""
+    extra: dict[str, tuple[int, int]] = {}  # node -> (floating, fixed) bytes
+    for ref, (name, t) in producers.made.items():
+        if ref in saved or not producers.kept_by_selective(ref):
+            continue
+        nbytes = t.untyped_storage().nbytes()
+        floating, fixed = extra.get(name, (0, 0))
+        extra[name] = ((floating + nbytes, fixed) if t.is_floating_point()
+                       else (floating, fixed + nbytes))
+    for node in nodes:
+        if node.name in extra:
+            floating, fixed = extra[node.name]
+            record: K.SavedBytes = node.meta[K.SAVED]
+            node.meta[K.SAVED] = dataclasses.replace(
+                record, selective_nbytes=record.selective_nbytes - floating,
+                selective_fixed_nbytes=record.selective_fixed_nbytes - fixed)
 
 
 class _ProducerMode(TorchDispatchMode):
-    """Names the aten op (overload packet, e.g. 'aten.bmm') that first produced each storage.
+    """Names the aten op (overload packet, e.g. 'aten.addmm') that first produced each
+    storage ('' for a layer input), and the node running when it appeared.
 
-    Views and in-place ops keep the first producer: a storage is recomputable only if the op
-    that created it is. Outputs are kept alive so a freed storage's address is never reused
-    by a later one under the same key.
+    Views and in-place ops keep the first producer: what selective recomputation holds is
+    decided by the op that created the storage. Outputs are kept alive so a freed
+    storage's address is never reused by a later one under the same key.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.of: dict[StorageWeakRef, str] = {}
-        self._alive: list[torch.Tensor] = []
+        self.made: dict[StorageWeakRef, tuple[str, torch.Tensor]] = {}
+        self.node = ""
+        self._inputs: list[torch.Tensor] = []
+
+    def add_input(self, t: torch.Tensor) -> None:
+        """A layer input, charged to the node that reads it first: the one started next.
+        (Its fresh meta storage was made by a factory op under this mode: not a producer.)"""
+        ref = StorageWeakRef(t.untyped_storage())
+        self.of[ref] = ""
+        self.made.pop(ref, None)
+        self._inputs.append(t)
+
+    def start(self, node_name: str) -> None:
+        self.node = node_name
+        for t in self._inputs:
+            self._note(t, "")
+        self._inputs.clear()
+
+    def kept_by_selective(self, ref: StorageWeakRef) -> bool:
+        """Held by the selective policy: a layer input ('', also the default for a storage
+        no op made) or an output of SELECTIVE_SAVE_OPS."""
+        op = self.of.get(ref, "")
+        return op == "" or op in _SAVED_BY_SELECTIVE
+
+    def _note(self, t: torch.Tensor, op: str) -> None:
+        ref = StorageWeakRef(t.untyped_storage())
+        self.of.setdefault(ref, op)
+        self.made.setdefault(ref, (self.node, t))
 
     def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple,
                            args: tuple = (), kwargs: dict | None = None) -> object:
         out = func(*args, **(kwargs or {}))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.of.setdefault(StorageWeakRef(t.untyped_storage()), str(func.overloadpacket))
-                self._alive.append(t)
+                self._note(t, str(func.overloadpacket))
         return out
 
 

@@ -8,6 +8,9 @@ activations, 1-byte dropout masks and no tensor or sequence parallelism:
 
 s sequence, b batch, h hidden size, a heads. Selective recomputation (Section 5) recomputes
 the attention core and frees its 5as²b; full recomputation keeps each layer's input, 2sbh.
+autopar's selective mode (``runtime.recompute``, torchtitan's policy) keeps only the layer's
+input and the outputs of the weight matmuls and recomputes everything else, the attention
+core included; what that frees beyond the paper's 5as²b is written out at its test.
 
 The capture runs in float32, so each test converts: floating bytes × 2/4 + fixed bytes
 (bool masks stay 1 byte). What the capture counts for the zoo's Megatron-shaped block
@@ -40,6 +43,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from autopar.planner.costs import allowed_options
 from autopar.zoo import GPT, GPTConfig
 from passes import meta_keys as K
 from passes.annotate import annotate_module_paths, count_ops, propagate_shapes
@@ -47,6 +51,7 @@ from passes.group_layers import group_layers
 from passes.layer_graph import annotate_layer, build_layer_graph
 from passes.records import LayerInfo
 from passes.trace import inputs_to_meta, to_meta, trace_module
+from runtime.plan import Mesh
 
 SEQ, BATCH, HIDDEN, HEADS = 32, 2, 64, 4  # s, b, h, a: sbh = 4,096 and as²b = 8,192
 SBH = SEQ * BATCH * HIDDEN
@@ -77,9 +82,8 @@ def _sixteen_bit(floating: int, fixed: int) -> int:
     return floating * 2 // 4 + fixed
 
 
-def _saved_by_part(cfg: GPTConfig) -> dict[str, int]:
-    """16-bit saved bytes of block h.0 per part (attention, MLP, norms), summed over the
-    nodes that save them, as ``build_layer_graph`` annotates one representative layer."""
+def _annotated_block_nodes(cfg: GPTConfig) -> list[torch.fx.Node]:
+    """Block h.0's nodes, annotated as ``build_layer_graph`` annotates a representative."""
     model = to_meta(GPT(cfg))
     inputs = inputs_to_meta(_tokens())
     gm = trace_module(model, inputs, prefer="symbolic_trace")
@@ -88,13 +92,23 @@ def _saved_by_part(cfg: GPTConfig) -> dict[str, int]:
     count_ops(gm)
     (group,) = [g for g in group_layers(gm, model) if g.name == "h.0"]
     annotate_layer(gm, model, group, env)
+    return group.nodes
+
+
+def _part(node: torch.fx.Node) -> str:
+    child = node.meta[K.MODULE_PATH].removeprefix("h.0.").split(".")[0]
+    return {"ln_1": "ln", "ln_2": "ln"}.get(child, child)
+
+
+def _saved_by_part(cfg: GPTConfig) -> dict[str, int]:
+    """16-bit saved bytes of block h.0 per part (attention, MLP, norms), summed over the
+    nodes that save them."""
     parts = {"attn": 0, "mlp": 0, "ln": 0}
-    for node in group.nodes:
+    for node in _annotated_block_nodes(cfg):
         saved: K.SavedBytes | None = node.meta.get(K.SAVED)
-        if saved is None or not saved.nbytes:
-            continue
-        child = node.meta[K.MODULE_PATH].removeprefix("h.0.").split(".")[0]
-        parts[{"ln_1": "ln", "ln_2": "ln"}.get(child, child)] += _sixteen_bit(saved.nbytes - saved.fixed_nbytes, saved.fixed_nbytes)
+        if saved is not None and saved.nbytes:
+            parts[_part(node)] += _sixteen_bit(saved.nbytes - saved.fixed_nbytes,
+                                               saved.fixed_nbytes)
     return parts
 
 
@@ -125,20 +139,44 @@ def test_block_saved_bytes_are_sbh_34_plus_5as_over_h(megatron_block):
 # -- what recomputation frees, reruns and keeps ----------------------------------------------
 
 
-def test_selective_recompute_frees_the_attention_core_and_every_dropout_mask(megatron_block):
-    """Freed: the paper's 5as²b (softmax output 2as²b, its dropout mask as²b, the dropped-out
-    probabilities 2as²b), and beyond the paper the attention and MLP dropout masks (sbh
-    each), because SELECTIVE_RECOMPUTE_OPS holds every ``native_dropout``: recomputing one
-    regenerates its mask from the restored RNG state. Kept: matmul's copies of q, k and v
-    (``aten.clone``, not recomputed, though bmm saves them) and everything else, so the
-    layer keeps the paper's 34sbh less the two masks, plus the norm statistics."""
+def _freed_by_part(cfg: GPTConfig) -> dict[str, int]:
+    """16-bit bytes selective recomputation frees in block h.0, per part, as
+    ``_saved_by_part`` counts what none keeps."""
+    parts = {"attn": 0, "mlp": 0, "ln": 0}
+    for node in _annotated_block_nodes(cfg):
+        saved: K.SavedBytes | None = node.meta.get(K.SAVED)
+        if saved is not None and (saved.selective_nbytes or saved.selective_fixed_nbytes):
+            parts[_part(node)] += _sixteen_bit(saved.selective_nbytes,
+                                               saved.selective_fixed_nbytes)
+    return parts
+
+
+def test_selective_recompute_frees_the_attention_core_and_all_but_the_matmul_outputs():
+    """Selective keeps the block input (2sbh) and the weight matmuls' outputs: q, k, v
+    (6sbh), the attention output projection (2sbh), fc_in (8sbh), fc_out (2sbh): 20sbh,
+    though autograd saves only two of them (the input, for ln_1; fc_in's output, for GELU).
+    So against eq. 1, term by term:
+
+    attention: frees the paper's core 5as²b (softmax output 2as²b, its dropout mask as²b,
+        the dropped-out probabilities 2as²b) and 11sbh more (the QKV input, matmul's copies
+        of q, k and v, the output projection's input, the attention dropout mask), and
+        holds the four projections' outputs (8sbh) instead: 5as²b + 3sbh.
+    MLP: frees fc_in's input, GELU's output, the mask (11sbh), holds fc_out's output
+        (2sbh): 9sbh.
+    norms: ln_2's input (2sbh, the residual sum) and both norms' statistics; ln_1's input
+        is the block input, kept.
+    """
+    assert _freed_by_part(_megatron()) == {"attn": 5 * AS2B + 3 * SBH, "mlp": 9 * SBH,
+                                           "ln": 2 * SBH + LN_STATS}
+
+
+def test_selective_recompute_keeps_20sbh_of_the_34sbh_plus_5as2b(megatron_block):
     block = megatron_block
-    assert block.selective_saved_bytes == 4 * AS2B * F32 // 2  # 2as²b + 2as²b in 16 bits
-    assert block.selective_fixed_bytes == AS2B + 2 * SBH
+    assert block.selective_fixed_bytes == block.saved_fixed_bytes == AS2B + 2 * SBH
     freed = _sixteen_bit(block.selective_saved_bytes, block.selective_fixed_bytes)
-    assert freed == 5 * AS2B + 2 * SBH
+    assert freed == 5 * AS2B + 14 * SBH + LN_STATS
     total = _sixteen_bit(block.saved_bytes - block.saved_fixed_bytes, block.saved_fixed_bytes)
-    assert total - freed == 32 * SBH + LN_STATS
+    assert total - freed == 20 * SBH
 
 
 def test_selective_recompute_reruns_the_attention_matmuls(megatron_block):
@@ -155,17 +193,20 @@ def test_full_recompute_keeps_the_block_input(megatron_block):
     assert _sixteen_bit(megatron_block.input_bytes, 0) == 2 * SBH  # sbh elements, 16-bit
 
 
-def test_fused_attention_leaves_little_for_selective_recompute():
-    """Flash attention already recomputes the s×s scores, so the default zoo GPT (fused
-    SDPA, no dropout) frees only the kernel's own outputs: the attention output [b, s, h]
-    (out_proj's saved input is a view of it) and its log-sum-exp [b, a, s], both float32
-    here. q, k and v are the projections' outputs: kept.
-    Recomputing reruns the kernel's 4·b·a·s²·(h/a) FLOPs."""
+def test_fused_attention_frees_what_the_kernel_and_the_elementwise_ops_made():
+    """The default zoo GPT (fused SDPA, no dropout): flash attention already recomputes the
+    s×s scores, so of the attention only the kernel's outputs are freed: the output [b, s, h]
+    (out_proj's saved input is a view of it) and the log-sum-exp [b, a, s]. Besides: ln_1's
+    and ln_2's outputs, the residual sum and GELU's output (1 + 1 + 1 + 4 sbh) and the norm
+    statistics [b, s] × 4. Held though autograd does not save them: the output projection's
+    and fc_out's outputs (2sbh). q, k and v are the projections' outputs: kept. Recomputing
+    reruns the kernel's 4·b·a·s²·(h/a) FLOPs, all float32 here."""
     block = _block(_megatron(attention="fused", dropout=0.0))
-    assert block.selective_saved_bytes == (SBH + BATCH * HEADS * SEQ) * F32
+    stats = 4 * BATCH * SEQ
+    assert block.selective_saved_bytes == (6 * SBH + BATCH * HEADS * SEQ + stats) * F32
     assert block.selective_fixed_bytes == block.saved_fixed_bytes == 0
+    assert block.saved_bytes - block.selective_saved_bytes == 10 * SBH * F32
     assert block.selective_fwd_flops == 4 * BATCH * SEQ * SEQ * HIDDEN
-    assert block.selective_saved_bytes < 0.1 * block.saved_bytes
 
 
 def test_export_and_symbolic_trace_agree_on_recompute_fields(megatron_block):
@@ -177,13 +218,26 @@ def test_export_and_symbolic_trace_agree_on_recompute_fields(megatron_block):
 
 
 class _Scores(nn.Module):
-    """A recomputed op saving a tensor it did not produce: bmm saves its input, the layer
-    input; masked_fill saves a mask made by triu. Neither is freed; softmax's output is."""
+    """bmm saves its inputs, views of the layer input: kept (a checkpoint holds its
+    inputs). masked_fill saves a mask made by triu, softmax its output: both recomputed by
+    selective, so freed."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         n = x.size(1)
         future = torch.ones(n, n, dtype=torch.bool, device=x.device).triu(1)
         return torch.softmax(torch.bmm(x, x.transpose(1, 2)).masked_fill(future, 0.0), -1)
+
+
+class _Scaled(nn.Module):
+    """A projection whose consumer saves nothing: autograd keeps only x, selective keeps
+    x and the matmul's output."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x) * 2.0
 
 
 class _One(nn.Module):
@@ -195,14 +249,24 @@ class _One(nn.Module):
         return self.blocks[0](x)
 
 
-def test_recomputed_ops_free_only_storages_they_produced():
+def test_selective_frees_all_but_the_inputs_and_matmul_outputs():
     b, n, d = 3, 5, 8
     (layer,) = build_layer_graph(_One(_Scores()), (torch.randn(b, n, d),)).layers
     assert layer.saved_bytes == b * n * d * F32 + n * n + b * n * n * F32
     assert layer.saved_fixed_bytes == n * n
     assert layer.selective_saved_bytes == b * n * n * F32
-    assert layer.selective_fixed_bytes == 0
+    assert layer.selective_fixed_bytes == n * n
     assert layer.input_bytes == b * n * d * F32
+
+
+def test_selective_that_would_hold_more_is_negative_and_not_offered():
+    b, n, d = 3, 5, 8
+    (layer,) = build_layer_graph(_One(_Scaled(d)), (torch.randn(b, n, d),)).layers
+    assert layer.saved_bytes == b * n * d * F32
+    assert layer.selective_saved_bytes == -b * n * d * F32
+    assert layer.selective_fwd_flops == 0
+    options = allowed_options(layer, Mesh(dp=2))
+    assert "replicate+full" in options and "replicate+selective" not in options
 
 
 # -- the zoo's unfused attention -------------------------------------------------------------
