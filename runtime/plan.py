@@ -78,17 +78,6 @@ LOSS_SCALING = ("none", "dynamic")
 #   sequence_parallel a norm or element-wise submodule run on sequence shards (only when the
 #                     layer's sequence_parallel is set; runtime.tensor_parallel)
 TP_STYLES = ("colwise", "rowwise", "colwise_gather", "embedding_rowwise", "sequence_parallel")
-# What ``recompute = "selective"`` recomputes: the attention core (scores, softmax, its
-# dropout, the product with V, or the fused attention kernel) and dropout. Named as aten
-# overloads' packets; runtime.recompute builds its checkpoint policy from this list and
-# passes.annotate credits the memory of exactly these ops' saved outputs.
-SELECTIVE_RECOMPUTE_OPS = (
-    "aten.bmm", "aten.baddbmm", "aten._softmax", "aten.native_dropout", "aten.masked_fill",
-    "aten._scaled_dot_product_flash_attention_for_cpu",
-    "aten._scaled_dot_product_flash_attention",
-    "aten._scaled_dot_product_efficient_attention",
-    "aten._scaled_dot_product_cudnn_attention",
-)
 # What ``recompute = "selective"`` keeps (torchtitan's op-level selective checkpointing):
 # the outputs of these ops are saved in forward, every other op of the layer is run again
 # in backward (norms, activations, dropout with its RNG state replayed, and the attention
