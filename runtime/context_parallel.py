@@ -290,7 +290,11 @@ class RingAttentionMode(TorchFunctionMode):
         return self._attend(_sdpa_args(*args, **kwargs))
 
     def _attend(self, a: dict) -> torch.Tensor:
-        self._check(a)
+        problem = self._problem(a)
+        if self.calls == 0:
+            problem = self._agree(problem, a["query"].device)
+        if problem:
+            raise PlanError(problem)
         q, k, v = a["query"], a["key"], a["value"]
         if a["enable_gqa"] and k.size(-3) != q.size(-3):
             # grouped-query attention: each K/V head serves a run of query heads
@@ -300,24 +304,36 @@ class RingAttentionMode(TorchFunctionMode):
         return ring_attention(q, k, v, self.positions, self.group,
                               is_causal=bool(a["is_causal"]), scale=a["scale"])
 
-    def _check(self, a: dict) -> None:
+    def _agree(self, problem: str | None, device: torch.device) -> str | None:
+        """On the first call: whether any cp rank refuses, so no rank waits on the ring
+        for one that raised (a model may pass a mask on one rank only). One all-reduce
+        per micro-batch, hidden from recomputation's dispatch mode like the ring."""
+        flag = torch.tensor([float(problem is not None)], device=device)  # NCCL: on the GPU
+        with _disable_current_modes():
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        if flag.item() and problem is None:
+            return (f"F.scaled_dot_product_attention in {self.where()}: another "
+                    "context-parallel rank refused this call (its error says why)")
+        return problem
+
+    def _problem(self, a: dict) -> str | None:
+        """Why this SDPA call cannot run as ring attention, or None."""
         op = f"F.scaled_dot_product_attention in {self.where()}"
         if a["dropout_p"]:
-            raise PlanError(
-                f"{op} has dropout_p={a['dropout_p']}: context parallelism (mesh.cp > 1) runs "
-                "ring attention, which has no attention dropout; set the attention dropout "
-                "to 0 or use mesh.cp = 1")
+            return (f"{op} has dropout_p={a['dropout_p']}: context parallelism (mesh.cp > 1) "
+                    "runs ring attention, which has no attention dropout; set the attention "
+                    "dropout to 0 or use mesh.cp = 1")
         if a["attn_mask"] is not None:
-            raise PlanError(
-                f"{op} has an attn_mask: context parallelism (mesh.cp > 1) masks by global "
-                "position only (is_causal); drop the explicit mask or use mesh.cp = 1")
+            return (f"{op} has an attn_mask: context parallelism (mesh.cp > 1) masks by "
+                    "global position only (is_causal); drop the explicit mask or use "
+                    "mesh.cp = 1")
         q, k = a["query"], a["key"]
         local = self.positions.shape[1]
         if q.size(-2) != local or k.size(-2) != local:
-            raise PlanError(
-                f"{op}: query length {q.size(-2)} and key length {k.size(-2)} are not the "
-                f"{local} local tokens; context parallelism supports self-attention over "
-                "the sequence the runtime split")
+            return (f"{op}: query length {q.size(-2)} and key length {k.size(-2)} are not "
+                    f"the {local} local tokens; context parallelism supports self-attention "
+                    "over the sequence the runtime split")
+        return None
 
 
 # -- what the runtime needs: validation, batch split, the mode around a micro-batch ---------
