@@ -220,7 +220,8 @@ def _signature(g: LayerGroup, module: nn.Module) -> tuple:
                                        torch.memory_format, torch.layout)):
             return a
         if isinstance(a, slice):
-            return ("slice", a.start, a.stop, a.step)
+            # A traced bound (a mask cut to the sequence length) is a node: key it like one.
+            return ("slice", arg_key(a.start), arg_key(a.stop), arg_key(a.step))
         return type(a).__name__
 
     ops = tuple(

@@ -46,6 +46,7 @@ from passes.annotate import (
 )
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
 from passes.group_layers import LayerGroup, group_layers
+from passes.memory_bound import memory_bound_bytes
 from passes.records import LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
 from passes.trace import inputs_to_meta, to_meta, trace_module
@@ -118,6 +119,7 @@ class LayerCosts:
         self.selective_saved_bytes = int(sum(r.selective_nbytes for r in saved))
         self.selective_fixed_bytes = int(sum(r.selective_fixed_nbytes for r in saved))
         self.mem_bytes = int(sum(n.meta.get(K.MEM_BYTES, 0) for n in calls))
+        self.memory_bound_bytes = memory_bound_bytes(calls)
         self.num_ops = sum(1 for n in calls if n.meta[K.OP_KIND].is_kernel)
         self.output_bytes = _output_bytes(nodes)
         self.input_bytes = _input_bytes(nodes)
@@ -147,6 +149,7 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None) -> La
         output_bytes=costs.output_bytes,
         mem_bytes=costs.mem_bytes,
         num_ops=costs.num_ops,
+        memory_bound_bytes=costs.memory_bound_bytes,
         saved_fixed_bytes=costs.saved_fixed_bytes,
         selective_saved_bytes=costs.selective_saved_bytes,
         selective_fixed_bytes=costs.selective_fixed_bytes,

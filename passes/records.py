@@ -37,6 +37,9 @@ class TPOption:
     """Saved-for-backward activation bytes that divide by the degree."""
     collectives: tuple[Collective, ...]
     """Collectives over the TP group per step (Megatron f/g operators, gathers)."""
+    sharded_memory_bound_bytes: int = 0
+    """Part of the layer's ``memory_bound_bytes`` moved by ops on TP-sharded tensors (an
+    activation between a colwise and a rowwise Linear): it divides by the degree."""
     sp_saved_bytes: int = 0
     """With sequence parallelism: further saved bytes (norms, dropout, residual ops outside
     the TP-sharded set) that divide by the degree. 0 when SP is not possible."""
@@ -71,6 +74,10 @@ class LayerInfo:
     """Bytes read and written by the forward ops (for the memory-bound roofline term)."""
     num_ops: int
     """Forward kernels (for the per-kernel launch floor)."""
+    memory_bound_bytes: int = 0
+    """Part of mem_bytes moved by kernels that do no FLOPs (norms, activations, dropout,
+    residual adds): they run at memory bandwidth between the matmuls, never hidden under
+    them, so the roofline adds their time instead of taking a max over the layer."""
     saved_fixed_bytes: int = 0
     """Part of saved_bytes held in non-floating dtypes (dropout masks, indices): it does not
     scale with the compute precision."""

@@ -63,12 +63,16 @@ from torch.fx import GraphModule, Node
 from passes import meta_keys as K
 from passes.annotate import SDPA_TARGETS, fail, op_name
 from passes.group_layers import LayerGroup
+from passes.memory_bound import memory_bound_bytes
 from passes.records import Collective, TPOption
 
 _UNARY = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "erf", "neg", "contiguous",
           "clone", "alias", "pow", "mul", "add", "sub", "div", "truediv", "to", "_to_copy",
           "type_as", "float", "half", "bfloat16", "relu_", "gelu_", "dropout_", "feature_dropout"}
 _BINARY = {"mul", "add", "sub", "div", "truediv"}
+_MASKED = {"masked_fill", "masked_fill_", "where"}
+_SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
+_BATCHED_PRODUCTS = {"matmul", "__matmul__", "bmm"}
 _UNARY_MODULES = (nn.GELU, nn.ReLU, nn.SiLU, nn.Tanh, nn.Sigmoid, nn.Dropout, nn.Identity)
 _VIEWS = {"view", "reshape", "_unsafe_view"}
 _LINEAR_TARGETS = (torch.ops.aten.linear.default, F.linear)
@@ -239,9 +243,52 @@ def _rule(gm, node: Node, states: dict[Node, State], need: set[Node], seeds, mod
         dims = node.args[1] if isinstance(node.args[1], (list, tuple)) else node.args[1:]
         dim, unit = states[node.args[0]]
         return [d % _ndim(node) for d in dims].index(dim), unit
-    if name in _UNARY or name in _BINARY:
+    if name in _UNARY or name in _BINARY or name in _MASKED:
         return _elementwise(node, states, need, seeds, gm, model)
+    if name in _SOFTMAX:
+        return _softmax(node, states[node.args[0]])
+    if name in ("size", "sym_size"):
+        _size_of_unsharded_dim(node, states[node.args[0]])
+        return None  # an int, the same on every shard
+    if name in _BATCHED_PRODUCTS:
+        return _batched_product(node, states, need, seeds, gm, model)
     raise _Reject
+
+
+def _size_of_unsharded_dim(node: Node, state: State) -> None:
+    """``x.size(d)`` reads the same value on every shard unless d is the sharded dim."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(dim, int) or dim % _ndim(node.args[0]) == state[0]:
+        raise _Reject
+
+
+def _softmax(node: Node, state: State) -> State:
+    """Softmax over a dim other than the sharded one acts within each shard."""
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if not isinstance(dim, int) or dim % _ndim(node) == state[0]:
+        raise _Reject
+    return state
+
+
+def _batched_product(node, states, need, seeds, gm, model) -> State | None:
+    """``a @ b`` of two head-sharded activations (a hand-written attention's QKᵀ and ·V):
+    exact per shard when both are sharded on the same batch dim (not a contracted one)."""
+    a, b = node.args[0], node.args[1]
+    if not (isinstance(a, Node) and isinstance(b, Node)) or _ndim(a) != _ndim(b) or \
+            _ndim(a) < 3:
+        raise _Reject
+    missing = [t for t in (a, b) if t not in states]
+    for t in missing:
+        producer = _trace_back(t, gm, model)
+        if producer is None or producer in seeds:
+            raise _Reject
+        need.add(producer)
+    if missing:
+        return None
+    (dim_a, unit_a), (dim_b, unit_b) = states[a], states[b]
+    if dim_a != dim_b or dim_a >= _ndim(a) - 2:
+        raise _Reject
+    return dim_a, math.gcd(unit_a, unit_b)
 
 
 def _elementwise(node, states, need, seeds, gm, model) -> State | None:
@@ -367,6 +414,7 @@ def _option(gm, model, group, colwise, rowwise, states, units) -> TPOption:
         sharded_param_bytes=param_bytes,
         sharded_fwd_flops=float(sum(n.meta.get(K.FLOPS, 0.0) for n in sharded)),
         sharded_saved_bytes=int(saved),
+        sharded_memory_bound_bytes=memory_bound_bytes(sharded),
         collectives=tuple(collectives),
         sp_saved_bytes=sp[1] if sp else 0,
         sp_collectives=sp[2] if sp else None,

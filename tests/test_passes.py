@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from reference import hf_gpt2
 from torch.utils.flop_counter import FlopCounterMode
 
-from autopar.zoo import GPTConfig, get_model, gpt_param_count
+from autopar.zoo import GPT, GPTConfig, get_model, gpt_param_count
 from passes import meta_keys as K
 from passes.annotate import PassError, annotate_module_paths, propagate_shapes
 from passes.layer_graph import build_layer_graph
@@ -342,3 +342,20 @@ def test_config_without_bias_still_splits():
     lg = build_layer_graph(spec.build("meta"), spec.example_inputs(2, 16))
     assert lg.layers[2].tp.styles["attn.out_proj"] == "rowwise"
     assert isinstance(spec.config, GPTConfig)
+
+
+def test_hand_written_attention_splits_by_heads_like_fused_attention():
+    """Megatron's unfused attention (QKᵀ, masked softmax, dropout, ·V on [b, heads, s, s])
+    is exact per head shard: the block gets the same styles as with fused SDPA, and every
+    FLOP of it (projections, both attention products, MLP) divides by the degree."""
+    def block(attention: str):
+        cfg = GPTConfig(n_layer=1, n_head=4, n_embd=64, vocab_size=128, block_size=32,
+                        attention=attention, dropout=0.1)
+        graph = build_layer_graph(GPT(cfg), (torch.zeros(2, 32, dtype=torch.long),))
+        return next(la for la in graph.layers if la.name == "h.0")
+    unfused, fused = block("unfused"), block("fused")
+    assert unfused.tp.styles == fused.tp.styles
+    assert "attn.q_proj" in unfused.tp.styles and unfused.tp.divisors[0] % 4 == 0
+    assert unfused.tp.sharded_fwd_flops == unfused.fwd_flops
+    # The softmax and dropout of the s×s scores run on head shards.
+    assert unfused.tp.sharded_memory_bound_bytes > 0.5 * unfused.memory_bound_bytes

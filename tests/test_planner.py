@@ -306,3 +306,16 @@ def test_tensor_parallelism_never_crosses_a_node():
     cluster = replace(pcie_cluster(2.5), devices_per_node=2, nodes=2)
     plan = search(graph, cluster).plan
     assert plan.mesh.tp <= 2
+
+
+def test_memory_bound_kernels_add_to_the_matmuls_instead_of_hiding_under_them():
+    # 1 TFLOP of matmuls on a 100 TFLOP/s device: 10 ms / efficiency. Their 1 GB of traffic
+    # hides under that (0.5 ms at 2,000 GB/s); a norm/GELU/dropout moving 4 GB runs alone: 2 ms.
+    cluster = make_cluster(per_node=1)
+    layer = replace(make_layer("l", "C", 0, params=1000, fwd_flops=1e12, saved_bytes=0,
+                               act_bytes=0, tp=False),
+                    mem_bytes=5 * 10**9, memory_bound_bytes=4 * 10**9, num_ops=0)
+    cost = layer_cost(layer, "replicate", search_mesh(1), cluster, precision("float32"))
+    matmuls = 10e-3 / cluster.device.matmul_efficiency
+    assert cost.fwd_s == pytest.approx(matmuls + 2e-3)
+    assert cost.bwd_s + cost.wgrad_s == pytest.approx(2 * (matmuls + 2e-3))

@@ -223,10 +223,15 @@ def layer_cost(
     # One micro-batch is 1 / (dp · m) of the captured global batch.
     fwd_flops = _local_flops(layer, is_tp, dp * m, tp)
     ratio = fwd_flops / layer.fwd_flops if layer.fwd_flops else 1.0 / (dp * m)
-    mem = layer.mem_bytes * ratio * act_scale
     device, dtype = cluster.device, prec.compute_dtype
-    fwd_compute = roofline_s(fwd_flops, mem, layer.num_ops, device, dtype)
-    bwd_compute = roofline_s(layer.bwd_flops * ratio, 2 * mem, 2 * layer.num_ops, device, dtype)
+    # Matmul traffic hides under their compute (one roofline); memory-bound kernels (norms,
+    # activations, dropout) run alone at memory bandwidth (passes/memory_bound.py).
+    mem = (layer.mem_bytes - layer.memory_bound_bytes) * ratio * act_scale
+    alone = _memory_bound_bytes(layer, is_tp, sp, tp) * act_scale / (dp * m)
+    fwd_compute = (roofline_s(fwd_flops, mem, layer.num_ops, device, dtype)
+                   + roofline_s(0.0, alone, 0, device, dtype))
+    bwd_compute = (roofline_s(layer.bwd_flops * ratio, 2 * mem, 2 * layer.num_ops, device, dtype)
+                   + roofline_s(0.0, 2 * alone, 0, device, dtype))
 
     tp_fwd, tp_bwd = _tp_comm_s(layer, is_tp, sp, mesh, cluster, act_scale / (dp * m))
     ring = _ring_attention(layer, is_tp, mesh, cluster, act_scale / (dp * m), fwd_compute)
@@ -271,6 +276,19 @@ def _shard_ranks(strategy: str, dp: int, tp: int, hsdp_shard_size: int | None) -
             raise ValueError("strategy 'hsdp' needs hsdp_shard_size")
         return hsdp_shard_size
     return {"replicate": 1, "tp": 1, "tp_fsdp": dp}.get(strategy, dp * tp)
+
+
+def _memory_bound_bytes(layer: LayerInfo, is_tp: bool, sp: bool, tp: int) -> float:
+    """Memory-bound bytes of the layer on one rank of its tp group, at the captured batch:
+    ops on sharded activations divide by tp, and with SP the rest run on sequence shards."""
+    total = float(layer.memory_bound_bytes)
+    if not is_tp:
+        return total
+    assert layer.tp is not None
+    if sp:
+        return total / tp
+    sharded = layer.tp.sharded_memory_bound_bytes
+    return total - sharded + sharded / tp
 
 
 def _local_flops(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int) -> float:

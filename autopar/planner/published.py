@@ -1,0 +1,136 @@
+"""Published training runs, priced by the cost model: the check that its numbers are real.
+
+Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
+Megatron-LM" (SC'21), Table 1, reports end-to-end TFLOP/s per GPU for ten GPT models on up
+to 3,072 A100s. For each row ``megatron_plan`` writes the published configuration as an
+autopar plan (its TP, PP and DP, micro-batch size, interleaving, full recomputation, fp16
+with dynamic loss scaling, plain data parallelism: the 2021 runs kept the optimizer
+unsharded) and ``evaluate`` prices it exactly as the planner prices its own plans: per-layer
+costs, and for pipelines the schedule simulator. TFLOP/s per GPU are counted the paper's way
+(``paper_flops``), so predicted and published figures compare directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.planner.costs import layer_cost
+from autopar.planner.pipeline import evaluate_plan
+from autopar.planner.search import plan_memory
+from cost_models.hardware import Cluster
+from cost_models.memory import Precision
+from passes.records import LayerGraph
+from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
+
+VOCAB = 51200
+SEQ_LEN = 2048
+
+
+@dataclass(frozen=True, kw_only=True)
+class MegatronRow:
+    """One row of the published table (shared/validation/megatron_sc21_table1.csv)."""
+
+    params_b: float
+    heads: int
+    hidden: int
+    layers: int
+    tp: int
+    pp: int
+    gpus: int
+    global_batch: int
+    tflops_per_gpu: float
+    microbatch: int
+    interleave: int
+
+    @property
+    def dp(self) -> int:
+        return self.gpus // (self.tp * self.pp)
+
+    @property
+    def microbatches(self) -> int:
+        """Micro-batches per step on each data-parallel replica."""
+        return self.global_batch // (self.dp * self.microbatch)
+
+
+def read_rows(text: str) -> list[MegatronRow]:
+    """Rows of the published CSV (comment lines start with '#')."""
+    lines = [line for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    header = lines[0].split(",")
+    rows = []
+    for line in lines[1:]:
+        cells = dict(zip(header, line.split(","), strict=True))
+        rows.append(MegatronRow(
+            params_b=float(cells["params_b"]), heads=int(cells["heads"]),
+            hidden=int(cells["hidden"]), layers=int(cells["layers"]), tp=int(cells["tp"]),
+            pp=int(cells["pp"]), gpus=int(cells["gpus"]), global_batch=int(cells["global_batch"]),
+            tflops_per_gpu=float(cells["tflops_per_gpu"]), microbatch=int(cells["microbatch"]),
+            interleave=int(cells["interleave"])))
+    return rows
+
+
+def paper_flops(row: MegatronRow) -> float:
+    """FLOPs of one iteration as the paper counts them (its eq. 3: forward, backward and the
+    recomputed forward): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
+    b, s, h, l, v = row.global_batch, SEQ_LEN, row.hidden, row.layers, VOCAB
+    return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+
+
+def megatron_plan(graph: LayerGraph, row: MegatronRow) -> Plan:
+    """The published configuration as a plan of ``graph`` (a GPT at the row's shape).
+
+    Transformer blocks: TP (plain data parallelism) with full recomputation; the other
+    layers TP where they can be split (embedding, head), replicated otherwise, as
+    Megatron-LM does. Blocks are spread evenly over pp × interleave stages; the embeddings
+    sit on the first stage and the final norm and head on the last.
+    """
+    mesh = Mesh(pp=row.pp, dp=row.dp, tp=row.tp)
+    stages = row.pp * row.interleave
+    blocks = next(members for members in graph.classes.values()
+                  if len(members) == row.layers)  # the transformer blocks
+    first_block = graph.layers.index(blocks[0])
+    per_stage = len(blocks) / stages
+    layers = []
+    for i, layer in enumerate(graph.layers):
+        is_block = layer in blocks
+        k = i - first_block
+        stage = min(stages - 1, max(0, int(k // per_stage))) if is_block else (
+            0 if i < first_block else stages - 1)
+        splits = row.tp > 1 and layer.tp is not None and all(
+            d % row.tp == 0 for d in layer.tp.divisors)
+        layers.append(LayerPlan(
+            module=layer.name, layer_class=layer.layer_class, stage=stage,
+            strategy="tp" if splits else "replicate",
+            tp_styles=dict(layer.tp.styles) if splits else {},
+            recompute="full" if is_block else "none"))
+    pipeline = None
+    if row.pp > 1:
+        pipeline = PipelineSpec(schedule="Interleaved1F1B" if row.interleave > 1 else "1F1B",
+                                num_microbatches=row.microbatches,
+                                virtual_stages=row.interleave)
+    return Plan(model=f"gpt-{row.params_b}b", cluster="dgx-a100-80g",
+                global_batch=row.global_batch, seq_len=SEQ_LEN, mesh=mesh,
+                layers=tuple(layers), param_dtype="float16", reduce_dtype="float16",
+                loss_scaling="dynamic",
+                gradient_accumulation=1 if pipeline else row.microbatches,
+                pipeline=pipeline)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Evaluation:
+    step_time_s: float
+    peak_memory_bytes: float
+    """The fullest rank, allocator margin included."""
+
+
+def evaluate(graph: LayerGraph, cluster: Cluster, prec: Precision, plan: Plan) -> Evaluation:
+    """The cost model's step time and peak per-rank memory of a given plan."""
+    if plan.pipeline is not None:
+        outcome = evaluate_plan(graph, cluster, prec, plan)
+        return Evaluation(step_time_s=outcome.step_time_s,
+                          peak_memory_bytes=outcome.peak_bytes(cluster.memory_margin_fraction))
+    by_name = {layer.module: layer for layer in plan.layers}
+    costs = [layer_cost(layer, by_name[layer.name].option, plan.mesh, cluster, prec,
+                        plan.gradient_accumulation) for layer in graph.layers]
+    memory = plan_memory(costs, cluster.memory_margin_fraction)
+    return Evaluation(step_time_s=sum(c.time_s for c in costs),
+                      peak_memory_bytes=memory.total_bytes)
