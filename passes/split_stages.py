@@ -38,7 +38,13 @@ import torch.nn as nn
 from torch.fx import GraphModule, Node
 
 from passes.group_layers import layer_names, owning_layer
-from passes.trace import GraphCaptureError, explain_failure, inputs_to_meta, to_meta
+from passes.trace import (
+    GraphCaptureError,
+    explain_failure,
+    inputs_to_meta,
+    to_meta,
+    trace_at_defaults,
+)
 from runtime.plan import Plan, PlanError
 
 _CALLS = ("call_function", "call_method", "call_module")
@@ -141,7 +147,7 @@ class _LayerTracer(torch.fx.Tracer):
 def _trace(model: nn.Module, units: list[str]) -> GraphModule:
     tracer = _LayerTracer(set(units))
     try:
-        graph = tracer.trace(model)
+        graph = trace_at_defaults(tracer, model)
     except Exception as e:
         raise GraphCaptureError(
             "splitting into pipeline stages traces the model with torch.fx.symbolic_trace "

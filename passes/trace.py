@@ -122,18 +122,26 @@ class _LeafTracer(torch.fx.Tracer):
         )
 
 
-def _symbolic_trace(
-    model: nn.Module, inputs: tuple, opaque: tuple[str, ...]
-) -> torch.fx.GraphModule:
-    tracer = _LeafTracer(opaque)
-    # Optional forward arguments the inputs leave out stay at their defaults (as export
-    # treats them), so `if pos is None:` branches trace instead of seeing a Proxy.
-    params = list(inspect.signature(model.forward).parameters.values())[len(inputs):]
-    defaults = {p.name: p.default for p in params if p.default is not inspect.Parameter.empty
+def trace_at_defaults(tracer: torch.fx.Tracer, model: nn.Module,
+                      num_inputs: int | None = None) -> torch.fx.Graph:
+    """``tracer.trace(model)`` with the optional forward arguments past the first
+    ``num_inputs`` (all optional ones when None) fixed at their defaults, as export treats
+    arguments it is not given: ``if pos is None:`` then traces instead of seeing a Proxy."""
+    params = list(inspect.signature(model.forward).parameters.values())
+    defaults = {p.name: p.default for p in params[num_inputs or 0:]
+                if p.default is not inspect.Parameter.empty
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     graph = tracer.trace(model, concrete_args=defaults or None)
     for node in [n for n in graph.nodes if n.target is torch.fx._symbolic_trace._assert_is_none]:
         graph.erase_node(node)  # fx's guard on a None default: not an op of the model
+    return graph
+
+
+def _symbolic_trace(
+    model: nn.Module, inputs: tuple, opaque: tuple[str, ...]
+) -> torch.fx.GraphModule:
+    tracer = _LeafTracer(opaque)
+    graph = trace_at_defaults(tracer, model, len(inputs))
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     required = [n for n in placeholders if not n.args]
