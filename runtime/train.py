@@ -50,6 +50,10 @@ def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 class Trainer:
     """Applies ``plan`` to ``model`` (in place) and trains it one step at a time."""
 
+    context_parallel: ContextParallel | None = None
+    """With mesh.cp > 1: the sequence split, position ids and ring attention. A class
+    default, since ``runtime.pipeline.PipelineTrainer`` (no cp) sets up its own state."""
+
     def __init__(
         self,
         model: nn.Module,
@@ -67,8 +71,7 @@ class Trainer:
         mesh = self.applied.mesh
         self.dp_rank = mesh.get_local_rank("dp")
         self.dp_size = mesh.size(mesh.mesh_dim_names.index("dp"))
-        self.context_parallel: ContextParallel | None = self.applied.context_parallel
-        """With mesh.cp > 1: the sequence split, position ids and ring attention."""
+        self.context_parallel = self.applied.context_parallel
         self.loss_scaler = make_loss_scaler(plan, self.device)
         """``ShardedGradScaler`` of a float16 plan (``loss_scaling = "dynamic"``), else None."""
 
