@@ -49,6 +49,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from cost_models.errors import AutoparError
 from passes import meta_keys as K
+from passes.records import SavedSplit
 from runtime.plan import SELECTIVE_SAVE_OPS
 
 aten = torch.ops.aten
@@ -225,6 +226,7 @@ def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object
     producers = _ProducerMode()
     seen: set[StorageWeakRef] = set()
     current: list[tuple[str, int]] = []
+    parts: list[tuple[str, SavedSplit]] = []
     split = _SavedSplit()
     running = [""]
 
@@ -234,7 +236,9 @@ def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object
             seen.add(ref)
             nbytes = t.untyped_storage().nbytes()
             current.append((owner.get(ref, running[0]), nbytes))
-            split.add(t, nbytes, selective=not producers.kept_by_selective(ref))
+            freed = not producers.kept_by_selective(ref)
+            split.add(t, nbytes, selective=freed)
+            parts.append((owner.get(ref, running[0]), _kind(t, nbytes, freed=freed)))
         return t
 
     def on_input(node: Node, value: object) -> None:
@@ -245,6 +249,7 @@ def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object
 
     def before(node: Node) -> None:
         current.clear()
+        parts.clear()
         split.reset()
         running[0] = node.name
         producers.start(node.name)
@@ -253,7 +258,7 @@ def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 owner.setdefault(StorageWeakRef(t.untyped_storage()), node.name)
-        node.meta[K.SAVED] = split.record(current)
+        node.meta[K.SAVED] = dataclasses.replace(split.record(current), parts=tuple(parts))
 
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
             producers:
@@ -280,9 +285,18 @@ def _charge_kept_but_unsaved(nodes: list[Node], producers: _ProducerMode,
         if node.name in extra:
             floating, fixed = extra[node.name]
             record: K.SavedBytes = node.meta[K.SAVED]
+            held = SavedSplit(freed=-floating, freed_fixed=-fixed)
             node.meta[K.SAVED] = dataclasses.replace(
                 record, selective_nbytes=record.selective_nbytes - floating,
-                selective_fixed_nbytes=record.selective_fixed_nbytes - fixed)
+                selective_fixed_nbytes=record.selective_fixed_nbytes - fixed,
+                parts=(*record.parts, (node.name, held)))
+
+
+def _kind(t: torch.Tensor, nbytes: int, *, freed: bool) -> SavedSplit:
+    """One saved storage as a SavedSplit."""
+    if t.is_floating_point():
+        return SavedSplit(floating=nbytes, freed=nbytes if freed else 0)
+    return SavedSplit(fixed=nbytes, freed_fixed=nbytes if freed else 0)
 
 
 class _ProducerMode(TorchDispatchMode):

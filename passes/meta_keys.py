@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from passes.records import SavedSplit
+
 # -- graph-level (GraphModule.meta) -------------------------------------------------------
 
 CAPTURE = "autopar.capture"
@@ -24,7 +26,7 @@ OP_KIND = "autopar.op_kind"
 FLOPS = "autopar.flops"
 """float: forward FLOPs, written by ``annotate.count_flops``."""
 SELECTIVE_FLOPS = "autopar.selective_flops"
-"""float: the part of FLOPS done by ops in ``runtime.plan.SELECTIVE_RECOMPUTE_OPS`` (what
+"""float: the part of FLOPS done by ops outside ``runtime.plan.SELECTIVE_SAVE_OPS`` (what
 selective recomputation runs again), written by ``annotate.count_flops`` from the same
 count as FLOPS (a second run of the layer would only repeat it)."""
 SAVED = "autopar.saved"
@@ -85,14 +87,17 @@ class SavedBytes:
     nbytes: int
     producers: tuple[tuple[str, int], ...]
     """(name of the node whose output owns the saved storage, or '' for a layer input; bytes)."""
+    parts: tuple[tuple[str, SavedSplit], ...] = ()
+    """The same storages by owner and kind, with the selective corrections charged to the
+    node that made them (for splits by owner: tensor and sequence parallelism)."""
     fixed_nbytes: int = 0
     """Part of nbytes in non-floating dtypes (dropout masks, indices): mixed precision
     changes floating dtypes only, so these bytes do not scale with the compute dtype."""
     selective_nbytes: int = 0
-    """Floating part of nbytes whose storage an op in ``runtime.plan.SELECTIVE_RECOMPUTE_OPS``
-    produced: what selective recomputation frees (it recomputes those ops' outputs). A
-    storage that existed before (a layer input) or that another op produced is not freed,
-    even when a selective op returns a view of it."""
+    """Floating part of nbytes that selective recomputation frees: storages neither a layer
+    input nor made by an op in ``runtime.plan.SELECTIVE_SAVE_OPS`` (views keep their
+    storage's maker), less outputs of those ops autograd does not save (selective holds
+    them anyway), so it can be negative."""
     selective_fixed_nbytes: int = 0
     """Non-floating part of selective bytes (dropout masks)."""
 

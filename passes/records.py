@@ -9,6 +9,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+@dataclass(frozen=True)
+class SavedSplit:
+    """Saved-for-backward bytes by kind, at the captured batch and dtypes (fp32 capture)."""
+
+    floating: int = 0
+    """Floating bytes: they scale with the activation dtype of the plan."""
+    fixed: int = 0
+    """Non-floating bytes (dropout masks, indices): they do not."""
+    freed: int = 0
+    """Floating bytes selective recomputation frees (negative: bytes it holds that nothing
+    else would, a matmul output autograd does not save)."""
+    freed_fixed: int = 0
+    """Non-floating bytes selective recomputation frees."""
+
+    def __add__(self, other: SavedSplit) -> SavedSplit:
+        return SavedSplit(self.floating + other.floating, self.fixed + other.fixed,
+                          self.freed + other.freed, self.freed_fixed + other.freed_fixed)
+
+    def __sub__(self, other: SavedSplit) -> SavedSplit:
+        return SavedSplit(self.floating - other.floating, self.fixed - other.fixed,
+                          self.freed - other.freed, self.freed_fixed - other.freed_fixed)
+
+
 @dataclass(frozen=True, kw_only=True)
 class Collective:
     """One collective a strategy issues per step, at the captured (global) batch."""
@@ -37,12 +60,16 @@ class TPOption:
     """Saved-for-backward activation bytes that divide by the degree."""
     collectives: tuple[Collective, ...]
     """Collectives over the TP group per step (Megatron f/g operators, gathers)."""
+    sharded_saved: SavedSplit | None = None
+    """``sharded_saved_bytes`` by kind (None: all floating, none freed by selective)."""
     sharded_memory_bound_bytes: int = 0
     """Part of the layer's ``memory_bound_bytes`` moved by ops on TP-sharded tensors (an
     activation between a colwise and a rowwise Linear): it divides by the degree."""
     sp_saved_bytes: int = 0
     """With sequence parallelism: further saved bytes (norms, dropout, residual ops outside
     the TP-sharded set) that divide by the degree. 0 when SP is not possible."""
+    sp_saved: SavedSplit | None = None
+    """``sp_saved_bytes`` by kind (None: all floating, none freed by selective)."""
     sp_collectives: tuple[Collective, ...] | None = None
     """With sequence parallelism: the collectives replacing ``collectives`` (reduce-scatter
     and all-gather along the sequence). None when the layer cannot be sequence-parallel."""
@@ -82,12 +109,14 @@ class LayerInfo:
     """Part of saved_bytes held in non-floating dtypes (dropout masks, indices): it does not
     scale with the compute precision."""
     selective_saved_bytes: int = 0
-    """Part of saved_bytes (floating) that selective recomputation frees: outputs of
-    runtime.plan.SELECTIVE_RECOMPUTE_OPS saved for backward."""
+    """Floating bytes selective recomputation frees: it keeps the layer's inputs and the
+    outputs of runtime.plan.SELECTIVE_SAVE_OPS (weight matmuls, TP collectives) and
+    recomputes the rest. Negative when it would hold more than no recomputation."""
     selective_fixed_bytes: int = 0
-    """Part of saved_fixed_bytes that selective recomputation frees (dropout masks)."""
+    """Non-floating bytes selective recomputation frees (dropout masks)."""
     selective_fwd_flops: float = 0.0
-    """Forward FLOPs of SELECTIVE_RECOMPUTE_OPS: what selective recomputation runs again."""
+    """Forward FLOPs of the ops outside SELECTIVE_SAVE_OPS: what selective recomputation
+    runs again (the attention products; norms and element-wise ops count no FLOPs)."""
     input_bytes: int = 0
     """Bytes of the layer's floating inputs: what full recomputation keeps (its checkpoint)."""
     attention_kv_bytes: int = 0
@@ -97,6 +126,12 @@ class LayerInfo:
     """Forward FLOPs of that attention (what a ring step's transfer overlaps with)."""
     tp: TPOption | None = None
     """How this layer can be tensor-parallel, or None if no safe split is known."""
+
+    @property
+    def saved(self) -> SavedSplit:
+        """``saved_bytes`` by kind."""
+        return SavedSplit(self.saved_bytes - self.saved_fixed_bytes, self.saved_fixed_bytes,
+                          self.selective_saved_bytes, self.selective_fixed_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

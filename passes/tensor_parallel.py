@@ -64,7 +64,7 @@ from passes import meta_keys as K
 from passes.annotate import SDPA_TARGETS, fail, op_name
 from passes.group_layers import LayerGroup
 from passes.memory_bound import memory_bound_bytes
-from passes.records import Collective, TPOption
+from passes.records import Collective, SavedSplit, TPOption
 
 _UNARY = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "erf", "neg", "contiguous",
           "clone", "alias", "pow", "mul", "add", "sub", "div", "truediv", "to", "_to_copy",
@@ -396,8 +396,8 @@ def _option(gm, model, group, colwise, rowwise, states, units) -> TPOption:
         param_bytes += _nbytes(lin.weight) + (_nbytes(lin.bias) if style == "colwise" else 0)
     sharded = set(states) | rowwise
     names = {n.name for n in states}
-    saved = sum(b for n in group.nodes if K.SAVED in n.meta
-                for producer, b in n.meta[K.SAVED].producers if producer in names)
+    saved = sum((part for n in group.nodes if K.SAVED in n.meta
+                 for producer, part in n.meta[K.SAVED].parts if producer in names), SavedSplit())
     inputs = list(dict.fromkeys(n.args[0] for n in group.nodes if n in colwise))
     collectives = [Collective(kind="all_reduce", nbytes=_bytes(n), phase="fwd")
                    for n in group.nodes if n in rowwise]
@@ -413,10 +413,12 @@ def _option(gm, model, group, colwise, rowwise, states, units) -> TPOption:
         divisors=tuple(units),
         sharded_param_bytes=param_bytes,
         sharded_fwd_flops=float(sum(n.meta.get(K.FLOPS, 0.0) for n in sharded)),
-        sharded_saved_bytes=int(saved),
+        sharded_saved_bytes=saved.floating + saved.fixed,
+        sharded_saved=saved,
         sharded_memory_bound_bytes=memory_bound_bytes(sharded),
         collectives=tuple(collectives),
-        sp_saved_bytes=sp[1] if sp else 0,
+        sp_saved_bytes=sp[1].floating + sp[1].fixed if sp else 0,
+        sp_saved=sp[1] if sp else None,
         sp_collectives=sp[2] if sp else None,
         sp_styles=sp[0] if sp else None,
     )
@@ -458,7 +460,8 @@ class _SequenceSplit:
         self.seq = {self.stream} | rowwise
         """Nodes whose output is a [b, s, ...] tensor held as sequence shards."""
 
-    def result(self, styles: dict[str, str]) -> tuple[dict[str, str], int, tuple[Collective, ...]]:
+    def result(self, styles: dict[str, str]
+               ) -> tuple[dict[str, str], SavedSplit, tuple[Collective, ...]]:
         for node in self.calls:
             self._classify(node)
         self._check_output()
@@ -475,7 +478,7 @@ class _SequenceSplit:
                 if rel not in first and _under(n, f"{prefix}{rel}"):
                     first[rel] = order[n]
         sp_styles = dict(sorted(sp_styles.items(), key=lambda kv: first[kv[0]]))
-        return sp_styles, self._saved_bytes(runs), self._collectives()
+        return sp_styles, self._saved(runs), self._collectives()
 
     # -- facts the classification needs ------------------------------------------------------
 
@@ -597,14 +600,14 @@ class _SequenceSplit:
 
     # -- the costs ----------------------------------------------------------------------------
 
-    def _saved_bytes(self, runs: list[Node]) -> int:
+    def _saved(self, runs: list[Node]) -> SavedSplit:
         """What the ops run on shards save. A gathered colwise input is saved by its
         colwise Linears, whole, and counted there (SAVED names the first node saving a
         storage); were it also saved first by an op on shards, it would be counted here
         while the Linears keep the whole copy."""
-        return int(sum(b for n in runs if K.SAVED in n.meta
-                       for producer, b in n.meta[K.SAVED].producers
-                       if producer not in self.sharded_names))
+        return sum((part for n in runs if K.SAVED in n.meta
+                    for producer, part in n.meta[K.SAVED].parts
+                    if producer not in self.sharded_names), SavedSplit())
 
     def _collectives(self) -> tuple[Collective, ...]:
         fwd: list[Collective] = []

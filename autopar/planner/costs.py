@@ -32,8 +32,9 @@ gradient and optimizer bytes on one rank before sharding; m micro-batches per st
     fsdp/hsdp  (P + G + K)/N                     2P + G (gathered layer, next one prefetched)
     +offload   nothing on the device             2P + G + P/N (the staged shard)
 
-Recomputation (Korthikanti et al. 2022): ``selective`` frees the saved outputs of
-runtime.plan.SELECTIVE_RECOMPUTE_OPS and runs them again in backward; ``full`` keeps only
+Recomputation (Korthikanti et al. 2022): ``selective`` keeps the layer's inputs and the
+outputs of runtime.plan.SELECTIVE_SAVE_OPS (weight matmuls, TP collectives) and runs the
+rest again in backward (attention products, norms, activations, dropout); ``full`` keeps only
 the layer's input and runs the whole forward (TP collectives included) again in backward.
 Either way the freed activations come back, one layer at a time, during that layer's
 backward: a transient.
@@ -55,7 +56,7 @@ from cost_models.comm import (
 from cost_models.compute import optimizer_step_s, roofline_s
 from cost_models.hardware import Cluster, Link
 from cost_models.memory import Precision
-from passes.records import Collective, LayerInfo
+from passes.records import Collective, LayerInfo, SavedSplit, TPOption
 from runtime.plan import (
     OFFLOAD_STRATEGIES,
     RECOMPUTE,
@@ -228,8 +229,9 @@ def layer_cost(
     # activations, dropout) run alone at memory bandwidth (passes/memory_bound.py).
     mem = (layer.mem_bytes - layer.memory_bound_bytes) * ratio * act_scale
     alone = _memory_bound_bytes(layer, is_tp, sp, tp) * act_scale / (dp * m)
-    fwd_compute = (roofline_s(fwd_flops, mem, layer.num_ops, device, dtype)
-                   + roofline_s(0.0, alone, 0, device, dtype))
+    fwd_matmul = roofline_s(fwd_flops, mem, layer.num_ops, device, dtype)
+    fwd_alone = roofline_s(0.0, alone, 0, device, dtype)
+    fwd_compute = fwd_matmul + fwd_alone
     bwd_compute = (roofline_s(layer.bwd_flops * ratio, 2 * mem, 2 * layer.num_ops, device, dtype)
                    + roofline_s(0.0, 2 * alone, 0, device, dtype))
 
@@ -237,7 +239,7 @@ def layer_cost(
     ring = _ring_attention(layer, is_tp, mesh, cluster, act_scale / (dp * m), fwd_compute)
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     activations, rematerialized, recompute_s, recompute_comm = _activations(
-        layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_compute, tp_fwd)
+        layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
     host = _offload_s(local_params, prec, device) if offload else (0.0, 0.0, 0.0)
     host_per_micro, host_per_step, host_optimizer = host
@@ -300,32 +302,47 @@ def _local_flops(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int) -> f
 
 
 def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: int,
-                 batch_shards: int, act_scale: float, fwd_compute: float, tp_fwd: float
-                 ) -> tuple[float, float, float, float]:
+                 batch_shards: int, act_scale: float, matmul_s: float, alone_s: float,
+                 tp_fwd: float) -> tuple[float, float, float, float]:
     """(saved bytes of one micro-batch, bytes rematerialized in backward, recompute compute
-    seconds, recompute communication seconds)."""
-    def scaled(floating: float, fixed: float = 0.0) -> float:
-        return (floating * act_scale + fixed) / batch_shards
+    seconds, recompute communication seconds).
 
-    fixed = layer.saved_fixed_bytes
-    saved = scaled(layer.saved_bytes - fixed, fixed)
-    split = 1.0  # share of saved bytes this rank keeps
+    Saved bytes by kind (records.SavedSplit): floating ones scale with the activation
+    dtype, masks do not; the TP-sharded part divides by tp, and with SP so does the part
+    run on sequence shards. Selective recomputation frees its share of each part and reruns
+    the ops outside SELECTIVE_SAVE_OPS: the attention products (their share of the matmul
+    time) and every memory-bound kernel (``alone_s``).
+    """
+    def on_rank(split: SavedSplit, divisor: int) -> tuple[float, float]:
+        kept = (split.floating * act_scale + split.fixed) / (batch_shards * divisor)
+        freed = (split.freed * act_scale + split.freed_fixed) / (batch_shards * divisor)
+        return kept, freed
+
+    parts = [(layer.saved, 1)]
     if is_tp:
         assert layer.tp is not None
-        divided = layer.tp.sharded_saved_bytes + (layer.tp.sp_saved_bytes if sp else 0)
-        divided_bytes = scaled(divided)
-        full = saved - divided_bytes + divided_bytes / tp
-        split = full / saved if saved else 1.0
-    kept = saved * split
+        sharded = [(_sharded_saved(layer.tp), tp)]
+        if sp:
+            sharded.append((_sp_saved(layer.tp), tp))
+        parts = [(layer.saved - sum((s for s, _ in sharded), SavedSplit()), 1), *sharded]
+    kept, freed = (sum(v) for v in zip(*(on_rank(s, d) for s, d in parts), strict=True))
     if recompute == "none":
         return kept, 0.0, 0.0, 0.0
     if recompute == "selective":
-        freed = scaled(layer.selective_saved_bytes, layer.selective_fixed_bytes)
-        freed = min(freed / (tp if is_tp else 1), kept)
+        freed = min(freed, kept)
         share = layer.selective_fwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
-        return kept - freed, freed, share * fwd_compute, 0.0
-    checkpoint = scaled(layer.input_bytes) / (tp if sp else 1)
-    return min(checkpoint, kept), kept, fwd_compute, tp_fwd
+        return kept - freed, freed, share * matmul_s + alone_s, 0.0
+    checkpoint = (layer.input_bytes * act_scale / batch_shards) / (tp if sp else 1)
+    return min(checkpoint, kept), kept, matmul_s + alone_s, tp_fwd
+
+
+def _sharded_saved(option: TPOption) -> SavedSplit:
+    """The TP-sharded saved bytes by kind (all floating when the capture did not split them)."""
+    return option.sharded_saved or SavedSplit(floating=option.sharded_saved_bytes)
+
+
+def _sp_saved(option: TPOption) -> SavedSplit:
+    return option.sp_saved or SavedSplit(floating=option.sp_saved_bytes)
 
 
 def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Cluster,
