@@ -74,3 +74,32 @@ def test_run_trains_like_one_process_and_rejects_a_plan_for_another_world(tmp_pa
     if plan.world_size != 2:
         assert main(["run", "--model", "gpt-tiny", "--nproc", "2", "--plan", str(plan_path)]) == 2
         assert "pass --nproc" in capsys.readouterr().err
+
+
+def test_precision_the_device_lacks_exits_2_naming_it(tmp_path, capsys):
+    cluster = tmp_path / "no-bf16.toml"
+    cluster.write_text(
+        'name = "fp32-only"\nnodes = 1\ndevices_per_node = 2\n'
+        '[device]\nname = "old-gpu"\nmemory_gib = 16\nmemory_bandwidth_GBps = 900\n'
+        '[device.peak_tflops]\nfloat32 = 15\n'
+        '[intra_node]\nkind = "pcie"\nbandwidth_GBps = 16\nlatency_us = 10\n'
+        '[inter_node]\nkind = "network"\nbandwidth_GBps = 5\nlatency_us = 20\n')
+    args = ["plan", "--model", "gpt-tiny", "--cluster", str(cluster), "--dtype", "bfloat16"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "device 'old-gpu' has no peak FLOP/s for dtype 'bfloat16'" in err
+    assert "Traceback" not in err
+
+
+def test_context_parallel_plan_whose_sequence_does_not_split_exits_2(tmp_path, capsys):
+    path = tmp_path / "plan.json"
+    assert main(["plan", "--model", "gpt-tiny", "--cluster", "local", "--batch", "8",
+                 "--seq", "12", "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    data["mesh"] |= {"dp": data["mesh"]["dp"] // 2 or 1, "cp": 4}
+    path.write_text(json.dumps(data))
+    capsys.readouterr()
+    assert main(["run", "--plan", str(path), "--model", "gpt-tiny", "--nproc", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "seq_len 12 is not divisible by 2 × mesh.cp = 8" in err
+    assert "Traceback" not in err
