@@ -4,9 +4,9 @@ A plan is a versioned JSON document that names modules by fully-qualified name. 
 written by the planner, saved, diffed, edited by hand and executed by ``runtime`` without
 the planner. Every rank executes the same plan.
 
-Layout of the device mesh: ranks are numbered row-major over ``(pp, dp, tp)``, so the
+Layout of the device mesh: ranks are numbered row-major over ``(pp, dp, cp, tp)``, so the
 ``tp`` axis is innermost and a tensor-parallel group is a run of consecutive ranks (the
-devices of one node).
+devices of one node); a context-parallel group is ranks ``tp`` apart.
 
 Per-layer strategies (``LayerPlan.strategy``):
 
