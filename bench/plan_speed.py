@@ -3,16 +3,29 @@
     python bench/plan_speed.py            # the full table (about a minute on 2 cores)
     python bench/plan_speed.py --quick    # gpt2-small and gpt3-175b at 1,024 GPUs only
     python bench/plan_speed.py --baseline # + capture with torch.export first, same process
+    python bench/plan_speed.py --megatron # Megatron-LM Table 1 rows, 32 … 3,072 GPUs
+    python bench/plan_speed.py --megatron 39.1 1008.0   # only these rows (billions of params)
 
 Each row builds the model on the meta device, captures it, and searches every mesh of the
 cluster, pipeline configurations (pp, schedule, micro-batches, stage cuts) included. The layer graph is rebuilt per row (nothing is cached between rows), so 'total'
 is what `autopar plan` spends.
+
+The Megatron rows (Narayanan et al., SC'21, Table 1; the table is read from
+shared/validation/ beside the clone) are built as notebooks/03_megatron_table1.ipynb
+builds them: two blocks captured, repeated to the paper's depth, fp16, time limit 5 s.
+'digest' is a hash of the plan without its solver report (which holds timings), so two
+runs agree on the plan when it matches. 'search cpu s' is the process's CPU time, which
+other jobs on a shared machine disturb less than the wall-clock 'search s'.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
+import hashlib
+import json
 import time
+from pathlib import Path
 
 from autopar.errors import InfeasibleError
 from autopar.planner import search
@@ -54,12 +67,71 @@ def plan_once(model_name: str, batch: int, dtype: str, gpus: int) -> dict:
                 capture=t2 - t1, search=t3 - t2, total=t3 - t0, outcome=outcome)
 
 
+SEQ, VOCAB = 2048, 51200
+MEGATRON_TABLE = (Path(__file__).resolve().parents[2] / "shared" / "validation"
+                  / "megatron_sc21_table1.csv")
+
+
+def megatron_rows() -> list[dict[str, str]]:
+    lines = [line for line in MEGATRON_TABLE.read_text().splitlines()
+             if not line.startswith("#")]
+    return list(csv.DictReader(lines))
+
+
+def plan_megatron(row: dict[str, str]) -> dict:
+    import torch
+
+    from autopar.whatif import repeat_blocks
+    from autopar.zoo import GPT, GPTConfig
+
+    batch, gpus = int(row["global_batch"]), int(row["gpus"])
+    cfg = GPTConfig(n_layer=2, n_head=int(row["heads"]), n_embd=int(row["hidden"]),
+                    vocab_size=VOCAB, block_size=SEQ, bias=False)
+    t0 = time.perf_counter()
+    with torch.device("meta"):
+        model = GPT(cfg)
+    graph = build_layer_graph(model, (torch.zeros(batch, SEQ, dtype=torch.long, device="meta"),),
+                              model_name=f"gpt-{row['params_b']}b", seq_len=SEQ)
+    graph = repeat_blocks(graph, int(row["layers"]))
+    t1, c1 = time.perf_counter(), time.process_time()
+    plan = search(graph, Cluster.preset("dgx-a100-80g", nodes=gpus // 8),
+                  precision_name="float16", time_limit_s=5).plan
+    t2, c2 = time.perf_counter(), time.process_time()
+    shape = f"pp={plan.mesh.pp} dp={plan.mesh.dp} tp={plan.mesh.tp}"
+    if plan.pipeline is not None:
+        shape += f" {plan.pipeline.schedule} m={plan.pipeline.num_microbatches}"
+    document = json.loads(plan.to_json())
+    document.pop("solver")
+    digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:10]
+    return dict(params=row["params_b"], gpus=gpus, graph=t1 - t0, search=t2 - t1, cpu=c2 - c1,
+                outcome=f"{shape}, {plan.prediction.step_time_s:.3f} s/step", digest=digest)
+
+
+def print_megatron(only: list[str]) -> None:
+    header = (f"{'params':>7} {'GPUs':>5} {'graph s':>7} {'search s':>8} {'search cpu s':>12}"
+              f"  {'digest':<10}  plan")
+    print(header)
+    print("-" * len(header))
+    for row in megatron_rows():
+        if only and row["params_b"] not in only:
+            continue
+        r = plan_megatron(row)
+        print(f"{r['params']:>6}B {r['gpus']:>5} {r['graph']:>7.2f} {r['search']:>8.2f} "
+              f"{r['cpu']:>12.2f}  {r['digest']:<10}  {r['outcome']}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--baseline", action="store_true",
                         help="also time the layer graph with torch.export tried first")
+    parser.add_argument("--megatron", nargs="*", metavar="PARAMS_B",
+                        help="the Megatron-LM Table 1 rows (all, or those with these "
+                             "parameter counts in billions) instead of the built-in models")
     args = parser.parse_args()
+    if args.megatron is not None:
+        print_megatron(args.megatron)
+        return
     rows = [(m, b, d, g) for m, b, d in ROWS for g in GPUS]
     if args.quick:
         rows = [("gpt2-small", 512, "float32", 1024), ("gpt3-175b", 128, "bfloat16", 1024)]

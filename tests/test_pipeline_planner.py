@@ -101,10 +101,33 @@ def test_bounds_never_exceed_the_simulated_step_and_pruning_loses_nothing(seed):
                 continue
             step = ctx.finish(prepared).step_time_s
             assert optimistic <= prepared.lower_bound_s * (1 + 1e-9)
+            assert ctx.memory_bound(config, cut) <= prepared.lower_bound_s
             assert prepared.lower_bound_s <= step * (1 + 1e-9)
+            assert ctx.ramp_bound(prepared) <= step
             unpruned = min(unpruned, step)
     best, _ = search_pipeline(graph, cluster, FP32)
     assert (best.step_time_s if best else float("inf")) == pytest.approx(unpruned, rel=1e-12)
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_pruning_by_memory_and_ramp_bounds_returns_the_same_plan(seed):
+    graph, cluster = tiny_instance(seed)
+    pruned, _ = search_pipeline(graph, cluster, FP32)
+    every, _ = search_pipeline(graph, cluster, FP32, prune=False)
+    assert (pruned is None) == (every is None)
+    if pruned is not None:
+        assert (pruned.config, pruned.stage_of_layer, pruned.costs, pruned.step_time_s) == (
+            every.config, every.stage_of_layer, every.costs, every.step_time_s)
+
+
+def test_infeasible_configurations_are_reported_with_or_without_pruning():
+    graph, cluster = tiny_instance(0)
+    cluster = make_cluster(per_node=2, nodes=1, memory_bytes=int(0.05 * GiB))
+    pruned = search_pipeline(graph, cluster, FP32)
+    every = search_pipeline(graph, cluster, FP32, prune=False)
+    assert pruned[0] is None and every[0] is None
+    assert {(o.config, o.min_memory_bytes) for o in pruned[1]} == {
+        (o.config, o.min_memory_bytes) for o in every[1]}
 
 
 def test_plan_carries_stages_schedule_and_bubble_and_fits_each_rank():

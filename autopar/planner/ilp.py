@@ -26,11 +26,13 @@ relaxation (y, u continuous) gives the lower bound reported with the plan.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
 import pulp
 
+from autopar.planner.bounds import bounds_at_cap
 from autopar.planner.costs import HOST_MEMORY_BYTES, LayerCost, undominated
 
 GIB = 1024**3
@@ -38,6 +40,14 @@ MS = 1e3
 # Solvers accept rows violated by their feasibility tolerance (HiGHS: 1e-7, i.e. ~100 bytes
 # in GiB units), so the memory row keeps 1 KiB of slack: a plan never exceeds the device.
 FEASIBILITY_SLACK_GIB = 1024 / GIB
+BOUND_TOLERANCE = 1e-5
+"""Relative slack between a solver-free lower bound (bounds.py) and HiGHS's objective,
+which it computes from integers accepted within 1e-6 (mip_feasibility_tolerance), summed
+over a few options."""
+HIGHS_GAP_MARGIN = 1e-3
+"""HiGHS stops within mip_rel_gap = 1e-4 (its default) of its own bound, so its answer for
+a sub-program is at most 1e-4 above that sub-program's best integer point; ten times that
+keeps pruning against an integer point found by bounds.py safe."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -205,20 +215,52 @@ class StrategyILP:
 
 
 def solve_by_buffer_cap(classes: list[ClassOptions], capacity_bytes: float,
-                        margin_fraction: float, time_limit_s: float = 10.0) -> ILPResult:
+                        margin_fraction: float, time_limit_s: float = 10.0, *,
+                        prune: bool = True) -> ILPResult:
     """The integer program solved once per value of the largest buffer b, each time with
     only the options whose buffer fits under it and b fixed: no binaries u, so every
     sub-program is a small knapsack HiGHS closes at once, where the binaries' big-M rows
     made it branch for up to seconds (the 1T-parameter Megatron row took minutes).
-    Exact: the optimum's largest buffer is one of the values tried."""
+    Exact: the optimum's largest buffer is one of the values tried.
+
+    Sub-programs go in order of their LP bound (bounds.py), and HiGHS sees one only while
+    that bound could still beat the best answer so far and the best integer point the
+    bounds found: most caps close without a solver call. Ties go to the smallest cap, as
+    when every cap was solved in increasing order, so pruning does not change the answer."""
     classes = [ilp_relevant(c) for c in classes]
-    caps = sorted({cost.buffer_bytes for c in classes for cost in c.costs.values()})
-    best: ILPResult | None = None
+    if not prune:
+        return _solve_every_cap(classes, capacity_bytes, margin_fraction, time_limit_s)
+    subs = _buffer_caps(classes, capacity_bytes, margin_fraction)
+    incumbent = min((upper for _, _, upper, _ in subs), default=math.inf)
+    best: tuple[float, ILPResult] | None = None  # (cap, its answer)
     elapsed, solver = 0.0, make_solver(time_limit_s).name
-    for cap in caps:
-        sub = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
-                            costs={s: x for s, x in c.costs.items() if x.buffer_bytes <= cap})
-               for c in classes]
+    for lower, cap, _, sub in sorted(subs, key=lambda item: item[:2]):
+        if not _may_win(lower, cap, best, incumbent):
+            continue
+        result = StrategyILP(sub, capacity_bytes, margin_fraction,
+                             fixed_buffer_bytes=cap).solve(time_limit_s)
+        elapsed += result.solve_time_s
+        if result.status == "optimal" and (
+                best is None or (result.objective_s, cap) < (best[1].objective_s, best[0])):
+            best = (cap, result)
+    if best is None:
+        return ILPResult(status="infeasible", objective_s=float("inf"),
+                         lower_bound_s=float("inf"), choice={}, solver=solver,
+                         solve_time_s=elapsed)
+    result = best[1]
+    return ILPResult(status="optimal", objective_s=result.objective_s,
+                     lower_bound_s=result.objective_s, choice=result.choice,
+                     solver=result.solver, solve_time_s=elapsed)
+
+
+def _solve_every_cap(classes: list[ClassOptions], capacity_bytes: float,
+                     margin_fraction: float, time_limit_s: float) -> ILPResult:
+    """solve_by_buffer_cap without bounds: every cap in increasing order, each unless its
+    memory-blind time cannot beat the answer so far (what the bounds must agree with)."""
+    best: ILPResult | None = None
+    elapsed = 0.0
+    for cap in sorted({cost.buffer_bytes for c in classes for cost in c.costs.values()}):
+        sub = _under_cap(classes, cap)
         if any(not c.costs for c in sub):
             continue
         fastest = sum(c.count * min(x.time_s for x in c.costs.values()) for c in sub)
@@ -231,11 +273,43 @@ def solve_by_buffer_cap(classes: list[ClassOptions], capacity_bytes: float,
             best = result
     if best is None:
         return ILPResult(status="infeasible", objective_s=float("inf"),
-                         lower_bound_s=float("inf"), choice={}, solver=solver,
-                         solve_time_s=elapsed)
+                         lower_bound_s=float("inf"), choice={},
+                         solver=make_solver(time_limit_s).name, solve_time_s=elapsed)
     return ILPResult(status="optimal", objective_s=best.objective_s,
                      lower_bound_s=best.objective_s, choice=best.choice, solver=best.solver,
                      solve_time_s=elapsed)
+
+
+def _under_cap(classes: list[ClassOptions], cap: float) -> list[ClassOptions]:
+    """The classes with only their options whose buffer fits under ``cap``."""
+    return [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
+                         costs={s: x for s, x in c.costs.items() if x.buffer_bytes <= cap})
+            for c in classes]
+
+
+def _buffer_caps(classes: list[ClassOptions], capacity_bytes: float, margin_fraction: float
+                 ) -> list[tuple[float, float, float, list[ClassOptions]]]:
+    """Per buffer cap whose LP is feasible: (lower bound, cap, upper bound, sub-program)."""
+    out = []
+    for cap in sorted({cost.buffer_bytes for c in classes for cost in c.costs.values()}):
+        sub = _under_cap(classes, cap)
+        lower, upper = bounds_at_cap(sub, cap, capacity_bytes, margin_fraction)
+        if not math.isinf(lower):  # an infeasible LP: so is the integer program
+            out.append((lower, cap, upper, sub))
+    return out
+
+
+def _may_win(lower_s: float, cap: float, best: tuple[float, ILPResult] | None,
+             incumbent_s: float) -> bool:
+    """Whether the sub-program at ``cap`` could still be the answer: strictly faster than
+    the best so far or tied with it at a smaller cap, and not beaten by the incumbent."""
+    shrunk = lower_s * (1 - BOUND_TOLERANCE)
+    if shrunk > incumbent_s * (1 + HIGHS_GAP_MARGIN):
+        return False
+    if best is None:
+        return True
+    best_cap, result = best
+    return shrunk < result.objective_s or (shrunk == result.objective_s and cap < best_cap)
 
 
 def solve_strategies(

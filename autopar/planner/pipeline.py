@@ -23,6 +23,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from autopar.planner.bounds import rank_bound
 from autopar.planner.costs import (
     LayerCost,
     allowed_options,
@@ -41,7 +42,7 @@ from autopar.planner.ilp import (
 from cost_models.comm import Group, group_link, p2p_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
-from cost_models.schedule import StageTimes, Timeline, simulate, stage_ranks
+from cost_models.schedule import StageTimes, Timeline, rank_orders, simulate, stage_ranks
 from passes.records import LayerGraph
 from runtime.plan import Mesh, schedule_microbatch_problem
 
@@ -60,6 +61,9 @@ EXHAUSTIVE_CUTS = 64
 """Enumerate every contiguous cut of models with at most EXHAUSTIVE_LAYERS layers when
 there are at most this many cuts; larger models take the balanced cut."""
 EXHAUSTIVE_LAYERS = 8
+STEP_BOUND_TOLERANCE = 1e-9
+"""memory_bound is shrunk by this much: it and prepare's bound sum the same seconds in a
+different order, and skipping must not hinge on the last bit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -122,35 +126,67 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
 
 def search_pipeline(
     graph: LayerGraph, cluster: Cluster, prec: Precision, time_limit_s: float = 10.0,
-    best_known_s: float = math.inf,
+    best_known_s: float = math.inf, *, prune: bool = True,
 ) -> tuple[PipelineOutcome | None, list[PipelineOutcome | Infeasible]]:
-    """The fastest pipeline plan (or None), and every configuration's outcome."""
-    ctx = _Context(graph, cluster, prec, time_limit_s)
-    # Order every (configuration, cut) by a bound that needs no ILP (each layer on its
-    # fastest strategy, memory ignored): memory can only slow a plan down, so once that
-    # bound reaches the best simulated step, nothing later can win.
+    """The fastest pipeline plan (or None), and every configuration's outcome.
+
+    Every (configuration, cut) has a position in the order of a bound that needs no ILP
+    (each layer on its fastest strategy, memory ignored), and the answer is the fastest
+    simulated step, ties to the earliest position. ``prune`` adds a memory-aware bound
+    (memory_bound: the rank ILPs' LP bounds) that skips configurations before their ILPs
+    and evaluates the most promising first; the answer is the same without it."""
+    ctx = _Context(graph, cluster, prec, time_limit_s, prune=prune)
     queue = sorted(
         ((ctx.bound(config, cut, ctx.fastest(config, cut)), i, config, cut)
          for i, config in enumerate(pipeline_configs(graph, cluster))
          for cut in ctx.cuts(config)),
         key=lambda item: item[:2])
+    ordered = [(optimistic, p, config, cut)
+               for p, (optimistic, _, config, cut) in enumerate(queue)
+               if optimistic < best_known_s]  # memory can only slow a plan down
     results: list[PipelineOutcome | Infeasible] = []
+    if prune:
+        ordered, results = _by_memory_bound(ctx, ordered)
     best: PipelineOutcome | None = None
-    limit = best_known_s
-    for optimistic, _, config, cut in queue:
-        if optimistic >= limit:
-            break
+    best_key = (best_known_s, -1)  # a tie with the plan without pipelining does not win
+    for bound, p, config, cut in ordered:
+        if (bound, p) >= best_key:
+            break  # sorted by (bound, position): nothing later can win
+        if prune:
+            exact = ctx.memory_bound(config, cut)  # with the simulated in-flight counts
+            if math.isinf(exact):
+                results.append(ctx.infeasible(config, cut))
+            if (exact, p) >= best_key:
+                continue
         prepared = ctx.prepare(config, cut)
         if isinstance(prepared, Infeasible):
             results.append(prepared)
             continue
-        if prepared.lower_bound_s >= limit:
+        if (prepared.lower_bound_s, p) >= best_key:
             continue
+        if prune and (ctx.ramp_bound(prepared), p) >= best_key:
+            continue  # simulating it cannot win either
         outcome = ctx.finish(prepared)
         results.append(outcome)
-        if outcome.step_time_s < limit:
-            best, limit = outcome, outcome.step_time_s
+        if (outcome.step_time_s, p) < best_key:
+            best, best_key = outcome, (outcome.step_time_s, p)
     return best, results
+
+
+def _by_memory_bound(ctx: _Context, ordered: list[tuple[float, int, PipelineConfig, tuple]]
+                     ) -> tuple[list[tuple[float, int, PipelineConfig, tuple]], list[Infeasible]]:
+    """The queue re-sorted by the larger of its bound and the memory-aware one (with
+    in-flight counts that need no simulation), and the configurations whose LP relaxation
+    already shows a rank that cannot fit (the rank ILP would say the same: its feasible
+    set lies inside the LP's)."""
+    kept, infeasible = [], []
+    for optimistic, p, config, cut in ordered:
+        bound = ctx.memory_bound(config, cut, simulated=False)
+        if math.isinf(bound):
+            infeasible.append(ctx.infeasible(config, cut))
+        else:
+            kept.append((max(optimistic, bound), p, config, cut))
+    return sorted(kept, key=lambda item: item[:2]), infeasible
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -165,12 +201,15 @@ class _Context:
     """Caches shared across configurations: layer costs, in-flight profiles, rank ILPs."""
 
     def __init__(self, graph: LayerGraph, cluster: Cluster, prec: Precision,
-                 time_limit_s: float) -> None:
+                 time_limit_s: float, *, prune: bool = True) -> None:
         self.graph, self.cluster, self.prec = graph, cluster, prec
         self.time_limit_s = time_limit_s
+        self.prune = prune
         self._costs: dict[tuple, dict[str, LayerCost]] = {}
         self._inflight: dict[tuple, tuple[int, ...]] = {}
         self._ilp: dict[tuple, object] = {}
+        self._bounds: dict[tuple, float] = {}
+        self._ramp: dict[tuple, list[tuple[int, list[int], int, int]]] = {}
 
     def costs(self, layer_index: int, config: PipelineConfig) -> dict[str, LayerCost]:
         layer = self.graph.layers[layer_index]
@@ -215,6 +254,60 @@ class _Context:
         return max(sum(fwd[:first[r]]) + busy[r] + (0.0 if split_w else sum(bwd[:first[r]]))
                    for r in range(pp)) + max(sync)
 
+    def ramp_bound(self, prepared: _Prepared) -> float:
+        """A step-time lower bound that counts the pipeline's ramp, for schedules with a
+        fixed order (0 for ZBVZeroBubble, whose order is chosen while simulating): a rank's
+        first backward waits until its micro-batch has run forward through every stage
+        and backward down to it, and meanwhile the rank can only run the forwards its
+        order puts first; everything else follows that backward."""
+        config = prepared.config
+        if config.schedule == "ZBVZeroBubble":
+            return 0.0
+        pp, num_stages, m = config.mesh.pp, config.num_stages, config.microbatches
+        owner = stage_ranks(config.schedule, pp, num_stages)
+        split_w = "ZeroBubble" in config.schedule
+        fwd, bwd, busy, sync = [0.0] * num_stages, [0.0] * num_stages, [0.0] * pp, [0.0] * pp
+        for cost, s in zip(prepared.costs, prepared.stage_of_layer, strict=True):
+            fwd[s] += cost.fwd_s
+            bwd[s] += cost.bwd_s + (0.0 if split_w else cost.wgrad_s)  # B's duration
+            busy[owner[s]] += m * (cost.fwd_s + cost.bwd_s + cost.wgrad_s)
+            sync[owner[s]] += cost.step_s
+        out = 0.0
+        for rank, (first_f, ahead, first_b, last_b) in enumerate(self._ramps(config)):
+            work = sum(fwd[s] for s in ahead)
+            start = max(sum(fwd[:first_f]) + work, sum(fwd) + sum(bwd[first_b + 1:]))
+            tail = 0.0 if split_w else sum(bwd[:last_b])  # the last backward runs on down
+            out = max(out, start + busy[rank] - work + tail)
+        return (out + max(sync)) * (1 - STEP_BOUND_TOLERANCE)
+
+    def _ramps(self, config: PipelineConfig) -> list[tuple[int, list[int], int, int]]:
+        """Per rank of a fixed-order schedule: its first forward's stage, the stages of the
+        forwards before its first backward, that backward's stage, its last one's."""
+        key = (config.schedule, config.mesh.pp, config.virtual_stages, config.microbatches)
+        if key not in self._ramp:
+            out = []
+            for order in rank_orders(*key):
+                k = next(i for i, (action, *_) in enumerate(order) if action == "B")
+                out.append((order[0][1], [s for _, s, _ in order[:k]], order[k][1],
+                            order[-1][1]))
+            self._ramp[key] = out
+        return self._ramp[key]
+
+    def inflight_floor(self, config: PipelineConfig) -> tuple[int, ...]:
+        """In-flight counts never above inflight's, without simulating: exact for fixed
+        orders; InterleavedZeroBubble's fixed F/B order freeing at B (its W frees later);
+        one per stage for ZBVZeroBubble, whose order is chosen while simulating."""
+        if config.schedule == "ZBVZeroBubble":
+            return (1,) * config.num_stages
+        if config.schedule != "InterleavedZeroBubble":
+            return self.inflight(config)
+        m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
+        key = ("floor", config.schedule, config.mesh.pp, config.virtual_stages, m)
+        if key not in self._inflight:
+            self._inflight[key] = order_peaks(config.schedule, config.mesh.pp,
+                                              config.virtual_stages, m)
+        return self._inflight[key]
+
     def inflight(self, config: PipelineConfig) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations it holds at once."""
         if config.schedule == "GPipe":
@@ -224,27 +317,48 @@ class _Context:
         m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
         key = (config.schedule, config.mesh.pp, config.virtual_stages, m)
         if key not in self._inflight:
-            unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * config.num_stages
-            timeline = simulate(config.schedule, config.mesh.pp, m, unit)
-            self._inflight[key] = stage_peaks(timeline, config.num_stages)
+            self._inflight[key] = unit_peaks(config.schedule, config.mesh.pp,
+                                             config.virtual_stages, m)
         return self._inflight[key]
+
+    def memory_bound(self, config: PipelineConfig, stage_of: tuple[int, ...], *,
+                     simulated: bool = True) -> float:
+        """A step-time lower bound that counts memory, with no solver: per rank, the
+        forwards (and backwards) of the stages ahead, fastest per layer, plus the LP bound
+        (bounds.py) of its layers' per-step time m (F + B + W) + step under its memory.
+        prepare's bound is never below it (the ranks' ILP answers lie inside the LPs), so
+        skipping on it loses nothing; inf when a rank cannot fit at all. Without
+        ``simulated`` it takes in-flight counts that need no simulation and are never
+        larger (inflight_floor), so it is lower still."""
+        pp, v = config.mesh.pp, config.virtual_stages
+        owner = stage_ranks(config.schedule, pp, pp * v)
+        fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
+        for i, s in enumerate(stage_of):
+            options = self.costs(i, config).values()
+            fwd[s] += min(c.fwd_s for c in options)
+            bwd[s] += min(c.bwd_s for c in options)
+        split_w = "ZeroBubble" in config.schedule
+        out = 0.0
+        inflight = self.inflight(config) if simulated else self.inflight_floor(config)
+        for rank, (_, options) in enumerate(self._ranks(config, stage_of, inflight)):
+            first = owner.index(rank)
+            ahead = sum(fwd[:first]) + (0.0 if split_w else sum(bwd[:first]))
+            out = max(out, ahead + self._rank_bound(config, options))
+        return out * (1 - STEP_BOUND_TOLERANCE)
+
+    def infeasible(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> Infeasible:
+        """The configuration needs what its fullest rank needs at the least."""
+        need = max(min_memory(options, self.cluster.memory_margin_fraction)[0]
+                   for _, options in self._ranks(config, stage_of))
+        return Infeasible(config=config, min_memory_bytes=need)
 
     def prepare(self, config: PipelineConfig, stage_of: tuple[int, ...]
                 ) -> _Prepared | Infeasible:
         """Per rank, the fastest strategies that fit (the rank ILP), or why none fit."""
-        pp, v = config.mesh.pp, config.virtual_stages
-        owner = stage_ranks(config.schedule, pp, pp * v)
-        inflight = self.inflight(config)
-        per_rank = []
-        for rank in range(pp):
-            members = [i for i, s in enumerate(stage_of) if owner[s] == rank]
-            options = self._rank_options(config, members, stage_of, inflight)
-            per_rank.append((members, options, self._solve(config, options)))
+        per_rank = [(members, options, self._solve(config, options))
+                    for members, options in self._ranks(config, stage_of)]
         if any(result is None for *_, result in per_rank):
-            # The configuration needs what its fullest rank needs at the least.
-            need = max(min_memory(options, self.cluster.memory_margin_fraction)[0]
-                       for _, options, _ in per_rank)
-            return Infeasible(config=config, min_memory_bytes=need)
+            return self.infeasible(config, stage_of)
         chosen: list[LayerCost | None] = [None] * len(stage_of)
         for members, options, result in per_rank:
             queues = {name: expand_counts(counts) for name, counts in result.items()}
@@ -255,6 +369,19 @@ class _Context:
         costs = [c for c in chosen if c is not None]
         return _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
                          lower_bound_s=self.bound(config, stage_of, costs))
+
+    def _ranks(self, config: PipelineConfig, stage_of: tuple[int, ...],
+               inflight: tuple[int, ...] | None = None
+               ) -> list[tuple[list[int], list[ClassOptions]]]:
+        """Per pipeline rank, its layers and their classes' options."""
+        pp, v = config.mesh.pp, config.virtual_stages
+        owner = stage_ranks(config.schedule, pp, pp * v)
+        inflight = inflight or self.inflight(config)
+        out = []
+        for rank in range(pp):
+            members = [i for i, s in enumerate(stage_of) if owner[s] == rank]
+            out.append((members, self._rank_options(config, members, stage_of, inflight)))
+        return out
 
     def _rank_options(self, config: PipelineConfig, members: list[int],
                       stage_of: tuple[int, ...], inflight: tuple[int, ...]) -> list[ClassOptions]:
@@ -271,16 +398,21 @@ class _Context:
     def _solve(self, config: PipelineConfig, options: list[ClassOptions]
                ) -> dict[str, dict[str, int]] | None:
         """One rank's strategies (class -> {strategy: count}), or None if nothing fits."""
-        # Ranks holding the same classes in the same stage positions share the answer.
-        stages = sorted({o.name.split(":", 1)[0] for o in options}, key=int)
-        shape = tuple((stages.index(o.name.split(":", 1)[0]), o.name.split(":", 1)[1],
-                       o.count, o.inflight) for o in options)
-        key = (config.mesh.dp, config.mesh.tp, config.microbatches, shape)
+        key = _rank_key(config, options)
         if key not in self._ilp:
             self._ilp[key] = self._fastest_if_it_fits(options) or self._ilp_counts(options)
         counts = self._ilp[key]
         return None if counts is None else {
             o.name: c for o, c in zip(options, counts, strict=True)}
+
+    def _rank_bound(self, config: PipelineConfig, options: list[ClassOptions]) -> float:
+        key = _rank_key(config, options)
+        if key not in self._bounds:
+            m = config.microbatches
+            self._bounds[key] = rank_bound(
+                options, self.cluster.device.memory_bytes, self.cluster.memory_margin_fraction,
+                value=lambda c: m * (c.fwd_s + c.bwd_s + c.wgrad_s) + c.step_s)
+        return self._bounds[key]
 
     def _fastest_if_it_fits(self, options: list[ClassOptions]) -> list[dict[str, int]] | None:
         """Every class on its fastest strategy, when that fits: then it is optimal."""
@@ -295,7 +427,8 @@ class _Context:
 
     def _ilp_counts(self, options: list[ClassOptions]) -> list[dict[str, int]] | None:
         result = solve_by_buffer_cap(options, self.cluster.device.memory_bytes,
-                                     self.cluster.memory_margin_fraction, self.time_limit_s)
+                                     self.cluster.memory_margin_fraction, self.time_limit_s,
+                                     prune=self.prune)
         if result.status != "optimal":
             return None
         return [result.choice[o.name] for o in options]
@@ -342,6 +475,38 @@ class _Context:
             prepared.costs, prepared.stage_of_layer, prepared.stage_of_layer[1:] + (-1,),
             strict=True) if nxt != s and nxt != -1]
         return p2p_s(max(boundary, default=0.0), link)
+
+
+def _rank_key(config: PipelineConfig, options: list[ClassOptions]) -> tuple:
+    """Ranks holding the same classes in the same stage positions share ILPs and bounds."""
+    stages = sorted({o.name.split(":", 1)[0] for o in options}, key=int)
+    shape = tuple((stages.index(o.name.split(":", 1)[0]), o.name.split(":", 1)[1],
+                   o.count, o.inflight) for o in options)
+    return (config.mesh.dp, config.mesh.tp, config.microbatches, shape)
+
+
+def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
+               ) -> tuple[int, ...]:
+    """Per stage, the in-flight peak of a unit-time run. Where ranks follow a fixed order
+    and B frees the activations, the order alone gives it (a stage's count moves only
+    with its own rank's actions, which run in that order), without simulating."""
+    num_stages = pp * virtual_stages
+    if "ZeroBubble" in schedule:  # W frees them, and runs whenever a rank would idle
+        unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * num_stages
+        return stage_peaks(simulate(schedule, pp, microbatches, unit), num_stages)
+    return order_peaks(schedule, pp, virtual_stages, microbatches)
+
+
+def order_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
+                ) -> tuple[int, ...]:
+    """Per stage, the most micro-batches between F and B in the ranks' fixed orders."""
+    num_stages = pp * virtual_stages
+    peak, held = [0] * num_stages, [0] * num_stages
+    for order in rank_orders(schedule, pp, virtual_stages, microbatches):
+        for action, stage, _ in order:
+            held[stage] += 1 if action == "F" else -1
+            peak[stage] = max(peak[stage], held[stage])
+    return tuple(peak)
 
 
 def stage_peaks(timeline: Timeline, num_stages: int) -> tuple[int, ...]:
