@@ -4,9 +4,8 @@
     python bench/memory_dims.py
 
 Model: the zoo's gpt-small (4 blocks, h=128, 4 heads, vocab 512; fused attention, no
-dropout), global batch 16, sequence 64, AdamW. Fused attention because the capture offers
-sequence parallelism only for it (the unfused block's sliced causal mask is not recognised
-as per-token); no dropout because CPU dropout keeps a float32 noise tensor where the
+dropout), global batch 16, sequence 64, AdamW. Fused attention because context
+parallelism needs it; no dropout because CPU dropout keeps a float32 noise tensor where the
 capture models CUDA's 1-byte mask (tests/test_recompute_memory.py).
 
 Measured on every rank (the table gives the largest over the 2 ranks), during the second
@@ -43,8 +42,8 @@ BLOCK_TP = {
     "attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
     "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise",
 }
-DIMENSIONS = ("replicate", "zero1", "zero2", "fsdp", "tp", "tp+sp", "selective", "full",
-              "bf16")
+DIMENSIONS = ("replicate", "zero1", "zero2", "fsdp", "tp", "tp+sp", "cp", "selective",
+              "full", "bf16")
 
 
 def _spec():
@@ -58,7 +57,7 @@ def _names(n_layer: int) -> list[str]:
 
 
 def make_plan(dimension: str, n_layer: int, sp_styles: dict[str, str]) -> Plan:
-    """Every layer ``dimension`` on dp=2, or the Megatron split on tp=2."""
+    """Every layer ``dimension`` on dp=2, the Megatron split on tp=2, or cp=2."""
     if dimension in ("tp", "tp+sp"):
         sp = dimension == "tp+sp"
         blocks = [LayerPlan(module=f"h.{i}", strategy="tp", sequence_parallel=sp,
@@ -68,6 +67,9 @@ def make_plan(dimension: str, n_layer: int, sp_styles: dict[str, str]) -> Plan:
                   LayerPlan(module="ln_f", strategy="replicate"),
                   LayerPlan(module="lm_head", strategy="tp", tp_styles={"": "colwise_gather"})]
         return Plan(global_batch=BATCH, mesh=Mesh(dp=1, tp=WORLD), layers=tuple(layers))
+    if dimension == "cp":  # every sample's sequence split over the 2 ranks
+        layers = tuple(LayerPlan(module=n, strategy="replicate") for n in _names(n_layer))
+        return Plan(global_batch=BATCH, seq_len=SEQ, mesh=Mesh(dp=1, cp=WORLD), layers=layers)
     strategy = dimension if dimension in ("zero1", "zero2", "fsdp") else "replicate"
     recompute = dimension if dimension in ("selective", "full") else "none"
     layers = tuple(LayerPlan(module=n, strategy=strategy,
@@ -144,8 +146,9 @@ def states_bytes(trainer) -> int:
     optim = [v for state in trainer.optimizer.state.values() for v in state.values()
              if hasattr(v, "untyped_storage")]
     held = _bytes_of(params) | _bytes_of(p.grad for p in params) | _bytes_of(optim)
-    buckets = 0
-    if isinstance(trainer.module, DistributedDataParallel):
+    buckets = 0  # separate from the gradients unless they are views into the buckets
+    ddp = trainer.module
+    if isinstance(ddp, DistributedDataParallel) and not ddp.gradient_as_bucket_view:
         sizes = trainer.module._get_ddp_logging_data().get("bucket_sizes", "")
         buckets = sum(int(s) for s in str(sizes).split(",") if s)
     return sum(held.values()) + buckets

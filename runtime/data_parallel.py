@@ -97,7 +97,10 @@ def uses_ddp(layers: list[LayerPlan], *, mixed_precision: bool = False) -> bool:
 def apply_ddp(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None) -> nn.Module:
     """Wrap the whole model in DDP over ``group`` (default: the world, dp × cp × tp)."""
     device_ids = [device] if device.type == "cuda" else None
-    ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group)
+    # Gradients as views into DDP's all-reduce buckets: one copy of them, not two (the cost
+    # model's 'replicate' holds G once; bench/memory_dims.py measured +25% without this).
+    ddp = DistributedDataParallel(model, device_ids=device_ids, process_group=group,
+                                  gradient_as_bucket_view=True)
     size = dist.get_world_size(group)
     logger.info("applied DDP over %d rank(s) (all layers replicate)", size)
     return ddp
