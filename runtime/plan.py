@@ -102,6 +102,10 @@ SCHEDULES = {
     "InterleavedZeroBubble": ("v",),
     "ZBVZeroBubble": (2,),
 }
+SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
+"""Schedules that run a stage's backward in two passes (input gradients, then weight
+gradients). torch's selective activation checkpointing allows one backward through a
+region, so selective recomputation cannot run under them (full recomputation can)."""
 
 
 def option_label(strategy: str, recompute: str = "none", offload: bool = False,
@@ -526,6 +530,13 @@ class Plan:
         missing = sorted(set(range(self.num_stages)) - set(stages))
         if self.layers and missing:
             raise PlanError(f"pipeline stage(s) {missing} hold no layer")
+        selective = [la.module for la in self.layers if la.recompute == "selective"]
+        if selective and self.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+            raise PlanError(
+                f"layer {selective[0]!r} recomputes selectively, which schedule "
+                f"{self.pipeline.schedule!r} cannot run: it splits each backward into input "
+                "and weight passes, and selective checkpointing allows one backward; use "
+                "recompute 'full' or a schedule such as 1F1B or Interleaved1F1B")
 
     def _check_precision(self) -> None:
         if self.param_dtype not in COMPUTE_DTYPES:

@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.plan import (
+    SPLIT_BACKWARD_SCHEDULES,
     SCHEDULES,
     STRATEGIES,
     TP_STYLES,
@@ -74,6 +75,9 @@ def plans(draw) -> Plan:
                            max_size=max(6, num_stages), unique_by=lambda la: la.module))
     # Stages are contiguous runs in execution order and every stage holds a layer.
     layers = [replace(la, stage=i * num_stages // len(layers)) for i, la in enumerate(layers)]
+    if pipeline and pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:  # selective cannot run
+        layers = [replace(la, recompute="full") if la.recompute == "selective" else la
+                  for la in layers]
     prediction = draw(st.none() | st.builds(
         Prediction, step_time_s=finite, compute_s=finite, comm_s=finite,
         memory=st.builds(MemoryBreakdown, params_bytes=sizes, grads_bytes=sizes,
@@ -191,3 +195,15 @@ def test_bad_pipeline_sections_are_named(pipeline, stages, message):
     }
     with pytest.raises(PlanError, match=re.escape(message)):
         Plan.from_dict(data)
+
+
+def test_selective_recompute_under_a_split_backward_schedule_is_refused():
+    layers = (LayerPlan(module="a", stage=0, recompute="selective"),
+              LayerPlan(module="b", stage=1), LayerPlan(module="c", stage=2),
+              LayerPlan(module="d", stage=3))
+    spec = PipelineSpec(schedule="ZBVZeroBubble", num_microbatches=2, virtual_stages=2)
+    with pytest.raises(PlanError, match="'a' recomputes selectively, which schedule "
+                                        "'ZBVZeroBubble' cannot run"):
+        Plan(global_batch=4, mesh=Mesh(pp=2), layers=layers, pipeline=spec)
+    full = tuple(replace(la, recompute="full") if la.module == "a" else la for la in layers)
+    Plan(global_batch=4, mesh=Mesh(pp=2), layers=full, pipeline=spec)  # full runs there

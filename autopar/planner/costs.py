@@ -157,10 +157,13 @@ def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | N
 def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
                     hsdp_shard_size: int | None = None, microbatches: int = 1,
                     recompute: bool = True, offload: bool = True,
-                    sequence_parallel: bool = True) -> tuple[str, ...]:
-    """Every option label this layer can take: strategies × SP × offload × recompute."""
+                    sequence_parallel: bool = True, selective: bool = True
+                    ) -> tuple[str, ...]:
+    """Every option label this layer can take: strategies × SP × offload × recompute
+    (``selective`` False: not selective recomputation, e.g. under a split-backward pipeline
+    schedule, runtime.plan.SPLIT_BACKWARD_SCHEDULES)."""
     modes = [r for r in RECOMPUTE if recompute or r == "none"]
-    if layer.selective_saved_bytes + layer.selective_fixed_bytes <= 0:
+    if not selective or layer.selective_saved_bytes + layer.selective_fixed_bytes <= 0:
         modes = [r for r in modes if r != "selective"]
     can_sp = (sequence_parallel and layer.tp is not None and layer.tp.sp_collectives is not None
               and seq_len is not None and seq_len % mesh.tp == 0)
@@ -474,11 +477,12 @@ def hsdp_shard_size(cluster: Cluster, pp: int = 1) -> int | None:
 
 
 def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cluster,
-                  prec: Precision, microbatches: int = 1) -> dict[str, LayerCost]:
+                  prec: Precision, microbatches: int = 1, *, selective: bool = True
+                  ) -> dict[str, LayerCost]:
     """Every option of one layer with its cost, dominated options removed."""
     hsdp = hsdp_shard_size(cluster, mesh.pp)
     labels = allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
-                             microbatches=microbatches)
+                             microbatches=microbatches, selective=selective)
     return prune_dominated({
         o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp)
         for o in labels})

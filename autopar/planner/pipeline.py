@@ -44,7 +44,7 @@ from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from cost_models.schedule import StageTimes, Timeline, rank_orders, simulate, stage_ranks
 from passes.records import LayerGraph
-from runtime.plan import Mesh, schedule_microbatch_problem
+from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Mesh, schedule_microbatch_problem
 
 PIPELINE_SCHEDULES = (  # (schedule, virtual stages per rank)
     ("GPipe", 1),
@@ -214,10 +214,11 @@ class _Context:
     def costs(self, layer_index: int, config: PipelineConfig) -> dict[str, LayerCost]:
         layer = self.graph.layers[layer_index]
         mesh, m = config.mesh, config.microbatches
-        key = (layer.layer_class, mesh.dp, mesh.tp, m)
+        selective = config.schedule not in SPLIT_BACKWARD_SCHEDULES
+        key = (layer.layer_class, mesh.dp, mesh.tp, m, selective)
         if key not in self._costs:
             self._costs[key] = layer_options(layer, self.graph.seq_len, mesh, self.cluster,
-                                             self.prec, m)
+                                             self.prec, m, selective=selective)
         return self._costs[key]
 
     def cuts(self, config: PipelineConfig) -> list[tuple[int, ...]]:
@@ -482,7 +483,8 @@ def _rank_key(config: PipelineConfig, options: list[ClassOptions]) -> tuple:
     stages = sorted({o.name.split(":", 1)[0] for o in options}, key=int)
     shape = tuple((stages.index(o.name.split(":", 1)[0]), o.name.split(":", 1)[1],
                    o.count, o.inflight) for o in options)
-    return (config.mesh.dp, config.mesh.tp, config.microbatches, shape)
+    selective = config.schedule not in SPLIT_BACKWARD_SCHEDULES  # the options differ
+    return (config.mesh.dp, config.mesh.tp, config.microbatches, selective, shape)
 
 
 def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
