@@ -36,8 +36,9 @@ def test_plan_prints_layers_step_time_and_memory_and_writes_json(tmp_path, capsy
     [
         (["plan", "--model", "gpt5"], "unknown model 'gpt5'"),
         (["plan", "--cluster", "dgx-z"], "unknown cluster preset 'dgx-z'"),
-        # 64 GPUs, 6 layers: every layout (tp ≤ 8, pp ≤ 6) leaves dp ∈ {2, 4, 8, ...}.
-        (["plan", "--model", "gpt-tiny", "--nodes", "8", "--batch", "3"],
+        # 64 GPUs, 6 layers: every layout (tp ≤ 8, pp ≤ 6) leaves dp ∈ {2, 4, 8, ...}; an odd
+        # sequence leaves no context-parallel split either.
+        (["plan", "--model", "gpt-tiny", "--nodes", "8", "--batch", "3", "--seq", "7"],
          "not divisible by any data-parallel degree"),
         (["plan", "--model", "gpt3-175b", "--nodes", "1", "--batch", "8", "--seq", "2048"],
          "smallest per-rank memory any plan needs is"),

@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime.plan import (
-    SPLIT_BACKWARD_SCHEDULES,
     SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
     STRATEGIES,
     TP_STYLES,
     LayerPlan,

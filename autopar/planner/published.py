@@ -71,8 +71,8 @@ def read_rows(text: str) -> list[MegatronRow]:
 def paper_flops(row: MegatronRow) -> float:
     """FLOPs of one iteration as the paper counts them (its eq. 3: forward, backward and the
     recomputed forward): 96·B·s·l·h²·(1 + s/(6h) + V/(16·l·h))."""
-    b, s, h, l, v = row.global_batch, SEQ_LEN, row.hidden, row.layers, VOCAB
-    return 96 * b * s * l * h**2 * (1 + s / (6 * h) + v / (16 * l * h))
+    b, s, h, layers, v = row.global_batch, SEQ_LEN, row.hidden, row.layers, VOCAB
+    return 96 * b * s * layers * h**2 * (1 + s / (6 * h) + v / (16 * layers * h))
 
 
 def megatron_plan(graph: LayerGraph, row: MegatronRow) -> Plan:
