@@ -185,8 +185,8 @@ def why_lost(plan: Plan, alt) -> str:
         return f"slower by {ms(delta)} (+{delta / chosen:.1%})" if delta > 0 else "ties"
     if alt.lower_bound_s is not None and chosen is not None:
         delta = alt.lower_bound_s - chosen
-        return (f"slower by at least {ms(delta)} (+{delta / chosen:.1%}): even its fastest "
-                "options, memory ignored, lose")
+        return (f"slower by at least {ms(delta)} (+{delta / chosen:.1%}): its lower bound "
+                "already loses")
     if alt.status == "infeasible" and alt.min_memory_bytes is not None:
         cap = plan.prediction.capacity_bytes if plan.prediction else None
         if cap is not None:

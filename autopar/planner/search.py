@@ -4,11 +4,9 @@ For every mesh dp × cp × tp with tp inside a node (tp divides the devices per 
 dividing the global batch and cp a power of two whose 2·cp chunks divide the sequence
 (only for models that can run context-parallel, see passes/context_parallel.py), and every
 gradient accumulation m (a power of two dividing the per-replica batch), solve the option
-ILP; keep the fastest feasible plan. A mesh whose memory-blind bound cannot beat the best
-plan found is not solved. Accumulation
-only trades time for activation memory, so for each mesh m grows from 1 and stops once
-the best plan found is no slower than the next m's memory-blind lower bound (every class
-on its fastest option). The reported lower bound is the smallest LP-relaxation value over
+ILP; keep the fastest feasible plan. Before each ILP, the LP bound of its knapsack
+(autopar.planner.bounds, no solver) skips it when it cannot beat the mesh's plan (more
+accumulation only trades time for activation memory) or the best plan found. The reported lower bound is the smallest LP-relaxation value over
 all candidates, so it bounds every plan the search space holds.
 """
 
@@ -19,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError
+from autopar.planner.bounds import rank_bound
 from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options
 from autopar.planner.ilp import (
     ClassOptions,
@@ -130,11 +129,6 @@ def accumulation_steps(graph: LayerGraph, mesh: Mesh) -> list[int]:
             and local % m == 0]
 
 
-def _fastest_s(options: list[ClassOptions]) -> float:
-    """Step time with every class on its fastest option, memory ignored: a lower bound."""
-    return sum(c.count * min(cost.time_s for cost in c.costs.values()) for c in options)
-
-
 def search(
     graph: LayerGraph,
     cluster: Cluster,
@@ -193,10 +187,17 @@ def search(
         outclassed = float("inf")  # the least bound of accumulations the best plan beats
         for k in accumulation_steps(graph, m):
             options = class_options(graph, m, cluster, prec, k)
-            if mesh_best is not None and mesh_best[0].objective_s <= _fastest_s(options):
+            # The LP bound of the rank's knapsack (memory-aware, no solver): no plan with
+            # these options is faster; inf when nothing fits.
+            bound = rank_bound(options, cluster.device.memory_bytes,
+                               cluster.memory_margin_fraction)
+            if bound == float("inf"):
+                least_need = min(least_need, min_memory(options, cluster.memory_margin_fraction)[0])
+                continue
+            if mesh_best is not None and mesh_best[0].objective_s <= bound:
                 continue  # more accumulation cannot beat this mesh's plan
-            if best is not None and best[0].objective_s < _fastest_s(options):
-                outclassed = min(outclassed, _fastest_s(options))
+            if best is not None and best[0].objective_s < bound:
+                outclassed = min(outclassed, bound)
                 continue  # nothing here can beat the best plan found
             result = solve_strategies(options, cluster.device.memory_bytes,
                                       cluster.memory_margin_fraction, time_limit_s)
@@ -212,8 +213,8 @@ def search(
         if mesh_best is None and least_need == float("inf") and outclassed < float("inf"):
             candidates.append(Candidate(
                 mesh=m, status="skipped", lower_bound_s=outclassed,
-                reason=f"cannot beat the best plan: even its fastest options take "
-                       f"{outclassed:.3g} s per step"))
+                reason=f"cannot beat the best plan: no plan on it takes less than "
+                       f"{outclassed:.3g} s per step (LP bound)"))
             continue
         if mesh_best is None:
             candidates.append(Candidate(mesh=m, status="infeasible", min_memory_bytes=least_need,
