@@ -81,20 +81,8 @@ SUSTAINED_GEMM = (1024, 2.0)
 matrices back to back for that long at once (see ``sustained_gemm_flops``)."""
 
 
-class IdxOnlyGPT(GPT):
-    """The zoo GPT with ``forward(idx)`` only. Why: ``passes.split_stages`` traces the model
-    without concrete arguments, so GPT's optional ``pos`` becomes a graph input that the
-    pipeline then feeds None (``embedding(): argument 'indices' must be Tensor, not
-    NoneType``). Here ``pos`` stays at its default, as in every non-pipeline run."""
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:  # noqa: D102
-        return super().forward(idx)
-
-
 def build_model(device: str = "cpu", seed: int = 0) -> GPT:
-    model = get_model(MODEL).with_config(**CONFIG).build(device, seed=seed)
-    model.__class__ = IdxOnlyGPT  # same modules and weights, one-argument forward
-    return model
+    return get_model(MODEL).with_config(**CONFIG).build(device, seed=seed)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,10 +198,6 @@ def measure_job(plan_jsons: list[str], steps: int, warmup: int) -> list:
         plan = Plan.from_json(text)
         trainer = make_trainer(build_model(seed=0), plan, spec.loss_fn,
                                spec.example_inputs(BATCH, SEQ, device="meta"))
-        if not hasattr(trainer, "context_parallel"):
-            # PipelineTrainer inherits Trainer.shard_batch, which reads this attribute since
-            # 5c455ed but only Trainer.__init__ sets it (None: no context parallelism).
-            trainer.context_parallel = None
         times = []
         for step in range(warmup + steps):
             inputs, targets = spec.make_batch(BATCH, SEQ, seed=step)
