@@ -429,13 +429,20 @@ def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
     if strategy == "hsdp":
         shard = Group(shards, 1)
         replicas = Group(dp * tp // shards, shards)
-        return _DPComm(all_gather_s(params, shard, cluster), 0.0,
-                       reduce_scatter_s(grads, shard, cluster)
-                       + all_reduce_s(grads / shards, replicas, cluster))
+        # Reduce-scattered in the shard group every micro-batch (once in a pipeline, as
+        # fsdp below), all-reduced across groups once (runtime/data_parallel.py).
+        scatter = reduce_scatter_s(grads, shard, cluster)
+        across = all_reduce_s(grads / shards, replicas, cluster)
+        if mesh.pp > 1:
+            return _DPComm(all_gather_s(params, shard, cluster), 0.0, scatter + across)
+        return _DPComm(all_gather_s(params, shard, cluster), scatter, across)
     # fsdp / tp_fsdp (FSDP2 default): gather for forward, reshard, gather again for
-    # backward; gradients are reduce-scattered once, after the last micro-batch.
-    return _DPComm(all_gather_s(params, group, cluster), 0.0,
-                   reduce_scatter_s(grads, group, cluster))
+    # backward; gradients are reduce-scattered every micro-batch and accumulated sharded.
+    # Pipeline schedules reduce once, after the last micro-batch (their REDUCE_GRAD step).
+    scatter = reduce_scatter_s(grads, group, cluster)
+    if mesh.pp > 1:
+        return _DPComm(all_gather_s(params, group, cluster), 0.0, scatter)
+    return _DPComm(all_gather_s(params, group, cluster), scatter, 0.0)
 
 
 def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m: int,
