@@ -37,7 +37,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import tempfile
 import time
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from step_timing import median_step_s
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from autopar.calibrate import Settings, calibrate, write_profile
@@ -198,19 +198,11 @@ def measure_job(plan_jsons: list[str], steps: int, warmup: int) -> list:
         plan = Plan.from_json(text)
         trainer = make_trainer(build_model(seed=0), plan, spec.loss_fn,
                                spec.example_inputs(BATCH, SEQ, device="meta"))
-        times = []
-        for step in range(warmup + steps):
-            inputs, targets = spec.make_batch(BATCH, SEQ, seed=step)
-            dist.barrier()
-            start = time.perf_counter()
-            trainer.train_step(inputs, targets)
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= warmup:
-                times.append(elapsed.item())
+        step_s = median_step_s(trainer, lambda step: spec.make_batch(BATCH, SEQ, seed=step),
+                               warmup=warmup, steps=steps)
         inputs, targets = spec.make_batch(BATCH, SEQ, seed=warmup + steps)
         peak, parts = tracked_peak(trainer, inputs, targets)
-        out.append((statistics.median(times), peak, parts))
+        out.append((step_s, peak, parts))
     return out
 
 

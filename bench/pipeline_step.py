@@ -17,10 +17,10 @@ default (None) leaves it out.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from step_timing import median_step_s
 
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
 
@@ -58,7 +58,6 @@ def measure_job(plan_jsons: list[str], seq: int, steps: int, warmup: int,
                 threads: int = 1) -> list[float]:
     """On every rank: median step time of each plan, slowest rank per step."""
     import torch
-    import torch.distributed as dist
 
     from autopar.lower import make_trainer
     from autopar.zoo import get_model
@@ -73,17 +72,9 @@ def measure_job(plan_jsons: list[str], seq: int, steps: int, warmup: int,
         batch = plan.global_batch
         trainer = make_trainer(spec.build(seed=0), plan, spec.loss_fn,
                                spec.example_inputs(batch, seq, device="meta"))
-        times = []
-        for step in range(warmup + steps):
-            inputs, targets = spec.make_batch(batch, seq, seed=step)
-            dist.barrier()
-            start = time.perf_counter()
-            trainer.train_step(inputs, targets)
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            if step >= warmup:
-                times.append(elapsed.item())
-        medians.append(statistics.median(times))
+        medians.append(median_step_s(
+            trainer, lambda step, batch=batch: spec.make_batch(batch, seq, seed=step),
+            warmup=warmup, steps=steps))
     return medians
 
 

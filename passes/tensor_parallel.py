@@ -277,18 +277,24 @@ def _batched_product(node, states, need, seeds, gm, model) -> State | None:
     if not (isinstance(a, Node) and isinstance(b, Node)) or _ndim(a) != _ndim(b) or \
             _ndim(a) < 3:
         raise _Reject
-    missing = [t for t in (a, b) if t not in states]
-    for t in missing:
-        producer = _trace_back(t, gm, model)
-        if producer is None or producer in seeds:
-            raise _Reject
-        need.add(producer)
-    if missing:
+    if _await_operands((a, b), states, need, seeds, gm, model):
         return None
     (dim_a, unit_a), (dim_b, unit_b) = states[a], states[b]
     if dim_a != dim_b or dim_a >= _ndim(a) - 2:
         raise _Reject
     return dim_a, math.gcd(unit_a, unit_b)
+
+
+def _await_operands(operands, states, need, seeds, gm, model) -> bool:
+    """Whether some operand is not sharded yet: its producing Linear joins the seeds
+    (``need``) and the node waits for the next sweep. Raises _Reject when none can."""
+    missing = [t for t in operands if t not in states]
+    for t in missing:
+        producer = _trace_back(t, gm, model)
+        if producer is None or producer in seeds:
+            raise _Reject
+        need.add(producer)
+    return bool(missing)
 
 
 def _elementwise(node, states, need, seeds, gm, model) -> State | None:
@@ -329,13 +335,7 @@ def _sdpa(node, states, need, seeds, gm, model) -> State | None:
         if mask in states or (len(m_shape) >= 3 and m_shape[-3] != 1):
             raise _Reject  # a per-head mask would need sharding too
     qkv = [bound[k] for k in ("query", "key", "value")]
-    missing = [t for t in qkv if t not in states]
-    for t in missing:
-        producer = _trace_back(t, gm, model)
-        if producer is None or producer in seeds:
-            raise _Reject
-        need.add(producer)
-    if missing:
+    if _await_operands(qkv, states, need, seeds, gm, model):
         return None
     found = {states[t] for t in qkv}
     heads_dim = _ndim(qkv[0]) - 3
