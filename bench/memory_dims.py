@@ -138,14 +138,17 @@ def _parameters(model) -> list:
     return [p for p in params if p is not None]
 
 
-def states_bytes(trainer) -> int:
-    """Parameters, gradients, optimizer states and DDP buckets held now (module docstring)."""
+def states_bytes(trainer, forward_params: dict[int, int]) -> int:
+    """Parameters, gradients, optimizer states and DDP buckets held now, with the parameter
+    storages alive at the end of the forward (``forward_params``: FSDP2's gathered copies,
+    which backward frees) (module docstring)."""
     from torch.nn.parallel import DistributedDataParallel
 
     params = _parameters(trainer.applied.model)
     optim = [v for state in trainer.optimizer.state.values() for v in state.values()
              if hasattr(v, "untyped_storage")]
-    held = _bytes_of(params) | _bytes_of(p.grad for p in params) | _bytes_of(optim)
+    held = (forward_params | _bytes_of(params) | _bytes_of(p.grad for p in params)
+            | _bytes_of(optim))
     buckets = 0  # separate from the gradients unless they are views into the buckets
     ddp = trainer.module
     if isinstance(ddp, DistributedDataParallel) and not ddp.gradient_as_bucket_view:
@@ -169,6 +172,7 @@ class _ForwardProbe:
                 return out
 
         self.mode, self.refs, self.held, self.armed = Made(), [], None, False
+        self.params: dict[int, int] = {}
         model.register_forward_pre_hook(self._enter)
         model.register_forward_hook(self._exit)
         self.model = model
@@ -196,6 +200,7 @@ class _ForwardProbe:
         self.mode.__exit__(None, None, None)
         self.armed = False
         params = _parameters(self.model)
+        self.params = _bytes_of(params)
         excluded = (_bytes_of(params) | _bytes_of(p.grad for p in params)
                     | _bytes_of(self.model.buffers()) | _bytes_of([output]))
         alive = {ref.cdata: n for ref, n in self.refs if not ref.expired()}
@@ -223,10 +228,10 @@ def measure_job(plan_jsons: list[str]) -> list[tuple[int, int]]:
         seen: list[int] = []
         backward = trainer._backward
 
-        def measured(loss, backward=backward, seen=seen, trainer=trainer):
+        def measured(loss, backward=backward, seen=seen, trainer=trainer, probe=probe):
             backward(loss)
             if not seen:
-                seen.append(states_bytes(trainer))
+                seen.append(states_bytes(trainer, probe.params))
 
         trainer._backward = measured
         probe.armed = True
