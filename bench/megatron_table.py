@@ -19,21 +19,16 @@ import statistics
 import time
 from pathlib import Path
 
-import torch
-
 from autopar.planner.published import (
-    SEQ_LEN,
-    VOCAB,
     evaluate,
+    megatron_cluster,
+    megatron_graph,
     megatron_plan,
-    paper_flops,
+    predicted_tflops,
     read_rows,
 )
 from autopar.planner.search import search
-from autopar.zoo import GPT, GPTConfig
-from cost_models.hardware import Cluster
 from cost_models.memory import precision
-from passes.layer_graph import build_layer_graph
 
 TABLE = Path(__file__).resolve().parents[2] / "shared" / "validation" / "megatron_sc21_table1.csv"
 
@@ -49,23 +44,16 @@ def main() -> None:
           f"{'plan shape':<28} {'plan s':>6}")
     errors = []
     for row in read_rows(TABLE.read_text()):
-        cfg = GPTConfig(n_layer=row.layers, n_head=row.heads, n_embd=row.hidden,
-                        vocab_size=VOCAB, block_size=SEQ_LEN, attention="unfused", dropout=0.1)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        tokens = torch.zeros(row.global_batch, SEQ_LEN, dtype=torch.long, device="meta")
-        graph = build_layer_graph(model, (tokens,))
-        cluster = Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8)
+        graph, cluster = megatron_graph(row), megatron_cluster(row)
         ev = evaluate(graph, cluster, fp16, megatron_plan(graph, row))
-        flops = paper_flops(row) / row.gpus / 1e12
-        predicted = flops / ev.step_time_s
+        predicted = predicted_tflops(row, ev.step_time_s)
         errors.append(predicted / row.tflops_per_gpu - 1)
         own, shape, took = "-", "", ""
         if row.gpus <= args.plan_up_to:
             start = time.perf_counter()
             plan = search(graph, cluster, precision_name="float16").plan
             took = f"{time.perf_counter() - start:.1f}"
-            own = f"{flops / plan.prediction.step_time_s:.1f}"
+            own = f"{predicted_tflops(row, plan.prediction.step_time_s):.1f}"
             shape = plan.mesh.describe(" ")
             if plan.pipeline:
                 shape += f" {plan.pipeline.schedule} m={plan.pipeline.num_microbatches}"

@@ -14,11 +14,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from autopar.planner.costs import layer_cost
 from autopar.planner.pipeline import evaluate_plan
 from autopar.planner.search import plan_memory
+from autopar.zoo import GPT, GPTConfig
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
+from passes.layer_graph import build_layer_graph
 from passes.records import LayerGraph
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
 
@@ -113,6 +117,27 @@ def megatron_plan(graph: LayerGraph, row: MegatronRow) -> Plan:
                 loss_scaling="dynamic",
                 gradient_accumulation=1 if pipeline else row.microbatches,
                 pipeline=pipeline)
+
+
+def megatron_graph(row: MegatronRow) -> LayerGraph:
+    """The layer graph of what the published run trained: Megatron-LM's GPT (unfused softmax
+    attention, dropout 0.1 on hidden states and attention) at the run's global batch,
+    captured on the meta device."""
+    cfg = GPTConfig(n_layer=row.layers, n_head=row.heads, n_embd=row.hidden, vocab_size=VOCAB,
+                    block_size=SEQ_LEN, attention="unfused", dropout=0.1)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    tokens = torch.zeros(row.global_batch, SEQ_LEN, dtype=torch.long, device="meta")
+    return build_layer_graph(model, (tokens,), model_name=f"gpt-{row.params_b}b")
+
+
+def megatron_cluster(row: MegatronRow) -> Cluster:
+    return Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8)
+
+
+def predicted_tflops(row: MegatronRow, step_time_s: float) -> float:
+    """TFLOP/s per GPU of a step time, counted the paper's way."""
+    return paper_flops(row) / step_time_s / row.gpus / 1e12
 
 
 @dataclass(frozen=True, kw_only=True)
