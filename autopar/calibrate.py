@@ -12,6 +12,7 @@ them; ``write_profile`` writes a TOML file that ``Cluster.from_toml`` loads.
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import platform
 import statistics
@@ -51,13 +52,17 @@ class Settings:
     message_bytes: tuple[int, ...] = tuple(4 * KiB * 4**i for i in range(7))  # 4 KiB … 16 MiB
     warmup: int = 2
     repeats: int = 7
+    gemm_window_s: float = 0.2
+    """Each GEMM timing runs back to back for at least this long, so that every rank is
+    multiplying for the whole window (short repeats drift apart and catch other ranks idle:
+    bench/cost_fidelity.py measured 53 GFLOP/s calibrated against 39 sustained)."""
     timeout_s: float = 120
 
     @classmethod
     def quick(cls) -> Settings:
         return cls(gemm_sizes=(128, 256, 512), dtypes=("float32",), copy_bytes=16 * MiB,
                    message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
-                   warmup=1, repeats=5, timeout_s=60)
+                   warmup=1, repeats=5, gemm_window_s=0.05, timeout_s=60)
 
 
 @dataclass
@@ -151,7 +156,7 @@ def _measure_rank(settings: Settings, backend: str) -> Measurements:
             a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
             b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
             dist.barrier()  # every rank multiplies at once: a rank's share of the machine
-            m.gemm_s[dtype][n] = _median(timer, lambda a=a, b=b: torch.mm(a, b), settings)
+            m.gemm_s[dtype][n] = _sustained(timer, lambda a=a, b=b: torch.mm(a, b), settings)
     src = torch.empty(settings.copy_bytes // 4, device=device)
     dst = torch.empty_like(src)
     dist.barrier()
@@ -198,6 +203,20 @@ def _median(timer: Callable, op: Callable[[], object], settings: Settings, *,
         op()
     times = [timer(op) for _ in range(settings.repeats * (4 if small else 1))]
     return statistics.median(times) / getattr(op, "round_trips", 1)
+
+
+def _sustained(timer: Callable, op: Callable[[], object], settings: Settings) -> float:
+    """Per-op time of ``op`` run back to back for ``settings.gemm_window_s`` (median of
+    three windows)."""
+    for _ in range(settings.warmup):
+        op()
+    count = max(1, math.ceil(settings.gemm_window_s / max(timer(op), 1e-9)))
+
+    def window() -> None:
+        for _ in range(count):
+            op()
+
+    return statistics.median(timer(window) for _ in range(3)) / count
 
 
 def _cpu_timer(op: Callable[[], object]) -> float:
