@@ -292,8 +292,9 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         "# efficiency is each dtype's fitted large-GEMM rate.",
         "# memory_bandwidth_GBps: bytes read + written by a large copy, over its time.",
         "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
-        "# inter_node repeats it (one machine: no network was measured). [extra] keeps the",
-        "# per-collective fits (gloo's all_gather is not a ring: it costs more).",
+        "# inter_node repeats it (one machine: no network was measured). [collective_links]:",
+        "# all_gather and send/recv on their own fits inside the node (gloo's all_gather is not",
+        "# a ring: it costs more); reduce_scatter, not measured, uses intra_node.",
         f'name = "calibrated-{_bare(host)}"',
         f'source = "{source}"',
         'provenance = "calibrated"',
@@ -317,9 +318,11 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     for table in ("intra_node", "inter_node"):
         lines += ["", f"[{table}]", f'kind = "{kind}"', f"bandwidth_GBps = {link.bandwidth_GBps:.4g}",
                   f"latency_us = {link.latency_s * 1e6:.4g}"]
-    for k, f in fits.items():
-        lines += ["", f"[extra.collectives.{k}]", f"bandwidth_GBps = {f.bandwidth_GBps:.4g}",
-                  f"latency_s = {f.latency_s:.4g}"]
+    for k, f in fits.items():  # each collective on its own fit inside the node
+        if k != "all_reduce":
+            lines += ["", f"[collective_links.{k}]", f'kind = "{kind}"',
+                      f"bandwidth_GBps = {f.bandwidth_GBps:.4g}",
+                      f"latency_us = {f.latency_s * 1e6:.4g}"]
     for k, v in m.comm_s.items():  # what the fits were made from, S as in comm.py
         lines += ["", f"[extra.measured.{k}]", f"sizes_bytes = {list(v)}",
                   f"times_s = [{', '.join(f'{t:.4g}' for t in v.values())}]"]

@@ -323,14 +323,13 @@ def main() -> None:
     print(f"  float32 peak x eff {d.peak('float32') * d.matmul_efficiency / 1e9:.1f} GFLOP/s, "
           f"half_dim {d.half_dim('float32'):.0f}, memory {d.memory_bandwidth_GBps:.2f} GB/s, "
           f"kernel floor {d.kernel_floor_s * 1e6:.1f} us, link {link.bandwidth_GBps:.3f} GB/s "
-          f"+ {link.latency_s * 1e6:.0f} us (all_reduce fit, used for every collective)")
+          f"+ {link.latency_s * 1e6:.0f} us (all_reduce fit)")
     print(f"  cross-check: float32 GEMM {SUSTAINED_GEMM[0]}, every rank multiplying for "
           f"{SUSTAINED_GEMM[1]:.0f} s at once: {sustained / 1e9:.1f} GFLOP/s per rank "
           "(slowest rank; measured)")
-    for kind, fit in cluster.extra.get("collectives", {}).items():
-        if kind != "all_reduce":
-            print(f"  {kind} fit (informative, not used by the planner): "
-                  f"{fit['bandwidth_GBps']:.3f} GB/s + {fit['latency_s'] * 1e6:.0f} us")
+    for kind, fit in cluster.collective_links.items():
+        print(f"  {kind} link (its own fit, used for it): "
+              f"{fit.bandwidth_GBps:.3f} GB/s + {fit.latency_s * 1e6:.0f} us")
     print(format_table(rows))
     print(f"(time: median of {args.steps} steps after {args.warmup} warm-up, slowest rank; "
           "memory: fullest rank, MemTracker peak of live tensor bytes over one step; "

@@ -52,9 +52,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from cost_models.hardware import Cluster, Link
+from cost_models.hardware import COLLECTIVES, Cluster, Link
 
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+__all__ = ["COLLECTIVES"]  # re-exported: the collectives the estimators below price
 
 
 @dataclass(frozen=True)
@@ -80,8 +80,13 @@ def nodes_spanned(group: Group, cluster: Cluster) -> int:
 def group_link(cluster: Cluster, group: Group) -> Link:
     """The slowest link class the group crosses (for send/recv between its members)."""
     if nodes_spanned(group, cluster) == 1:
-        return cluster.intra_node
+        return intra_link(cluster, "p2p")
     return cluster.inter_node
+
+
+def intra_link(cluster: Cluster, kind: str) -> Link:
+    """The link inside a node for one collective: its calibrated fit, else ``intra_node``."""
+    return cluster.collective_links.get(kind, cluster.intra_node)
 
 
 # -- one link class: the flat algorithms --------------------------------------------------------
@@ -115,10 +120,12 @@ def all_reduce_s(nbytes: float, group: Group, cluster: Cluster) -> float:
         return 0.0
     local, nodes = ranks_per_node(group, cluster), nodes_spanned(group, cluster)
     if nodes == 1:
-        return ring_s(2, nbytes, local, cluster.intra_node)
+        return ring_s(2, nbytes, local, intra_link(cluster, "all_reduce"))
     across = flat_all_reduce_s(nbytes / local, nodes, cluster.inter_node)
-    inside = ring_s(1, nbytes, local, cluster.intra_node)  # reduce-scatter, then all-gather
-    return 2 * inside + across
+    # reduce-scatter, then all-gather, inside the node
+    inside = (ring_s(1, nbytes, local, intra_link(cluster, "reduce_scatter"))
+              + ring_s(1, nbytes, local, intra_link(cluster, "all_gather")))
+    return inside + across
 
 
 def all_reduce_algorithm(nbytes: float, group: Group, cluster: Cluster) -> str:
@@ -132,11 +139,11 @@ def all_reduce_algorithm(nbytes: float, group: Group, cluster: Cluster) -> str:
 
 
 def all_gather_s(nbytes: float, group: Group, cluster: Cluster) -> float:
-    return _hierarchical_ring_s(nbytes, group, cluster)
+    return _hierarchical_ring_s(nbytes, group, cluster, "all_gather")
 
 
 def reduce_scatter_s(nbytes: float, group: Group, cluster: Cluster) -> float:
-    return _hierarchical_ring_s(nbytes, group, cluster)
+    return _hierarchical_ring_s(nbytes, group, cluster, "reduce_scatter")
 
 
 def all_to_all_s(nbytes: float, group: Group, cluster: Cluster) -> float:
@@ -145,7 +152,7 @@ def all_to_all_s(nbytes: float, group: Group, cluster: Cluster) -> float:
     if n <= 1 or nbytes <= 0:
         return 0.0
     local = ranks_per_node(group, cluster)
-    inside = _pairwise_s((local - 1) / n * nbytes, local - 1, cluster.intra_node)
+    inside = _pairwise_s((local - 1) / n * nbytes, local - 1, intra_link(cluster, "all_to_all"))
     if nodes_spanned(group, cluster) == 1:
         return inside
     return max(inside, _pairwise_s((n - local) / n * nbytes, n - local, cluster.inter_node))
@@ -170,12 +177,12 @@ def collective_s(kind: str, nbytes: float, group: Group, cluster: Cluster) -> fl
     raise ValueError(f"unknown collective {kind!r}; valid: {', '.join(COLLECTIVES)}")
 
 
-def _hierarchical_ring_s(nbytes: float, group: Group, cluster: Cluster) -> float:
+def _hierarchical_ring_s(nbytes: float, group: Group, cluster: Cluster, kind: str) -> float:
     """All-gather or reduce-scatter: a ring inside the node and one per rail across nodes."""
     if group.size <= 1 or nbytes <= 0:
         return 0.0
     local, nodes = ranks_per_node(group, cluster), nodes_spanned(group, cluster)
-    inside = ring_s(1, nbytes, local, cluster.intra_node)
+    inside = ring_s(1, nbytes, local, intra_link(cluster, kind))
     return inside + ring_s(1, nbytes / local, nodes, cluster.inter_node)
 
 

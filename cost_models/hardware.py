@@ -4,7 +4,8 @@ Units are in the field names: bytes, seconds, FLOP/s, GB/s (10^9 bytes per secon
 Presets live in ``cost_models/presets/*.toml`` (the same format users write) and cite
 their sources there. Optional tables: ``[device.matmul_half_dim]`` (the GEMM efficiency
 curve of ``cost_models.compute``) and ``[overlap]`` (the slowdown factors of
-``cost_models.overlap``).
+``cost_models.overlap``) and ``[collective_links.<kind>]`` (a calibrated intra-node link
+per collective).
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class Device:
         return self.matmul_half_dim.get(dtype, DEFAULT_MATMUL_HALF_DIM)
 
 
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+
+
 @dataclass(frozen=True, kw_only=True)
 class Overlap:
     """How communication overlaps compute (``cost_models.overlap``), per pattern.
@@ -116,6 +120,10 @@ class Cluster:
     """Extra memory kept free for allocator fragmentation, as a fraction of the modelled use."""
     overlap: Overlap = field(default_factory=Overlap)
     """Slowdown factors of communication overlapped with compute."""
+    collective_links: dict[str, Link] = field(default_factory=dict)
+    """Inside a node, per collective (one of COLLECTIVES): the link a calibration fitted
+    on that collective itself, used instead of ``intra_node``. gloo's all_gather is not a
+    ring and runs at about half its all_reduce's bandwidth (``autopar calibrate``)."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -231,6 +239,15 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     inter = _link_from_dict(top.pop("inter_node"), f"{source}: [inter_node]")
     if "overlap" in top:
         top["overlap"] = _overlap_from_dict(top["overlap"], f"{source}: [overlap]")
+    if "collective_links" in top:
+        links = _table(top["collective_links"], f"{source}: [collective_links]")
+        for kind in links:
+            if kind not in COLLECTIVES:
+                raise ConfigError(f"{source}: [collective_links.{kind}] is not a collective; "
+                                  f"valid: {', '.join(COLLECTIVES)}")
+        top["collective_links"] = {
+            kind: _link_from_dict(value, f"{source}: [collective_links.{kind}]")
+            for kind, value in links.items()}
     for key in ("nodes", "devices_per_node"):
         if key in top:
             _check_positive_int(key, top[key], source)

@@ -19,7 +19,7 @@ from cost_models.calibrate import (
     fit_memory_bandwidth_GBps,
     predict_s,
 )
-from cost_models.comm import Group, all_gather_s, all_reduce_s, p2p_s
+from cost_models.comm import Group, all_gather_s, all_reduce_s, group_link, p2p_s
 from cost_models.compute import roofline_s
 from cost_models.hardware import Cluster, Link
 
@@ -121,10 +121,16 @@ def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
     assert link.kind == "loopback" and link.bandwidth_GBps > 0 and link.latency_s >= 0
 
 
-def test_fitted_link_reproduces_the_measured_all_reduce_times(profile):
+@pytest.mark.parametrize("kind, model", [
+    ("all_reduce", lambda s, c: all_reduce_s(s, Group(2), c)),
+    ("all_gather", lambda s, c: all_gather_s(s, Group(2), c)),  # its own [collective_links]
+    ("p2p", lambda s, c: p2p_s(s, group_link(c, Group(2)))),
+])
+def test_fitted_links_reproduce_the_measured_times(profile, kind, model):
     cluster = Cluster.from_toml(profile)
-    measured = cluster.extra["measured"]["all_reduce"]
-    errors = sorted(abs(all_reduce_s(s, Group(2), cluster) / t - 1)
+    assert kind == "all_reduce" or kind in cluster.collective_links
+    measured = cluster.extra["measured"][kind]
+    errors = sorted(abs(model(s, cluster) / t - 1)
                     for s, t in zip(measured["sizes_bytes"], measured["times_s"], strict=True))
     assert errors[len(errors) // 2] <= MEDIAN_ERROR_TOLERANCE, errors
     assert all(math.isfinite(e) for e in errors)

@@ -332,3 +332,17 @@ def test_unknown_precision_and_dtype_are_clear_errors():
         precision("fp8")
     with pytest.raises(ConfigError, match="no peak FLOP/s for dtype 'bfloat16'"):
         Cluster.from_toml_text(MINIMAL).device.peak("bfloat16")
+
+
+def test_collective_links_override_the_intra_node_link_for_their_collective():
+    text = MINIMAL + '[collective_links.all_gather]\nkind = "pcie"\nbandwidth_GBps = 5\n' \
+        'latency_us = 10\n'
+    cluster = Cluster.from_toml_text(text)
+    base = Cluster.from_toml_text(MINIMAL)
+    group = Group(4)  # one node of MINIMAL's 4 devices: 3 ring steps of S/4 each
+    assert all_gather_s(4e9, group, cluster) == pytest.approx(3 * 1e9 / 5e9 + 3 * 10e-6)
+    assert all_gather_s(4e9, group, base) == pytest.approx(3 * 1e9 / 20e9 + 3 * 10e-6)
+    assert all_reduce_s(4e9, group, cluster) == all_reduce_s(4e9, group, base)
+    with pytest.raises(ConfigError, match=r"\[collective_links.broadcast\] is not a collective"):
+        Cluster.from_toml_text(MINIMAL + '[collective_links.broadcast]\nkind = "pcie"\n'
+                               'bandwidth_GBps = 5\nlatency_us = 10\n')
