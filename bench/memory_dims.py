@@ -43,7 +43,7 @@ BLOCK_TP = {
     "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise",
 }
 DIMENSIONS = ("replicate", "zero1", "zero2", "fsdp", "tp", "tp+sp", "cp", "selective",
-              "full", "bf16")
+              "full", "bf16", "mixed")
 
 
 def _spec():
@@ -57,7 +57,8 @@ def _names(n_layer: int) -> list[str]:
 
 
 def make_plan(dimension: str, n_layer: int, sp_styles: dict[str, str]) -> Plan:
-    """Every layer ``dimension`` on dp=2, the Megatron split on tp=2, or cp=2."""
+    """Every layer ``dimension`` on dp=2, the Megatron split on tp=2, cp=2, or a mix of
+    fsdp and replicate layers on dp=2 (which runs every layer on FSDP2)."""
     if dimension in ("tp", "tp+sp"):
         sp = dimension == "tp+sp"
         blocks = [LayerPlan(module=f"h.{i}", strategy="tp", sequence_parallel=sp,
@@ -70,6 +71,10 @@ def make_plan(dimension: str, n_layer: int, sp_styles: dict[str, str]) -> Plan:
     if dimension == "cp":  # every sample's sequence split over the 2 ranks
         layers = tuple(LayerPlan(module=n, strategy="replicate") for n in _names(n_layer))
         return Plan(global_batch=BATCH, seq_len=SEQ, mesh=Mesh(dp=1, cp=WORLD), layers=layers)
+    if dimension == "mixed":  # FSDP2 for all: sharded embeddings and head, replicated blocks
+        layers = tuple(LayerPlan(module=n, strategy="fsdp" if n in ("wte", "lm_head")
+                                 else "replicate") for n in _names(n_layer))
+        return Plan(global_batch=BATCH, mesh=Mesh(dp=WORLD), layers=layers)
     strategy = dimension if dimension in ("zero1", "zero2", "fsdp") else "replicate"
     recompute = dimension if dimension in ("selective", "full") else "none"
     layers = tuple(LayerPlan(module=n, strategy=strategy,
