@@ -56,6 +56,14 @@ aten = torch.ops.aten
 
 SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 DROPOUT_TARGETS = (aten.dropout.default, F.dropout, torch.dropout)
+_SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                "enable_gqa")
+
+
+def sdpa_arguments(node: Node) -> dict[str, object]:
+    """An F.scaled_dot_product_attention node's arguments by parameter name (the ones
+    given; the rest are at their defaults)."""
+    return dict(zip(_SDPA_PARAMS, node.args, strict=False)) | dict(node.kwargs)
 _SAVED_BY_SELECTIVE = frozenset(SELECTIVE_SAVE_OPS)
 _NO_KERNEL_FUNCTIONS = {
     "getitem", "getattr", "sym_size", "sym_numel", "sym_stride", "size", "dim", "alias",

@@ -22,7 +22,7 @@ from torch import nn
 from torch.fx import GraphModule, Node
 
 from passes import meta_keys as K
-from passes.annotate import SDPA_TARGETS, op_name
+from passes.annotate import SDPA_TARGETS, op_name, sdpa_arguments
 
 POSITION_ARGUMENTS = ("pos", "position_ids")
 """Forward parameters through which the runtime hands a rank its tokens' global positions."""
@@ -31,8 +31,6 @@ _SDPA_NAMES = frozenset({"scaled_dot_product_attention", "_scaled_dot_product_fl
                          "_scaled_dot_product_flash_attention_for_cpu",
                          "_scaled_dot_product_efficient_attention"})
 _PRODUCTS = frozenset({"matmul", "bmm", "baddbmm", "einsum", "__matmul__", "mm"})
-# SDPA's positional parameters after (q, k, v).
-_SDPA_PARAMS = ("attn_mask", "dropout_p", "is_causal", "scale")
 
 
 def is_attention(node: Node) -> bool:
@@ -75,7 +73,7 @@ def context_parallel_problem(gm: GraphModule, model: nn.Module) -> str | None:
 
 
 def _sdpa_problem(node: Node) -> str | None:
-    given = dict(zip(_SDPA_PARAMS, node.args[3:], strict=False)) | dict(node.kwargs)
+    given = sdpa_arguments(node)
     if given.get("attn_mask") is not None:
         return "attention with an explicit mask"
     if given.get("dropout_p", 0.0):

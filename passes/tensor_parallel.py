@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from passes import meta_keys as K
-from passes.annotate import SDPA_TARGETS, fail, op_name
+from passes.annotate import SDPA_TARGETS, fail, op_name, sdpa_arguments
 from passes.group_layers import LayerGroup
 from passes.memory_bound import memory_bound_bytes
 from passes.records import Collective, SavedSplit, TPOption
@@ -324,9 +324,7 @@ def _elementwise(node, states, need, seeds, gm, model) -> State | None:
 
 
 def _sdpa(node, states, need, seeds, gm, model) -> State | None:
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-             "enable_gqa")
-    bound = dict(zip(names, node.args, strict=False)) | dict(node.kwargs)
+    bound = sdpa_arguments(node)
     if bound.get("enable_gqa"):
         raise _Reject
     mask = bound.get("attn_mask")
