@@ -107,7 +107,7 @@ def context_degrees(ranks: int, seq_len: int | None) -> list[int]:
     if seq_len is None:
         return [1]
     return [cp for cp in (2**i for i in range(ranks.bit_length()))
-            if ranks % cp == 0 and seq_len % (2 * cp) == 0 or cp == 1]
+            if cp == 1 or (ranks % cp == 0 and seq_len % (2 * cp) == 0)]
 
 
 MAX_ACCUMULATION = 64
