@@ -75,6 +75,8 @@ class Device:
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
+OVERLAP_PATTERNS = ("dp", "fsdp", "pp")
+"""Data-parallel gradient reduction (DDP), FSDP gathers and reduce-scatters, pipeline p2p."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +97,11 @@ class Overlap:
     """A pipeline stage's compute beside its send/recv of activations or gradients."""
     ddp_bucket_bytes: int = DDP_BUCKET_BYTES
     """Gradient bucket size; the last bucket's reduction is always exposed."""
+    exposed: tuple[str, ...] = ()
+    """Patterns (of OVERLAP_PATTERNS) whose communication never overlaps compute, because
+    the software waits for it: FSDP2 on CPU issues its collectives synchronously (it
+    overlaps through CUDA streams only), and Megatron-LM (2021) all-reduced gradients
+    after backward."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -213,6 +220,9 @@ class Cluster:
             devices_per_node=nproc,
             intra_node=loopback,
             inter_node=loopback,
+            # FSDP2 overlaps its gathers and reduce-scatters through CUDA streams; on CPU it
+            # issues them synchronously. DDP's and the pipeline's are async here too.
+            overlap=Overlap(exposed=("fsdp",)),
             source="uncalibrated defaults for local CPU processes",
         )
 
@@ -309,6 +319,13 @@ def _overlap_from_dict(data: Any, where: str) -> Overlap:
     if "ddp_bucket_bytes" in d:
         _check_positive("ddp_bucket_bytes", d["ddp_bucket_bytes"], where)
         d["ddp_bucket_bytes"] = int(d["ddp_bucket_bytes"])
+    if "exposed" in d:
+        value = d["exposed"]
+        if not isinstance(value, list) or any(p not in OVERLAP_PATTERNS for p in value):
+            raise ConfigError(
+                f"{where}: exposed must be a list of patterns from "
+                f"{', '.join(OVERLAP_PATTERNS)}, got {value!r}")
+        d["exposed"] = tuple(value)
     return Overlap(**d)
 
 
