@@ -103,7 +103,9 @@ def test_cluster_file_round_trips_units(tmp_path):
          "[overlap]: dp_slowdown must be a number in [1, 10)"),
         (lambda t: t + "[overlap]\nfsdp_slowdwn = 1.2\n",
          "[overlap]: unknown field 'fsdp_slowdwn'; valid fields: ddp_bucket_bytes, "
-         "ddp_bucket_mib, dp_slowdown, fsdp_slowdown, pp_slowdown"),
+         "ddp_bucket_mib, dp_slowdown, exposed, fsdp_slowdown, pp_slowdown"),
+        (lambda t: t + "[overlap]\nexposed = [\"fsd\"]\n",
+         "[overlap]: exposed must be a list of patterns from dp, fsdp, pp, got ['fsd']"),
         (lambda t: t.replace("float32 = 30", "float32 = 30\n[device.matmul_half_dim]\nfp8 = 64"),
          "matmul_half_dim.fp8 is not a known dtype"),
         (lambda t: t.replace("float32 = 30", "float32 = 30\n[device.matmul_half_dim]\nfloat32 = -1"),
