@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
+from cost_models.overlap import pipeline_p2p_slowdown_s
+
 ACTIONS = ("F", "B", "W")
 """F: forward; B: backward (input gradients, and weight gradients unless split off);
 W: weight gradients on their own (zero-bubble schedules)."""
@@ -120,8 +122,17 @@ def simulate(
     num_microbatches: int,
     stages: list[StageTimes],
     p2p_s: float = 0.0,
+    *,
+    p2p_slowdown: float = 1.0,
+    p2p_blocking: bool = False,
 ) -> Timeline:
-    """Simulate one step; ``stages`` lists every stage (num_ranks × virtual stages)."""
+    """Simulate one step; ``stages`` lists every stage (num_ranks × virtual stages).
+
+    A result crossing to another rank arrives ``p2p_s`` after its action ends. Meanwhile
+    the sender goes on (torch.distributed.pipelining's isend), its next action slowed by
+    the part of the transfer it overlaps, as cost_models.overlap.pipeline_p2p_slowdown_s
+    (``p2p_slowdown``: σ); with ``p2p_blocking`` it waits for the transfer instead.
+    """
     if schedule not in SIM_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SIM_SCHEDULES)}")
     p, m = num_ranks, num_microbatches
@@ -159,6 +170,12 @@ def simulate(
         if action == "W":
             return t.wgrad_s
         return t.bwd_s if split_w else t.bwd_s + t.wgrad_s
+
+    def sends(action: str, stage: int) -> bool:
+        to = stage + 1 if action == "F" else stage - 1
+        return action != "W" and 0 <= to <= last and owner[to] != owner[stage]
+
+    sent_until = [0.0] * p  # when this rank's last send completes
 
     greedy = schedule == "ZBVZeroBubble"
     held = [0] * p
@@ -224,9 +241,15 @@ def simulate(
         if ver != version[r]:
             continue
         end = start + duration(action, stage)
+        in_flight = max(0.0, sent_until[r] - start)
+        end += pipeline_p2p_slowdown_s(end - start, in_flight, slowdown=p2p_slowdown)
         slots.append(Slot(rank=r, stage=stage, action=action, microbatch=mb,
                           start_s=start, end_s=end))
         clock[r] = end
+        if sends(action, stage):
+            sent_until[r] = end + p2p_s
+            if p2p_blocking:
+                clock[r] = sent_until[r]
         if action == "W":
             pending_w[r].pop(0)
             held[r] -= 1

@@ -446,8 +446,10 @@ class _Context:
                                     bwd_s=sum(c.bwd_s for c in members),
                                     wgrad_s=sum(c.wgrad_s for c in members),
                                     activation_bytes=sum(c.activations_bytes for c in members)))
+        overlap = self.cluster.overlap
         timeline = simulate(config.schedule, pp, config.microbatches, times,
-                            p2p_s=self._p2p_s(prepared))
+                            p2p_s=self._p2p_s(prepared), p2p_slowdown=overlap.pp_slowdown,
+                            p2p_blocking="pp" in overlap.exposed)
         sync = [0.0] * pp
         memory = [dict(params=0.0, grads=0.0, optimizer=0.0, activations=0.0, buffers=0.0)
                   for _ in range(pp)]
