@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from cost_models.hardware import Cluster, Device, Link
+from cost_models.hardware import Cluster, Device, Link, Overlap
 from passes.records import Collective, LayerGraph, LayerInfo, TPOption
 
 GiB = 1024**3
@@ -32,7 +32,7 @@ def make_layer(name: str, cls: str, index: int, *, params: int, fwd_flops: float
 
 
 def make_cluster(*, nodes: int = 1, per_node: int = 4, memory_bytes: int = 80 * GiB,
-                 margin: float = 0.1) -> Cluster:
+                 margin: float = 0.1, overlap: Overlap | None = None) -> Cluster:
     return Cluster(
         name="test",
         device=Device(name="test-gpu", peak_flops={"float32": 100e12, "bfloat16": 400e12},
@@ -41,6 +41,7 @@ def make_cluster(*, nodes: int = 1, per_node: int = 4, memory_bytes: int = 80 * 
         intra_node=Link(kind="nvlink", bandwidth_GBps=200.0, latency_s=5e-6),
         inter_node=Link(kind="network", bandwidth_GBps=20.0, latency_s=10e-6),
         memory_margin_fraction=margin,
+        overlap=overlap or Overlap(),
     )
 
 

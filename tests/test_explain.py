@@ -79,7 +79,8 @@ def test_diff_of_a_plan_with_itself_is_empty():
 
 def test_diff_lists_exactly_the_changed_layers():
     plan = gpt2_small_plan()
-    changed = {"h.2": "fsdp", "lm_head": "fsdp"}
+    changed = {m: "replicate" if plan.layer(m).strategy != "replicate" else "fsdp"
+               for m in ("h.2", "lm_head")}
     layers = tuple(dataclasses.replace(x, strategy=changed[x.module], tp_styles={})
                    if x.module in changed else x for x in plan.layers)
     assert all(plan.layer(m).strategy != s for m, s in changed.items())

@@ -20,7 +20,18 @@ Conventions:
   sequence parallelism also the saved activations outside the TP regions.
 - Data-parallel traffic follows the runtime (runtime/data_parallel.py): parameters are
   gathered in the compute dtype, gradients reduced in ``Precision.grad_bytes`` per element.
-- Communication is not overlapped with compute here (all of it is exposed).
+- Overlap (cost_models.overlap, factors from ``Cluster.overlap``), linearised per layer so
+  the ILP stays linear: a layer's FSDP all-gather hides behind one layer's forward, and its
+  backward gather and gradient reduce-scatter behind one layer's backward (FSDP2 prefetches
+  the next layer's gather and reduces the previous layer's gradient while a layer
+  computes); at pp = 1 its once-per-step gradient all-reduce (DDP buckets, HSDP across
+  groups) hides behind one layer's backward of the last micro-batch, after what that
+  window already hides. In a stack of identical layers "one layer" is the neighbour, whose
+  compute equals this layer's; the stack's ends (the first gather, the last reduction) are
+  not charged separately. Overlap slows the compute by σ, so hidden communication still
+  costs C·(1 − 1/σ). Not overlapped: TP collectives (the next op needs their result),
+  ZeRO-1's step-end collectives, pipelines' step-end reductions, host copies, and patterns
+  in ``Overlap.exposed``. Ring attention overlaps its own steps (``_ring_attention``).
 
 Memory per strategy, over the N ranks that shard it (P, G, K: the layer's parameter,
 gradient and optimizer bytes on one rank before sharding; m micro-batches per step):
@@ -54,8 +65,9 @@ from cost_models.comm import (
     reduce_scatter_s,
 )
 from cost_models.compute import optimizer_step_s, roofline_s
-from cost_models.hardware import Cluster, Link
+from cost_models.hardware import Cluster, Link, Overlap
 from cost_models.memory import Precision
+from cost_models.overlap import exposed_comm_s
 from passes.records import Collective, LayerInfo, SavedSplit, TPOption
 from runtime.plan import (
     OFFLOAD_STRATEGIES,
@@ -106,7 +118,8 @@ class LayerCost:
     compute_s: float
     """Per step, all compute (micro-batches, recomputation and optimizer)."""
     comm_s: float
-    """Per step, all communication (host copies of offloaded layers included)."""
+    """Per step, communication not hidden behind compute, with the compute slowdown that
+    overlapping causes (host copies of offloaded layers included)."""
     params_bytes: float
     grads_bytes: float
     optimizer_bytes: float
@@ -119,6 +132,9 @@ class LayerCost:
     """The layer's output for one micro-batch (what crosses a pipeline stage boundary)."""
     host_bytes: float = 0.0
     """States kept in host memory (offloaded parameters, gradients, optimizer states)."""
+    hidden_comm_s: float = 0.0
+    """Per step, communication hidden behind compute (net of the slowdown): comm_s plus
+    this is all the communication the layer issues."""
 
     @property
     def time_s(self) -> float:
@@ -251,16 +267,19 @@ def layer_cost(
     else:
         optimizer = optimizer_step_s(local_params, prec.state_bytes, device)
     states = _states_bytes(strategy, offload, tp_params, shards, m, prec)
+    hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm,
+                            fwd_window=fwd_compute, bwd_window=bwd_compute + recompute_s)
     per_micro_comm = (tp_fwd + tp_bwd + recompute_comm + 2 * dp_comm.gather_per_micro
-                      + dp_comm.reduce_per_micro + host_per_micro)
-    per_step_comm = dp_comm.per_step + host_per_step
+                      + dp_comm.reduce_per_micro + host_per_micro - hidden.fwd - hidden.bwd)
+    per_step_comm = dp_comm.per_step + host_per_step - hidden.step
     return LayerCost(
         option=option_label(strategy, recompute, offload, sp),
         strategy=strategy, recompute=recompute, offload=offload, sequence_parallel=sp,
         microbatches=m,
-        fwd_s=fwd_compute + tp_fwd + dp_comm.gather_per_micro + host_per_micro / 2,
+        fwd_s=fwd_compute + tp_fwd + dp_comm.gather_per_micro - hidden.fwd + host_per_micro / 2,
         bwd_s=((1 - WGRAD_FRACTION) * bwd_compute + recompute_s + recompute_comm + tp_bwd
-               + dp_comm.gather_per_micro + dp_comm.reduce_per_micro + host_per_micro / 2),
+               + dp_comm.gather_per_micro + dp_comm.reduce_per_micro - hidden.bwd
+               + host_per_micro / 2),
         wgrad_s=WGRAD_FRACTION * bwd_compute,
         step_s=per_step_comm + optimizer,
         compute_s=m * (fwd_compute + bwd_compute + recompute_s) + optimizer,
@@ -272,6 +291,7 @@ def layer_cost(
         buffer_bytes=states[3] + rematerialized + ring.buffer_bytes,
         output_bytes=layer.output_bytes * act_scale / (dp * m) / (tp if sp else 1),
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
+        hidden_comm_s=m * (hidden.fwd + hidden.bwd) + hidden.step,
     )
 
 
@@ -443,6 +463,50 @@ def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
     if mesh.pp > 1:
         return _DPComm(all_gather_s(params, group, cluster), 0.0, scatter)
     return _DPComm(all_gather_s(params, group, cluster), scatter, 0.0)
+
+
+@dataclass(frozen=True)
+class _Hidden:
+    """Communication hidden behind compute, net of the slowdown (seconds)."""
+
+    fwd: float = 0.0
+    """Per micro-batch, in forward."""
+    bwd: float = 0.0
+    """Per micro-batch, in backward."""
+    step: float = 0.0
+    """Per step: of the once-per-step gradient reduction."""
+
+
+FSDP_RUN = ("zero2", "fsdp", "hsdp", "tp_fsdp")
+"""Strategies whose per-micro-batch gathers and reduce-scatters FSDP2 issues around each
+layer's compute (zero1 gathers and reduces once per step, around the optimizer)."""
+
+
+def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *,
+                   fwd_window: float, bwd_window: float) -> _Hidden:
+    """What of the layer's data-parallel communication hides behind one layer's compute
+    (the module docstring's linearisation; cost_models.overlap for one window)."""
+    def hidden(window: float, c: float, pattern: str, sigma: float) -> float:
+        if c <= 0 or pattern in overlap.exposed:
+            return 0.0
+        return c - exposed_comm_s(window, c, slowdown=sigma)
+
+    fwd = bwd = 0.0
+    fsdp_bwd = 0.0
+    if strategy in FSDP_RUN:
+        sigma = overlap.fsdp_slowdown
+        fwd = hidden(fwd_window, comm.gather_per_micro, "fsdp", sigma)
+        fsdp_bwd = comm.gather_per_micro + comm.reduce_per_micro
+        bwd = hidden(bwd_window, fsdp_bwd, "fsdp", sigma)
+    step = 0.0
+    # The once-per-step all-reduce (DDP's buckets; HSDP's across groups) runs beside the last
+    # micro-batch's backward at pp = 1; pipelines reduce after their schedule ends.
+    if mesh.pp == 1 and strategy in ("replicate", "tp", "hsdp") and comm.per_step > 0:
+        pattern = "fsdp" if strategy == "hsdp" else "dp"
+        sigma = overlap.fsdp_slowdown if strategy == "hsdp" else overlap.dp_slowdown
+        both = hidden(bwd_window, fsdp_bwd + comm.per_step, pattern, sigma)
+        step = max(0.0, both - bwd)
+    return _Hidden(fwd=fwd, bwd=bwd, step=step)
 
 
 def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m: int,

@@ -12,7 +12,7 @@ costs, and for pipelines the schedule simulator. TFLOP/s per GPU are counted the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -132,7 +132,11 @@ def megatron_graph(row: MegatronRow) -> LayerGraph:
 
 
 def megatron_cluster(row: MegatronRow) -> Cluster:
-    return Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8)
+    """DGX A100 80GB nodes, with the 2021 runs' communication exposed: Megatron-LM
+    all-reduced data-parallel gradients after backward and waited for each pipeline
+    send/recv (its schedules' blocking ``send_forward_recv_backward`` pairs)."""
+    cluster = Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8)
+    return replace(cluster, overlap=replace(cluster.overlap, exposed=("dp", "pp")))
 
 
 def predicted_tflops(row: MegatronRow, step_time_s: float) -> float:
