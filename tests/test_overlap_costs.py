@@ -102,3 +102,36 @@ def test_a_pipeline_send_slows_the_senders_next_action_or_blocks_it():
     assert f1_end() == pytest.approx(2.0)
     assert f1_end(p2p_slowdown=2.0) == pytest.approx(2.25)
     assert f1_end(p2p_blocking=True) == pytest.approx(2.5)
+
+
+def test_a_recomputation_that_costs_no_time_is_chosen_only_when_memory_needs_it():
+    # Reduction-bound blocks: full recomputation runs under the gradient all-reduce, so
+    # 'replicate' and 'replicate+full' are equally fast; the plan recomputes only when the
+    # activations do not fit otherwise.
+    from autopar.planner.costs import layer_options
+    from autopar.planner.ilp import ClassOptions, least_work, solve_strategies
+
+    block = replace(layer(*SHAPES[0]), saved_bytes=400_000_000)
+    costs = layer_options(block, None, Mesh(dp=4), OVERLAPPED, FP32)
+    plain, full = costs["replicate"], costs["replicate+full"]
+    assert full.time_s == pytest.approx(plain.time_s, rel=1e-12)
+    assert full.compute_s > plain.compute_s and full.resident_bytes < plain.resident_bytes
+    # The recomputing option first: a solver's ties tend to go to the first column.
+    classes = [ClassOptions(name="Block", count=4, costs={"replicate+full": full,
+                                                          "replicate": plain})]
+
+    def recomputed(capacity: float) -> int:
+        result = solve_strategies(classes, capacity, 0.0)
+        return sum(n for o, n in result.choice["Block"].items() if "+full" in o)
+
+    assert recomputed(80 * 2**30) == 0
+    # Room for two blocks' activations: the other two recompute.
+    tight = 2 * (plain.resident_bytes + full.resident_bytes) + full.buffer_bytes + 2**20
+    assert recomputed(tight) == 2
+
+    # Whatever the solver's tie went to, all-recompute comes back as the lightest that fits.
+    everyone = {"Block": {"replicate+full": 4}}
+    assert least_work(classes, everyone, full.buffer_bytes, 80 * 2**30, 0.0) == \
+        {"Block": {"replicate": 4}}
+    assert least_work(classes, everyone, full.buffer_bytes, tight, 0.0) == \
+        {"Block": {"replicate+full": 2, "replicate": 2}}

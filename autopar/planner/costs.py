@@ -205,10 +205,11 @@ def undominated(costs: dict[str, LayerCost], terms) -> dict[str, LayerCost]:
 
 def prune_dominated(costs: dict[str, LayerCost]) -> dict[str, LayerCost]:
     """Drop options no better than another in every time and memory term (the ILP and the
-    pipeline simulator could never prefer them)."""
+    pipeline simulator could never prefer them), or in compute: of two equally fast options
+    the one computing less is kept (ilp.least_work prefers it when memory allows)."""
     return undominated(costs, lambda c: (c.fwd_s, c.bwd_s, c.wgrad_s, c.step_s, c.time_s,
                                          c.states_bytes, c.activations_bytes, c.buffer_bytes,
-                                         c.host_bytes))
+                                         c.host_bytes, c.compute_s))
 
 
 def layer_cost(

@@ -92,7 +92,7 @@ def ilp_relevant(c: ClassOptions) -> ClassOptions:
     use than another is never needed. Fewer near-identical columns keep HiGHS's branching
     short."""
     kept = undominated(c.costs, lambda x: (x.time_s, x.resident_with(c.inflight),
-                                           x.buffer_bytes, x.host_bytes))
+                                           x.buffer_bytes, x.host_bytes, x.compute_s))
     return ClassOptions(name=c.name, count=c.count, costs=kept, inflight=c.inflight)
 
 
@@ -247,10 +247,51 @@ def solve_by_buffer_cap(classes: list[ClassOptions], capacity_bytes: float,
         return ILPResult(status="infeasible", objective_s=float("inf"),
                          lower_bound_s=float("inf"), choice={}, solver=solver,
                          solve_time_s=elapsed)
-    result = best[1]
+    cap, result = best
+    choice = least_work(classes, result.choice, cap, capacity_bytes, margin_fraction)
     return ILPResult(status="optimal", objective_s=result.objective_s,
-                     lower_bound_s=result.objective_s, choice=result.choice,
+                     lower_bound_s=result.objective_s, choice=choice,
                      solver=result.solver, solve_time_s=elapsed)
+
+
+TIE_TOLERANCE = 1e-9
+"""Relative difference in step time below which two options count as equally fast."""
+
+
+def least_work(classes: list[ClassOptions], choice: dict[str, dict[str, int]], cap: float,
+               capacity_bytes: float, margin_fraction: float) -> dict[str, dict[str, int]]:
+    """The same step time with as little compute as fits: layers move to an option exactly
+    as fast that computes less (no recomputation, no offloaded optimizer step), while the
+    memory row still holds with the buffer at ``cap``.
+
+    Ties are real: in a backward bound by its gradient reduction, recomputation runs while
+    the reduction does (cost_models.overlap), so it costs no time, and the program is free
+    to pick it. A user reading the plan expects it only where memory needs it."""
+    by_name = {c.name: c for c in classes}
+    counts = {name: dict(options) for name, options in choice.items()}
+
+    def used() -> float:
+        resident = sum(n * by_name[name].costs[s].resident_with(by_name[name].inflight)
+                       for name, options in counts.items() for s, n in options.items())
+        return (1 + margin_fraction) * (resident + cap)
+
+    limit = capacity_bytes - FEASIBILITY_SLACK_GIB * GIB
+    for name, options in choice.items():
+        c = by_name[name]
+        for s in options:
+            chosen = c.costs[s]
+            lighter = sorted((x.compute_s, o) for o, x in c.costs.items()
+                             if x.compute_s < chosen.compute_s and x.buffer_bytes <= cap
+                             and x.time_s <= chosen.time_s * (1 + TIE_TOLERANCE))
+            for _, o in lighter:
+                while counts[name].get(s, 0) > 0:
+                    counts[name][s] -= 1
+                    counts[name][o] = counts[name].get(o, 0) + 1
+                    if used() > limit:
+                        counts[name][o] -= 1
+                        counts[name][s] += 1
+                        break
+    return {name: {s: n for s, n in options.items() if n > 0} for name, options in counts.items()}
 
 
 def _solve_every_cap(classes: list[ClassOptions], capacity_bytes: float,
