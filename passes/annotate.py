@@ -10,6 +10,10 @@ Conventions:
   (mm/addmm/bmm/convolution: 2·m·n·k), elementwise ops and norms count 0. Scaled dot-product
   attention counts ``4·b·heads·s_q·s_kv·head_dim`` (QKᵀ and PV) whether or not it is causal:
   the causal mask is not subtracted.
+- GEMM sizes: of the FLOPs, those of aten mm/addmm/bmm/baddbmm (what nn.Linear and
+  torch.matmul run on inputs of any rank) are also recorded per product with their
+  (m, n, k) and batch count, so the cost model can price each at its size. Fused attention
+  and convolutions are not recorded: they are priced at the large-GEMM rate.
 - Saved bytes: activations autograd keeps for backward, captured with
   ``torch.autograd.graph.saved_tensors_hooks`` while the nodes run on meta tensors that
   require grad; parameters and buffers are excluded and storages are deduplicated (three
@@ -49,7 +53,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 
 from cost_models.errors import AutoparError
 from passes import meta_keys as K
-from passes.records import SavedSplit
+from passes.records import GemmShape, SavedSplit
 from runtime.plan import SELECTIVE_SAVE_OPS
 
 aten = torch.ops.aten
@@ -200,19 +204,23 @@ _FLOP_MAPPING = {aten._scaled_dot_product_flash_attention_for_cpu: _flash_flops}
 def count_flops(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:
     """FLOPS and SELECTIVE_FLOPS: forward FLOPs of each node, and the part of them selective
     recomputation runs again: every op outside ``SELECTIVE_SAVE_OPS`` (FlopCounterMode; see
-    the module docstring)."""
+    the module docstring). GEMMS: the matrix multiplies each node runs, with their sizes."""
     counter = FlopCounterMode(display=False, custom_mapping=_FLOP_MAPPING)
+    gemms = _GemmRecorder()
     start = [(0, 0)]
 
     def before(node: Node) -> None:
         start[0] = (counter.get_total_flops(), _recomputed_flops(counter))
+        gemms.seen.clear()
 
     def after(node: Node, out: object) -> None:
         total, selective = start[0]
         node.meta[K.FLOPS] = float(counter.get_total_flops() - total)
         node.meta[K.SELECTIVE_FLOPS] = float(_recomputed_flops(counter) - selective)
+        node.meta[K.GEMMS] = tuple(gemms.seen)
 
-    with counter, torch.no_grad():
+    # gemms is entered last, so it sees each op first and hands it on to the counter.
+    with counter, gemms, torch.no_grad():
         run_nodes(gm, nodes, env, "count_flops", before=before, after=after,
                   fused_kernels=True)
 
@@ -221,6 +229,34 @@ def _recomputed_flops(counter: FlopCounterMode) -> int:
     """FLOPs counted so far for ops outside SELECTIVE_SAVE_OPS (counts are keyed by packet)."""
     per_op = counter.get_flop_counts().get("Global", {})
     return sum(n for op, n in per_op.items() if str(op) not in _SAVED_BY_SELECTIVE)
+
+
+_GEMM_OPS = {aten.mm.default: False, aten.addmm.default: False, aten.bmm.default: True,
+             aten.baddbmm.default: True}
+"""aten GEMMs -> whether batched. nn.Linear and torch.matmul reach these on inputs of any rank
+(leading dims folded into m, or into the batch count); fused attention and convolutions do
+not: they stay at the large-GEMM rate."""
+
+
+class _GemmRecorder(TorchDispatchMode):
+    """Records the (m, n, k) of each aten GEMM run under it, in order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[GemmShape] = []
+
+    def __torch_dispatch__(self, func: torch._ops.OpOverload, types: tuple,
+                           args: tuple = (), kwargs: dict | None = None) -> object:
+        batched = _GEMM_OPS.get(func)
+        if batched is not None:
+            # mm(a, b), bmm(a, b); addmm(bias, a, b), baddbmm(bias, a, b).
+            a, b = (args[0], args[1]) if func in (aten.mm.default, aten.bmm.default) \
+                else (args[1], args[2])
+            batch = int(a.shape[0]) if batched else 1
+            m, k, n = int(a.shape[-2]), int(a.shape[-1]), int(b.shape[-1])
+            self.seen.append(GemmShape(module="", flops=2.0 * batch * m * n * k, m=m, n=n,
+                                       k=k, batch=batch, batched=batched))
+        return func(*args, **(kwargs or {}))
 
 
 def count_saved_bytes(gm: GraphModule, nodes: list[Node], env: dict[Node, object]) -> None:

@@ -19,6 +19,9 @@ and by the aten op that produced each saved storage, FLOPs of the ops selective
 recomputation repeats (``passes.annotate``), and the bytes of the floating tensors entering
 the layer, which full recomputation keeps (``_input_bytes``).
 
+Each layer also lists the GEMMs its forward runs (``LayerInfo.gemms``), named by module
+relative to the layer, so the cost model can map their sizes under each option.
+
 Backward FLOPs follow the usual convention ``bwd_flops = 2 × fwd_flops`` (each matmul-like
 op needs one matmul for the input gradient and one for the weight gradient; FlopCounterMode
 counts only matmul-like ops and attention, see ``passes.annotate``). Attention backward
@@ -30,6 +33,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
+from dataclasses import replace
 
 import torch
 import torch.nn as nn
@@ -47,7 +51,7 @@ from passes.annotate import (
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
 from passes.group_layers import LayerGroup, group_layers
 from passes.memory_bound import memory_bound_bytes
-from passes.records import LayerGraph, LayerInfo, TPOption
+from passes.records import GemmShape, LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
 from passes.trace import inputs_to_meta, to_meta, trace_module
 
@@ -109,7 +113,7 @@ def build_layer_graph(
 class LayerCosts:
     """Per-layer sums over one representative's nodes."""
 
-    def __init__(self, nodes: list[Node]) -> None:
+    def __init__(self, nodes: list[Node], layer: str) -> None:
         calls = [n for n in nodes if n.op in ("call_function", "call_method", "call_module")]
         self.fwd_flops = float(sum(n.meta.get(K.FLOPS, 0.0) for n in calls))
         self.selective_fwd_flops = float(sum(n.meta.get(K.SELECTIVE_FLOPS, 0.0) for n in calls))
@@ -125,6 +129,7 @@ class LayerCosts:
         self.input_bytes = _input_bytes(nodes)
         self.attention_kv_bytes = kv_bytes(nodes)
         self.attention_fwd_flops = attention_flops(nodes)
+        self.gemms = _gemms(calls, layer)
 
 
 def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
@@ -133,7 +138,7 @@ def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
     count_flops(gm, group.nodes, env)
     count_saved_bytes(gm, group.nodes, env)
     count_bytes(gm, group.nodes)
-    return LayerCosts(group.nodes), find_tensor_parallel(gm, model, group)
+    return LayerCosts(group.nodes, group.name), find_tensor_parallel(gm, model, group)
 
 
 def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None) -> LayerInfo:
@@ -157,8 +162,20 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None) -> La
         input_bytes=costs.input_bytes,
         attention_kv_bytes=costs.attention_kv_bytes,
         attention_fwd_flops=costs.attention_fwd_flops,
+        gemms=costs.gemms,
         tp=tp,
     )
+
+
+def _gemms(calls: list[Node], layer: str) -> tuple[GemmShape, ...]:
+    """The GEMMs of the layer's nodes, each named by the module that ran it relative to the
+    layer, as ``TPOption.styles`` names modules (a called Linear is its own module)."""
+    out: list[GemmShape] = []
+    for node in calls:
+        path = str(node.target) if node.op == "call_module" else node.meta[K.MODULE_PATH]
+        rel = "" if path == layer else path.removeprefix(layer + "." if layer else "")
+        out += [replace(g, module=rel) for g in node.meta.get(K.GEMMS, ())]
+    return tuple(out)
 
 
 def _output_bytes(nodes: list[Node]) -> int:

@@ -29,6 +29,9 @@ SELECTIVE_FLOPS = "autopar.selective_flops"
 """float: the part of FLOPS done by ops outside ``runtime.plan.SELECTIVE_SAVE_OPS`` (what
 selective recomputation runs again), written by ``annotate.count_flops`` from the same
 count as FLOPS (a second run of the layer would only repeat it)."""
+GEMMS = "autopar.gemms"
+"""tuple[records.GemmShape, ...]: the matrix multiplies (aten mm/addmm/bmm/baddbmm) the
+node runs, ``module`` left '' (the layer graph fills it), written by ``annotate.count_flops``."""
 SAVED = "autopar.saved"
 """SavedBytes, written by ``annotate.count_saved_bytes``."""
 MEM_BYTES = "autopar.mem_bytes"

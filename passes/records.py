@@ -45,6 +45,28 @@ class Collective:
 
 
 @dataclass(frozen=True, kw_only=True)
+class GemmShape:
+    """One matrix multiply a layer's forward runs (aten mm/addmm, or bmm/baddbmm for
+    ``batched``): ``batch`` products of an (m×k) by a (k×n) matrix, at the captured batch.
+
+    For a Linear, m is the token dimension (every leading dim of its input folded), so it
+    splits with the batch, n its out features and k its in features. For a batched product
+    (a hand-written attention's QKᵀ and ·V) the batch count is samples × heads: it splits
+    with the batch and with tensor-parallel heads, and m, n, k do not.
+    """
+
+    module: str
+    """Path of the module that ran it, relative to the layer ('' for the layer itself)."""
+    flops: float
+    """2·batch·m·n·k (what FlopCounterMode counts for it)."""
+    m: int
+    n: int
+    k: int
+    batch: int = 1
+    batched: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class TPOption:
     """How a layer can be split Megatron-style over a tensor-parallel group."""
 
@@ -124,6 +146,10 @@ class LayerInfo:
     context parallelism's ring passes between ranks (passes/context_parallel.py)."""
     attention_fwd_flops: float = 0.0
     """Forward FLOPs of that attention (what a ring step's transfer overlaps with)."""
+    gemms: tuple[GemmShape, ...] = ()
+    """The forward's matrix multiplies, in execution order: their sizes set their
+    efficiency (cost_models.compute.gemm_efficiency). Part of fwd_flops; the rest (fused
+    attention, convolutions) is priced at the large-GEMM rate."""
     tp: TPOption | None = None
     """How this layer can be tensor-parallel, or None if no safe split is known."""
 
