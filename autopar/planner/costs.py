@@ -64,8 +64,8 @@ from cost_models.comm import (
     p2p_s,
     reduce_scatter_s,
 )
-from cost_models.compute import optimizer_step_s, roofline_s
-from cost_models.hardware import Cluster, Link, Overlap
+from cost_models.compute import gemm_shortfall_flops, optimizer_step_s, roofline_s
+from cost_models.hardware import Cluster, Device, Link, Overlap
 from cost_models.memory import Precision
 from cost_models.overlap import exposed_comm_s
 from passes.records import Collective, LayerInfo, SavedSplit, TPOption
@@ -249,10 +249,15 @@ def layer_cost(
     # activations, dropout) run alone at memory bandwidth (passes/memory_bound.py).
     mem = (layer.mem_bytes - layer.memory_bound_bytes) * ratio * act_scale
     alone = _memory_bound_bytes(layer, is_tp, sp, tp) * act_scale / (dp * m)
-    fwd_matmul = roofline_s(fwd_flops, mem, layer.num_ops, device, dtype)
+    # Small GEMMs run below the large-GEMM rate: their shortfall in asymptote FLOPs, the
+    # same share of backward (two GEMMs over the same dims per forward GEMM).
+    short = _gemm_shortfall(layer, is_tp, fwd_flops, dp * m, tp, device, dtype)
+    bwd_short = short * layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
+    fwd_matmul = roofline_s(fwd_flops + short, mem, layer.num_ops, device, dtype)
     fwd_alone = roofline_s(0.0, alone, 0, device, dtype)
     fwd_compute = fwd_matmul + fwd_alone
-    bwd_compute = (roofline_s(layer.bwd_flops * ratio, 2 * mem, 2 * layer.num_ops, device, dtype)
+    bwd_compute = (roofline_s(layer.bwd_flops * ratio + bwd_short, 2 * mem, 2 * layer.num_ops,
+                              device, dtype)
                    + roofline_s(0.0, 2 * alone, 0, device, dtype))
 
     tp_fwd, tp_bwd = _tp_comm_s(layer, is_tp, sp, mesh, cluster, act_scale / (dp * m))
@@ -323,6 +328,36 @@ def _local_flops(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int) -> f
     assert layer.tp is not None
     sharded = layer.tp.sharded_fwd_flops
     return (layer.fwd_flops - sharded) / batch_shards + sharded / (batch_shards * tp)
+
+
+def _gemm_shortfall(layer: LayerInfo, is_tp: bool, local_flops: float, batch_shards: int,
+                    tp: int, device: Device, dtype: str) -> float:
+    """``gemm_shortfall_flops`` of one micro-batch's forward GEMMs on one rank, at the sizes
+    this option runs them (``local_flops``: the forward FLOPs of ``_local_flops``).
+
+    A Linear's m (tokens) divides by the batch shards. Under TP a 'colwise' or
+    'colwise_gather' Linear keeps n / tp of its out features, a 'rowwise' one k / tp of its
+    in features; with SP they still multiply the whole sequence of the micro-batch (colwise
+    inputs are gathered first, rowwise outputs reduce-scattered after), and SP admits no
+    other Linear on the sequence shards. A Linear TP does not split runs whole on every
+    rank. Batched products keep m, n, k: the batch and TP split their count (samples,
+    heads). Which of them TP shards the record does not say, so they take the share of the
+    layer's FLOPs outside the Linears that ``_local_flops`` gives this rank: exact when TP
+    shards all of that (attention split by heads) or none of it.
+    """
+    styles = layer.tp.styles if is_tp and layer.tp is not None else {}
+    linear: list[tuple[float, float]] = []
+    for g in layer.gemms:
+        if g.batched:
+            continue
+        style = styles.get(g.module)
+        split = tp if style in ("colwise", "colwise_gather", "rowwise") else 1
+        n, k = (g.n, g.k / split) if style == "rowwise" else (g.n / split, g.k)
+        linear.append((g.flops / (batch_shards * split), min(g.m / batch_shards, n, k)))
+    outside = layer.fwd_flops - sum(g.flops for g in layer.gemms if not g.batched)
+    share = (local_flops - sum(f for f, _ in linear)) / outside if outside > 0 else 0.0
+    batched = [(g.flops * share, min(g.m, g.n, g.k)) for g in layer.gemms if g.batched]
+    return gemm_shortfall_flops(linear + batched, device, dtype)
 
 
 def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: int,
