@@ -313,7 +313,7 @@ class LayerPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryBreakdown:
-    """Per-rank memory in bytes."""
+    """Per-rank memory in bytes, at the step's peak."""
 
     params_bytes: int = 0
     grads_bytes: int = 0
@@ -323,6 +323,9 @@ class MemoryBreakdown:
     """Communication buffers and transient gathers (e.g. one FSDP layer unsharded)."""
     margin_bytes: int = 0
     """Allocator fragmentation margin."""
+    peak_at: str = ""
+    """The event of the training step the peak is at (e.g. 'backward of h.11',
+    'optimizer step'; autopar.planner.liveness); empty when not known."""
 
     @property
     def total_bytes(self) -> int:

@@ -316,4 +316,6 @@ def rank_lines(plan: Plan) -> list[str]:
     note = ""
     if plan.mesh.pp > 1 and not (plan.prediction and plan.prediction.rank_memory):
         note = "; per pipeline rank from the per-layer costs, one micro-batch in flight"
-    return ["", f"Memory per rank  [{src}{note}]", *table(rows)]
+    label, top = max(ranks, key=lambda r: r[1].total_bytes)  # the fullest rank's peak event
+    at = [f"  peak at {top.peak_at}" + (f" ({label.split(' (')[0]})" if len(ranks) > 1 else "")]
+    return ["", f"Memory per rank  [{src}{note}]", *table(rows)] + (at if top.peak_at else [])

@@ -39,6 +39,7 @@ from autopar.planner.ilp import (
     min_memory,
     solve_by_buffer_cap,
 )
+from autopar.planner.liveness import pipeline_liveness
 from cost_models.comm import Group, group_link, p2p_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
@@ -88,7 +89,10 @@ class PipelineOutcome:
     """Per layer, the cost of the strategy chosen for it."""
     timeline: Timeline
     rank_memory: tuple[dict[str, float], ...]
-    """Per pipeline rank: params, grads, optimizer, activations, buffers (bytes)."""
+    """Per pipeline rank: params, grads, optimizer, activations, buffers (bytes) at its
+    peak by liveness over the simulated schedule (autopar.planner.liveness)."""
+    rank_peak_at: tuple[str, ...] = ()
+    """Per pipeline rank: the event its peak is at (e.g. 'backward of h.3, micro-batch 0')."""
     sync_s: float
     """Data-parallel gradient reduction and optimizer step after the flush (slowest rank)."""
 
@@ -451,24 +455,18 @@ class _Context:
                             p2p_s=self._p2p_s(prepared), p2p_slowdown=overlap.pp_slowdown,
                             p2p_blocking="pp" in overlap.exposed)
         sync = [0.0] * pp
-        memory = [dict(params=0.0, grads=0.0, optimizer=0.0, activations=0.0, buffers=0.0)
-                  for _ in range(pp)]
         for cost, s in zip(prepared.costs, prepared.stage_of_layer, strict=True):
-            r = owner[s]
-            sync[r] += cost.step_s
-            memory[r]["params"] += cost.params_bytes
-            memory[r]["grads"] += cost.grads_bytes
-            memory[r]["optimizer"] += cost.optimizer_bytes
-            memory[r]["buffers"] = max(memory[r]["buffers"], cost.buffer_bytes)
-        # Activations: each stage's own peak, summed per rank (what the ILP constrained). The
-        # simulated joint peak (timeline.peak_activation_bytes) is never larger.
-        inflight = self.inflight(config)
-        for cost, s in zip(prepared.costs, prepared.stage_of_layer, strict=True):
-            memory[owner[s]]["activations"] += inflight[s] * cost.activations_bytes
+            sync[owner[s]] += cost.step_s
+        # Memory: each rank's peak by liveness over the simulated schedule, never above the
+        # sum its ILP constrained (each stage's own in-flight peak times its activations).
+        peaks = [r.peak for r in pipeline_liveness(
+            prepared.costs, [layer.name for layer in self.graph.layers],
+            prepared.stage_of_layer, owner, timeline.slots, pp)]
         return PipelineOutcome(config=config, step_time_s=timeline.step_time_s + max(sync),
                                lower_bound_s=prepared.lower_bound_s,
                                stage_of_layer=prepared.stage_of_layer, costs=prepared.costs,
-                               timeline=timeline, rank_memory=tuple(memory), sync_s=max(sync))
+                               timeline=timeline, rank_memory=tuple(p.as_dict() for p in peaks),
+                               rank_peak_at=tuple(p.event for p in peaks), sync_s=max(sync))
 
     def _p2p_s(self, prepared: _Prepared) -> float:
         """The slowest stage-boundary transfer: neighbouring pipeline ranks are dp·tp apart."""

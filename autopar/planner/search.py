@@ -26,6 +26,7 @@ from autopar.planner.ilp import (
     min_memory,
     solve_strategies,
 )
+from autopar.planner.liveness import Usage, step_liveness
 from autopar.planner.pipeline import (
     Infeasible,
     PipelineOutcome,
@@ -275,7 +276,9 @@ def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int) 
 def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candidate,
                options: list[ClassOptions], report: SolverReport) -> Plan:
     costs = assign_layers(graph, cand.choice, options)
-    memory = plan_memory(costs, cluster.memory_margin_fraction)
+    memory = plan_memory(costs, cluster.memory_margin_fraction,
+                         names=[layer.name for layer in graph.layers],
+                         ddp=runs_on_ddp(costs, prec, cand.mesh))
     assert memory.total_bytes <= cluster.device.memory_bytes, "the ILP's memory row was violated"
     compute = sum(c.compute_s for c in costs)
     comm = sum(c.comm_s for c in costs)
@@ -334,17 +337,34 @@ def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
     return out
 
 
-def plan_memory(costs: list[LayerCost], margin_fraction: float) -> MemoryBreakdown:
-    """Per-rank memory of a plan: resident sums, the largest transient buffer, the margin."""
-    params = sum(c.params_bytes for c in costs)
-    grads = sum(c.grads_bytes for c in costs)
-    optim = sum(c.optimizer_bytes for c in costs)
-    acts = sum(c.activations_bytes for c in costs)
-    buffers = max((c.buffer_bytes for c in costs), default=0.0)
-    margin = margin_fraction * (params + grads + optim + acts + buffers)
-    return MemoryBreakdown(params_bytes=int(params), grads_bytes=int(grads),
-                           optimizer_bytes=int(optim), activations_bytes=int(acts),
-                           buffers_bytes=int(buffers), margin_bytes=int(margin))
+def plan_memory(costs: list[LayerCost], margin_fraction: float, *,
+                names: list[str] | None = None, ddp: bool = False) -> MemoryBreakdown:
+    """Per-rank memory of a pp = 1 plan (layers in execution order): the peak over the
+    step by liveness (autopar.planner.liveness: forward, backward in reverse per micro-batch
+    of ``LayerCost.microbatches``, optimizer step), with the allocator margin on top.
+    Never above the ILP's sum of resident states, activations and the largest buffer.
+    ``ddp``: the plan runs on DDP, whose gradient buckets live throughout (runs_on_ddp)."""
+    names = names or [f"layer {i}" for i in range(len(costs))]
+    m = costs[0].microbatches if costs else 1
+    return memory_breakdown(step_liveness(costs, names, microbatches=m, ddp=ddp).peak,
+                            margin_fraction)
+
+
+def memory_breakdown(peak: Usage, margin_fraction: float) -> MemoryBreakdown:
+    """A liveness peak as the plan's MemoryBreakdown, allocator margin added."""
+    return MemoryBreakdown(params_bytes=int(peak.params_bytes), grads_bytes=int(peak.grads_bytes),
+                           optimizer_bytes=int(peak.optimizer_bytes),
+                           activations_bytes=int(peak.activations_bytes),
+                           buffers_bytes=int(peak.buffers_bytes),
+                           margin_bytes=int(margin_fraction * peak.total_bytes),
+                           peak_at=peak.event)
+
+
+def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
+    """Whether the runtime wraps this plan in DDP (runtime.data_parallel.uses_ddp): pp = 1,
+    float32, every layer replicate."""
+    return (mesh.pp == 1 and prec.name == "float32"
+            and all(c.strategy == "replicate" for c in costs))
 
 
 def _pipeline_candidate(outcome: PipelineOutcome | Infeasible) -> Candidate:
@@ -362,13 +382,14 @@ def _pipeline_candidate(outcome: PipelineOutcome | Infeasible) -> Candidate:
 def _make_pipeline_plan(graph: LayerGraph, cluster: Cluster, prec: Precision,
                         outcome: PipelineOutcome, report: SolverReport) -> Plan:
     c = outcome.config
+    peaks = outcome.rank_peak_at or ("",) * len(outcome.rank_memory)
     ranks = tuple(
         MemoryBreakdown(
             params_bytes=int(mem["params"]), grads_bytes=int(mem["grads"]),
             optimizer_bytes=int(mem["optimizer"]), activations_bytes=int(mem["activations"]),
             buffers_bytes=int(mem["buffers"]),
-            margin_bytes=int(cluster.memory_margin_fraction * sum(mem.values())))
-        for mem in outcome.rank_memory)
+            margin_bytes=int(cluster.memory_margin_fraction * sum(mem.values())), peak_at=at)
+        for mem, at in zip(outcome.rank_memory, peaks, strict=True))
     memory = max(ranks, key=lambda m: m.total_bytes)
     assert memory.total_bytes <= cluster.device.memory_bytes, "a pipeline rank overflows"
     owner = {s.stage: s.rank for s in outcome.timeline.slots}

@@ -1,0 +1,246 @@
+"""Per-rank peak memory by liveness: walk one training step event by event.
+
+The planner's costs (costs.LayerCost) give each layer's parameter, gradient, optimizer,
+saved-activation and transient bytes; the ILP (ilp.py) adds them all up, which bounds the
+peak from above. What a rank holds depends on when each term is alive. This module replays
+a steady-state step (the second and later: optimizer states exist) as the runtime runs it —
+the forward of each layer, the backward of each layer in reverse, per micro-batch in the
+schedule's order, then the optimizer step — and records the bytes alive at each event. The
+peak is the largest total, with its breakdown and the event it is at.
+
+Rules, each what the runtime does (runtime/train.py, runtime/data_parallel.py,
+runtime/pipeline.py):
+
+1. Parameters and optimizer states are alive throughout: parameters are resident between
+   steps (sharded or not, per strategy), and AdamW keeps the states it makes on step one.
+2. Gradients are alive from the layer's first backward of the step (its weight-gradient
+   pass W under a zero-bubble schedule) to the optimizer step: ``Trainer.step`` calls
+   ``zero_grad(set_to_none=True)``, so a step's forward runs without gradients, and with
+   gradient accumulation or pipeline micro-batches they accumulate from the first
+   micro-batch's backward on.
+3. Except under DDP (``ddp``: a float32 plan whose layers are all replicate at pp = 1,
+   runtime.data_parallel.uses_ddp): ``gradient_as_bucket_view=True`` makes every gradient a
+   view into DDP's all-reduce buckets, which are allocated once and never freed.
+4. A layer's saved activations of one micro-batch are alive from its forward to its
+   backward (to its W pass under a zero-bubble schedule, which needs the saved inputs of
+   the weight matmuls); a layer's backward still holds its own while its gradient appears.
+5. A layer's transient buffer (``LayerCost.buffer_bytes``: FSDP's gathered layer with the
+   next one prefetched, an unsharded gradient before its reduce-scatter, the activations
+   recomputation brings back, ring-attention blocks) is alive only while that layer runs
+   forward, backward or W. The cost model gives it as one number, so it is charged in
+   every pass (in forward an upper bound: no gradient or recomputation is alive then).
+6. The optimizer step runs after every backward, with every activation freed.
+
+Every term above is one of the ILP's, alive for part of the step: parameters, gradients,
+optimizer states, activations of at most the in-flight micro-batches, one layer's buffer.
+So this peak never exceeds the ILP's sum, and a plan the ILP accepts fits by it. The
+plan's prediction (search.plan_memory, pipeline rank memory) is this peak.
+
+What the runtime also holds and LayerCost has no term for (``Uncosted``; measured in
+tests/test_liveness.py, where it closes the gap to MemTracker; off in the plan's
+prediction, since the ILP cannot charge it):
+
+7. The loss: cross-entropy keeps its float32 log-probabilities (one copy of the logits)
+   from the last layer's forward to its backward, and its backward adds their gradient and
+   the logits' gradient (two more copies, float32 whatever the plan's precision: the root's
+   mixed-precision policy casts the output up, runtime/precision.py).
+8. AdamW's temporaries in ``step()``: torch's default takes the foreach kernels for CUDA
+   tensors, whose ``_foreach_sqrt`` of the second moments is one float32 copy of every
+   local parameter at once; on CPU it steps one parameter at a time, two float32 copies of
+   it (sqrt, then its division by the bias correction), charged as the largest layer's.
+9. DDP under gradient accumulation: ``no_sync`` micro-batches accumulate into gradients
+   autograd allocates itself, next to the buckets, until the last micro-batch's backward
+   copies each into its bucket view: a second copy of the gradients.
+
+Not modelled: activation gradients flowing between layers in backward, point-to-point
+buffers of pipeline stages. Under pipelining the runtime keeps FSDP2 layers gathered and
+their gradients unsharded from the first forward to the last backward
+(runtime/pipeline.py); the costs give sharded layers their sharded states, and so does
+this walk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from autopar.planner.costs import LayerCost
+
+OPTIMIZER_EVENT = "optimizer step"
+FP32_BYTES = 4
+LOSS_SAVED_COPIES = 1
+"""Float32 copies of the logits cross-entropy saves (its log-probabilities)."""
+LOSS_BACKWARD_COPIES = 2
+"""More copies while the loss runs backward: the log-probabilities' and the logits' gradients."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Usage:
+    """Bytes one rank holds at one event of the step."""
+
+    event: str
+    """E.g. 'forward of h.3', 'backward of lm_head, micro-batch 1', 'optimizer step'."""
+    params_bytes: float
+    grads_bytes: float
+    optimizer_bytes: float
+    activations_bytes: float
+    buffers_bytes: float
+
+    @property
+    def total_bytes(self) -> float:
+        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
+                + self.activations_bytes + self.buffers_bytes)
+
+    def as_dict(self) -> dict[str, float]:
+        """The breakdown keyed as pipeline.PipelineOutcome.rank_memory is."""
+        return dict(params=self.params_bytes, grads=self.grads_bytes,
+                    optimizer=self.optimizer_bytes, activations=self.activations_bytes,
+                    buffers=self.buffers_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankLiveness:
+    """One rank's memory over one step, event by event."""
+
+    timeline: tuple[Usage, ...]
+
+    @property
+    def peak(self) -> Usage:
+        """The fullest event (the first of equal ones)."""
+        return max(self.timeline, key=lambda u: u.total_bytes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Uncosted:
+    """What the runtime holds that LayerCost has no term for (rules 7-9)."""
+
+    logits_bytes: float = 0.0
+    """Float32 bytes of the last layer's output for one micro-batch (rule 7); 0 on ranks
+    without the last layer."""
+    optimizer_temp_bytes: float = 0.0
+    """AdamW's temporaries during step() (rule 8; ``optimizer_temporary_bytes``)."""
+
+
+@dataclass(frozen=True)
+class _Layer:
+    name: str
+    cost: LayerCost
+    stage: int
+
+
+def step_liveness(costs: Sequence[LayerCost], names: Sequence[str], *, microbatches: int = 1,
+                  ddp: bool = False, uncosted: Uncosted | None = None) -> RankLiveness:
+    """A pp = 1 rank: per micro-batch (gradient accumulation), every layer's forward in
+    order, then every backward in reverse; then the optimizer step. ``costs`` and ``names``
+    are per layer in execution order; ``ddp`` is rule 3 (and 9)."""
+    layers = [_Layer(n, c, 0) for n, c in zip(names, costs, strict=True)]
+    actions = [(a, 0, mb) for mb in range(microbatches) for a in ("F", "B")]
+    return _Walk(layers, split_backward=False, ddp=ddp, microbatches=microbatches,
+                 uncosted=uncosted, label_microbatch=microbatches > 1).run(actions)
+
+
+def pipeline_liveness(costs: Sequence[LayerCost], names: Sequence[str],
+                      stage_of: Sequence[int], owner: Sequence[int], slots, num_ranks: int,
+                      *, uncosted: Sequence[Uncosted] = ()) -> tuple[RankLiveness, ...]:
+    """Every pipeline rank: its stages' F / B / W actions in the order of the simulated
+    timeline (``slots``: cost_models.schedule.Slot; ``owner``: the rank of each stage),
+    each a walk over the stage's layers, then the optimizer step after the flush.
+    ``uncosted``: per rank (default none)."""
+    split = any(s.action == "W" for s in slots)
+    microbatches = 1 + max((s.microbatch for s in slots), default=0)
+    out = []
+    for rank in range(num_ranks):
+        layers = [_Layer(n, c, s) for n, c, s in zip(names, costs, stage_of, strict=True)
+                  if owner[s] == rank]
+        mine = sorted((s for s in slots if s.rank == rank), key=lambda s: (s.start_s, s.end_s))
+        walk = _Walk(layers, split_backward=split, ddp=False, microbatches=microbatches,
+                     uncosted=uncosted[rank] if uncosted else None, label_microbatch=True)
+        out.append(walk.run([(s.action, s.stage, s.microbatch) for s in mine]))
+    return tuple(out)
+
+
+class _Walk:
+    """One rank's events; the numbered comments are the module docstring's rules."""
+
+    VERBS = {"F": "forward", "B": "backward", "W": "weight gradients"}
+
+    def __init__(self, layers: list[_Layer], *, split_backward: bool, ddp: bool,
+                 microbatches: int, uncosted: Uncosted | None, label_microbatch: bool) -> None:
+        self.layers, self.split, self.ddp = layers, split_backward, ddp
+        self.microbatches, self.label = microbatches, label_microbatch
+        self.uncosted = uncosted or Uncosted()
+        self.ddp_copies = ddp and uncosted is not None  # rule 9
+        self.last = len(layers) - 1 if self.uncosted.logits_bytes else -1  # rule 7's layer
+        self.params = sum(la.cost.params_bytes for la in layers)  # rule 1
+        self.optimizer = sum(la.cost.optimizer_bytes for la in layers)
+        self.grads: set[int] = set(range(len(layers))) if ddp else set()  # rules 2-3
+        self.second: set[int] = set()  # rule 9: autograd's own gradients beside DDP's buckets
+        self.saved: dict[tuple[int, int], float] = {}  # (layer, micro-batch) -> bytes, rule 4
+        self.timeline: list[Usage] = []
+
+    def record(self, event: str, buffer: float) -> None:
+        grads = sum(self.layers[i].cost.grads_bytes for i in self.grads)
+        grads += sum(self.layers[i].cost.grads_bytes for i in self.second)
+        self.timeline.append(Usage(
+            event=event, params_bytes=self.params, optimizer_bytes=self.optimizer,
+            grads_bytes=grads, activations_bytes=sum(self.saved.values()),
+            buffers_bytes=buffer))
+
+    def run(self, actions: list[tuple[str, int, int]]) -> RankLiveness:
+        for action, stage, mb in actions:
+            members = [i for i, la in enumerate(self.layers) if la.stage == stage]
+            for i in members if action == "F" else members[::-1]:
+                self.event(action, i, mb)
+        self.grads.update(range(len(self.layers)))
+        self.second.clear()
+        self.saved.clear()
+        self.record(OPTIMIZER_EVENT, self.uncosted.optimizer_temp_bytes)  # rules 6, 8
+        return RankLiveness(timeline=tuple(self.timeline))
+
+    def event(self, action: str, i: int, mb: int) -> None:
+        cost, logits = self.layers[i].cost, self.uncosted.logits_bytes
+        buffer = cost.buffer_bytes  # rule 5
+        if action == "F":
+            self.saved[i, mb] = cost.activations_bytes
+            if i == self.last:
+                self.saved[-1, mb] = LOSS_SAVED_COPIES * logits  # rule 7
+        elif action == "W" or not self.split:
+            self.grads.add(i)
+            if self.ddp_copies and mb < self.microbatches - 1:
+                self.second.add(i)  # rule 9; the last micro-batch moves it into the bucket
+        if action == "B" and i == self.last:
+            buffer += LOSS_BACKWARD_COPIES * logits  # rule 7
+        suffix = f", micro-batch {mb}" if self.label else ""
+        self.record(f"{self.VERBS[action]} of {self.layers[i].name}{suffix}", buffer)
+        if action != "F" and self.ddp_copies and mb == self.microbatches - 1:
+            self.second.discard(i)
+        if action == "B" and i == self.last:
+            self.saved.pop((-1, mb), None)
+        if action == "W" or (action == "B" and not self.split):
+            self.saved.pop((i, mb), None)
+
+
+def optimizer_temporary_bytes(costs: Sequence[LayerCost], optimizer_bytes_per_param: float,
+                              *, foreach: bool) -> float:
+    """AdamW's temporaries during ``step()`` on one rank (rule 8). A layer's float32
+    parameters are its optimizer bytes × 4 / the optimizer bytes per parameter
+    (cost_models.memory.Precision.optimizer_bytes); offloaded layers step on the host."""
+    fp32 = [c.optimizer_bytes * FP32_BYTES / optimizer_bytes_per_param for c in costs]
+    return sum(fp32) if foreach else 2 * max(fp32, default=0.0)
+
+
+def uses_foreach(device_name: str) -> bool:
+    """Whether torch's AdamW default takes the foreach kernels on this device: on CUDA, not
+    on the CPU processes of a local cluster (cost_models.hardware.Cluster.local and
+    ``autopar calibrate`` name those 'cpu-process')."""
+    return device_name != "cpu-process"
+
+
+def uncosted_terms(costs: Sequence[LayerCost], prec, *, foreach: bool,
+                   has_loss: bool = True) -> Uncosted:
+    """Rules 7 and 8 for a rank holding ``costs`` (in execution order; the last is the
+    model's last layer when ``has_loss``) under precision ``prec``
+    (cost_models.memory.Precision)."""
+    logits = costs[-1].output_bytes * FP32_BYTES / prec.activation_bytes if has_loss else 0.0
+    temp = optimizer_temporary_bytes(costs, prec.optimizer_bytes, foreach=foreach)
+    return Uncosted(logits_bytes=logits, optimizer_temp_bytes=temp)
