@@ -3,7 +3,8 @@
     python bench/calibrate.py [--nproc 2]
 
 The same as `autopar calibrate`, without leaving a profile behind; the profile's header
-lines are printed after the table.
+lines are printed after the table, then the overlap slowdown σ per pattern (median of the
+window pairs, their range) and the spread of the GEMM windows (min..max over median).
 """
 
 from __future__ import annotations
@@ -29,6 +30,14 @@ def main() -> None:
     print("peak_tflops " + ", ".join(f"{k} {v / 1e12:.4g}" for k, v in d.peak_flops.items())
           + f"; matmul_efficiency {d.matmul_efficiency:.3f}; memory {d.memory_bandwidth_GBps:.3g} "
           f"GB/s; link {link.bandwidth_GBps:.3g} GB/s, {link.latency_s * 1e6:.0f} us")
+    o = cluster.overlap
+    print("overlap slowdown (profile): "
+          f"dp {o.dp_slowdown:.3g}, fsdp {o.fsdp_slowdown:.3g}, pp {o.pp_slowdown:.3g}; pairs: "
+          + ", ".join(f"{k} {s.low:.3g}..{s.high:.3g}" for k, s in cal.overlap.items()))
+    for dtype, by_size in cal.gemm_spread.items():
+        print(f"GEMM {dtype} windows, GFLOP/s min/median/max (spread): " + "; ".join(
+            f"{n} {s.low / 1e9:.1f}/{s.median / 1e9:.1f}/{s.high / 1e9:.1f} ({s.relative:.0%})"
+            for n, s in by_size.items()))
 
 
 if __name__ == "__main__":

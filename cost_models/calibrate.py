@@ -21,6 +21,10 @@ the large-GEMM rate (peak × matmul_efficiency), d½ the half-efficiency dimensi
 process (shared cores, frequency scaling, threads) has no datasheet peak, so the profile
 takes peak := the larger of R∞ and the best rate measured. ``fit_matmul`` is the older
 summary: peak := best rate, efficiency := largest GEMMs' rate / peak.
+
+Overlap: ``fit_overlap_slowdown`` reads ``cost_models.overlap``'s slowdown σ from a compute
+window timed alone and again beside communication (derived in its docstring). ``spread``
+summarises repeated timings (min / median / max) so a profile says how repeatable it is.
 """
 
 from __future__ import annotations
@@ -187,3 +191,62 @@ def fit_memory_bandwidth_GBps(bytes_moved: Sequence[float], times_s: Sequence[fl
 
 def relative_error(predicted: float, measured: float) -> float:
     return (predicted - measured) / measured
+
+
+@dataclass(frozen=True)
+class Spread:
+    """Repeated measurements of one figure: the median is the one fitted."""
+
+    low: float
+    median: float
+    high: float
+
+    @property
+    def relative(self) -> float:
+        """(high - low) / median: 0.3 means the repeats span 30% of the fitted figure."""
+        return (self.high - self.low) / self.median
+
+
+def spread(values: Sequence[float]) -> Spread:
+    v = np.asarray(values, dtype=float)
+    if v.size == 0 or np.any(v <= 0) or not np.all(np.isfinite(v)):
+        raise CalibrationError(f"need positive repeated measurements, got {list(values)}")
+    return Spread(low=float(v.min()), median=float(np.median(v)), high=float(v.max()))
+
+
+def fit_overlap_slowdown(compute_alone_s: float, compute_beside_s: float,
+                         comm_s: float) -> float:
+    """The slowdown σ >= 1 of compute while communication runs beside it.
+
+    ``cost_models.overlap``'s model: compute of P seconds alone and communication of C
+    seconds start together; while both run, compute advances at 1/σ of its speed, and at
+    full speed once the communication has ended. Measured: P (the compute alone), T (the
+    same compute, started together with the communication: ``compute_beside_s``) and C
+    (from that start until the communication completed: ``comm_s``, as observed beside the
+    compute, so its own slowdown is in it). Then
+
+    - C >= T (the communication outlasted the compute; the calibration sizes it so): all
+      of the compute ran slowed, T = σ·P, so  σ = T / P.
+    - C < T: by C the compute had done C/σ of its P; the rest ran at full speed,
+      T = C + (P - C/σ), so  T - P = C·(1 - 1/σ)  and  σ = C / (C - (T - P)).
+      That needs T - P < C (the compute cannot lose more time than the communication
+      ran); timings that break it contradict the model: CalibrationError.
+
+    The two agree at C = T, and for C < T the second exceeds T/P (their difference has
+    the sign of (T - C)(T - P)): a compute that outlasts the communication has its lost
+    time spread over less of the window. Clamped to >= 1: compute that ran faster beside
+    communication than alone (T < P) is timing noise on a shared machine, not a speed-up.
+    """
+    p, t, c = float(compute_alone_s), float(compute_beside_s), float(comm_s)
+    if p <= 0 or t <= 0 or c < 0 or not all(map(np.isfinite, (p, t, c))):
+        raise CalibrationError(
+            f"overlap timings must be positive: compute alone {p}, beside {t}, comm {c}")
+    if c >= t:
+        sigma = t / p
+    elif t - p < c:
+        sigma = c / (c - (t - p))
+    else:
+        raise CalibrationError(
+            f"compute beside communication lost {t - p:.4g} s, more than the communication "
+            f"ran ({c:.4g} s): not the overlap model's slowdown (noise on a busy machine?)")
+    return max(1.0, sigma)

@@ -85,7 +85,10 @@ class Overlap:
 
     A slowdown σ >= 1 stretches compute while communication runs beside it: overlap is
     never free. Patterns have separate factors because their kernels differ (ring
-    collectives on many channels, send/recv on few) and are calibrated separately.
+    collectives on many channels, send/recv on few) and are calibrated separately:
+    ``autopar calibrate`` times a GEMM window alone and beside each pattern's
+    communication and writes σ to the profile's ``[overlap]``
+    (``cost_models.calibrate.fit_overlap_slowdown``).
     """
 
     dp_slowdown: float = DEFAULT_OVERLAP_SLOWDOWN

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 from dataclasses import replace
 
@@ -9,7 +11,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from autopar.calibrate import fitted_gemm_curve
+from autopar.calibrate import (
+    OVERLAP_PATTERNS,
+    Measurements,
+    OverlapSample,
+    Settings,
+    fit,
+    fitted_gemm_curve,
+    write_profile,
+)
 from autopar.cli import main
 from cost_models.calibrate import (
     AlphaBeta,
@@ -17,11 +27,15 @@ from cost_models.calibrate import (
     fit_alpha_beta,
     fit_matmul,
     fit_memory_bandwidth_GBps,
+    fit_overlap_slowdown,
     predict_s,
+    spread,
 )
 from cost_models.comm import Group, all_gather_s, all_reduce_s, group_link, p2p_s
 from cost_models.compute import roofline_s
+from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster, Link
+from cost_models.overlap import overlap_slowdown_s
 
 SIZES = [4096 * 4**i for i in range(7)]  # 4 KiB … 16 MiB
 
@@ -88,13 +102,144 @@ def test_memory_bandwidth_from_copies():
     assert fit_memory_bandwidth_GBps([1e9], [0.1]) == pytest.approx(10.0)
 
 
+# -- overlap slowdown and repeatability, on synthetic timings ---------------------------------
+
+@given(sigma=st.floats(1.0, 9.0), compute_s=st.floats(1e-3, 1.0),
+       comm_over_compute=st.floats(0.05, 20.0))
+def test_overlap_fit_recovers_the_slowdown_cost_models_overlap_charges(
+        sigma, compute_s, comm_over_compute):
+    # Timings as cost_models.overlap models them: compute P beside communication C takes
+    # P + w(1 - 1/σ); the communication outlasts it or not, and the fit reads σ either way.
+    comm_s = comm_over_compute * compute_s
+    beside_s = compute_s + overlap_slowdown_s(compute_s, comm_s, slowdown=sigma)
+    assert fit_overlap_slowdown(compute_s, beside_s, comm_s) == pytest.approx(sigma, rel=1e-6)
+
+
+def test_overlap_fit_reads_compute_beside_over_alone_when_the_communication_outlasts_it():
+    assert fit_overlap_slowdown(0.1, 0.25, 0.4) == pytest.approx(2.5)
+    assert fit_overlap_slowdown(0.1, 0.25, 0.25) == pytest.approx(2.5)  # the cases meet
+
+
+def test_overlap_fit_clamps_a_speed_up_to_one_and_rejects_what_the_model_cannot_explain():
+    assert fit_overlap_slowdown(0.1, 0.08, 0.5) == 1.0  # faster beside comm: noise
+    assert fit_overlap_slowdown(0.1, 0.09, 0.05) == 1.0
+    with pytest.raises(CalibrationError, match="more than the communication ran"):
+        fit_overlap_slowdown(0.1, 0.2, 0.05)  # lost 0.1 s beside 0.05 s of communication
+    with pytest.raises(CalibrationError, match="must be positive"):
+        fit_overlap_slowdown(0.0, 0.1, 0.1)
+
+
+def test_spread_of_repeated_windows():
+    s = spread([30.0, 40.0, 36.0])
+    assert (s.low, s.median, s.high) == (30.0, 36.0, 40.0)
+    assert s.relative == pytest.approx(10 / 36)
+    assert spread([5.0]).relative == 0
+    with pytest.raises(CalibrationError, match="positive repeated measurements"):
+        spread([])
+
+
+def synthetic_measurements(sigmas: dict[str, float]) -> Measurements:
+    """Two ranks' worth of clean timings: 40 GFLOP/s GEMMs (windows 36..44), a 1 GB/s link,
+    and per pattern three (alone, beside) pairs slowed by the given σ."""
+    m = Measurements(backend="gloo", nproc=2, threads=1, copy_s=0.01, copy_bytes=2**27,
+                     floor_s=1e-5)
+    rates = (36e9, 40e9, 44e9)
+    m.gemm_windows_s = {"float32": {n: [2 * n**3 / r for r in rates] for n in (256, 512, 1024)}}
+    m.gemm_s = {"float32": {n: w[1] for n, w in m.gemm_windows_s["float32"].items()}}
+    link = AlphaBeta(1e-4, 1.0)
+    m.comm_s = {"all_reduce": {s: predict_s("all_reduce", s, 2, link) for s in SIZES}}
+    m.overlap = {p: [OverlapSample(0.2, 0.2 * sigma * k, 10.0) for k in (0.95, 1.0, 1.1)]
+                 for p, sigma in sigmas.items()}
+    return m
+
+
+def test_profile_writes_the_measured_slowdowns_and_the_gemm_spread_and_reads_them_back(
+        tmp_path):
+    sigmas = {"dp": 1.8, "fsdp": 2.5, "pp": 0.9}  # pp ran faster beside its send/recv: 1
+    cal = fit(synthetic_measurements(sigmas), Settings())
+    assert cal.overlap["dp"].median == pytest.approx(1.8)
+    assert (cal.overlap["fsdp"].low, cal.overlap["fsdp"].high) == pytest.approx((2.375, 2.75))
+    assert cal.overlap["pp"].median == 1.0
+    assert cal.gemm_spread["float32"][512].relative == pytest.approx(8 / 40)
+    cluster = write_profile(cal, tmp_path / "p.toml")
+    assert (cluster.overlap.dp_slowdown, cluster.overlap.fsdp_slowdown,
+            cluster.overlap.pp_slowdown) == pytest.approx((1.8, 2.5, 1.0))
+    assert "overlap slowdown measured" in cluster.source
+    text = (tmp_path / "p.toml").read_text()
+    assert "# [overlap]: measured." in text
+    gemm = cluster.extra["gemm"]["float32"]
+    assert gemm["tflops_min"] == pytest.approx([0.036] * 3)
+    assert gemm["tflops_max"] == pytest.approx([0.044] * 3)
+    assert cluster.extra["overlap"]["fsdp"]["compute_beside_s"] == pytest.approx([0.475, 0.5, 0.55])
+
+
+def test_a_slowdown_no_profile_accepts_is_left_at_the_default_with_a_note(tmp_path):
+    cal = fit(synthetic_measurements({"dp": 12.0, "pp": 1.5}), Settings())
+    assert "dp" not in cal.overlap and any("past what a profile accepts" in n for n in cal.notes)
+    cluster = write_profile(cal, tmp_path / "p.toml")
+    assert cluster.overlap.dp_slowdown == Cluster.local(2).overlap.dp_slowdown
+    assert cluster.overlap.pp_slowdown == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("value", ["0.5", '"fast"', "true", "10"])
+def test_malformed_overlap_slowdown_is_refused_naming_the_field(value):
+    text = PROFILE_WITHOUT_OVERLAP + f"\n[overlap]\ndp_slowdown = {value}\n"
+    with pytest.raises(ConfigError, match=r"\[overlap\]: dp_slowdown must be a number"):
+        Cluster.from_toml_text(text, source="p.toml")
+
+
+PROFILE_WITHOUT_OVERLAP = """
+name = "tiny"
+[device]
+name = "cpu-process"
+memory_gib = 1
+memory_bandwidth_GBps = 10
+[device.peak_tflops]
+float32 = 0.05
+[intra_node]
+kind = "loopback"
+bandwidth_GBps = 1
+latency_us = 100
+[inter_node]
+kind = "loopback"
+bandwidth_GBps = 1
+latency_us = 100
+"""
+
+
 # -- a quick calibration on 2 local gloo ranks ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def profile(tmp_path_factory):
+def calibration_run(tmp_path_factory):
+    """The one spawn of this file: (profile path, what `autopar calibrate` printed)."""
     path = tmp_path_factory.mktemp("calibrate") / "profile.toml"
-    assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(path)]) == 0
-    return path
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(path)]) == 0
+    return path, out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def profile(calibration_run):
+    return calibration_run[0]
+
+
+def test_quick_calibration_measures_every_overlap_slowdown_and_the_gemm_spread(calibration_run):
+    path, printed = calibration_run
+    cluster = Cluster.from_toml(path)
+    for pattern in OVERLAP_PATTERNS:
+        assert getattr(cluster.overlap, f"{pattern}_slowdown") >= 1.0, pattern
+        assert f"{pattern}_slowdown" in path.read_text()  # measured, not the default
+        pairs = cluster.extra["overlap"][pattern]["compute_alone_s"]
+        assert len(pairs) == Settings.quick().overlap_repeats
+    gemm = cluster.extra["gemm"]["float32"]
+    assert all(lo <= mid <= hi for lo, mid, hi in
+               zip(gemm["tflops_min"], gemm["tflops"], gemm["tflops_max"], strict=True))
+    assert "overlap slowdown measured" in cluster.source
+    table = printed.splitlines()
+    assert any(line.startswith("overlap") and "sigma" in line for line in table)
+    assert all(any(line.startswith(p + " ") for line in table) for p in OVERLAP_PATTERNS)
+    assert any("windows min..max" in line and "spread" in line for line in table)
 
 
 def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
