@@ -24,12 +24,14 @@ LINK_KINDS = ("nvlink", "pcie", "network", "loopback")
 GiB = 1024**3
 MiB = 1024**2
 
-DEFAULT_MATMUL_HALF_DIM = 128.0
+DEFAULT_MATMUL_HALF_DIM = 0.0
 """Smallest GEMM dimension (elements) at which a GEMM runs at half the large-GEMM efficiency,
-for dtypes a device does not list. Modelled, not measured: one edge of cuBLAS's larger
-tensor-core tiles (128 or 256 wide; NVIDIA, "Matrix Multiplication Background User's
-Guide", 2023, section 2.3): a dimension of one tile leaves each tile's pipeline short and
-few tiles to spread over the SMs. ``autopar calibrate`` fits it per dtype."""
+for dtypes a device does not list: none, i.e. every GEMM at ``matmul_efficiency``, until
+``autopar calibrate`` fits the curve on the device. A preset's efficiency is a blend over
+the GEMM sizes of real training runs (0.7 on the A100 reproduces Megatron-LM's published
+throughput within 5%); a curve on top of it, with a half-dimension taken from cuBLAS's tile
+width (128) rather than measured, counted the small-GEMM loss twice and put those
+predictions 3-15% low (bench/megatron_table.py, BENCHMARKS.md)."""
 
 DEFAULT_OVERLAP_SLOWDOWN = 1.1
 """Compute slows by this factor while a collective runs beside it. An assumed default (NCCL
