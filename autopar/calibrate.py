@@ -579,6 +579,7 @@ def _overlap_lines(m: Measurements, settings: Settings, overlap: dict[str, Sprea
         "the default.",
         "[overlap]",
         *(f"{p}_slowdown = {s.median:.4g}" for p, s in overlap.items()),
+        *_exposed_lines(m.backend),
     ]
     for pattern, spread_ in overlap.items():
         samples = m.overlap[pattern]
@@ -587,6 +588,15 @@ def _overlap_lines(m: Measurements, settings: Settings, overlap: dict[str, Sprea
         for key in ("compute_alone_s", "compute_beside_s", "comm_s"):
             lines.append(f"{key} = [{', '.join(f'{getattr(s, key):.4g}' for s in samples)}]")
     return lines
+
+
+def _exposed_lines(backend: str) -> list[str]:
+    """On CPU ranks FSDP2 issues its gathers and reduce-scatters synchronously (it overlaps
+    them only through CUDA streams), however well gloo could overlap them."""
+    if backend != "gloo":
+        return []
+    return ["# FSDP2 waits for each collective on CPU: its communication is never overlapped.",
+            'exposed = ["fsdp"]']
 
 
 def fitted_gemm_curve(times: dict[int, float], floor_s: float) -> GemmCurve:

@@ -165,6 +165,7 @@ def test_profile_writes_the_measured_slowdowns_and_the_gemm_spread_and_reads_the
     assert (cluster.overlap.dp_slowdown, cluster.overlap.fsdp_slowdown,
             cluster.overlap.pp_slowdown) == pytest.approx((1.8, 2.5, 1.0))
     assert "overlap slowdown measured" in cluster.source
+    assert cluster.overlap.exposed == ("fsdp",)  # FSDP2 on CPU ranks waits for its collectives
     text = (tmp_path / "p.toml").read_text()
     assert "# [overlap]: measured." in text
     gemm = cluster.extra["gemm"]["float32"]
