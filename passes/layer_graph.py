@@ -22,6 +22,11 @@ the layer, which full recomputation keeps (``_input_bytes``).
 Each layer also lists the GEMMs its forward runs (``LayerInfo.gemms``), named by module
 relative to the layer, so the cost model can map their sizes under each option.
 
+The layer producing the model's output also records the float32 size of that output
+(``LayerInfo.loss_bytes``): the loss's memory, which the cost model charges to it. It is
+read from the graph's output, per layer, after classing; a layer it sets apart from its
+identical siblings gets a class of its own (``_split_loss_classes``).
+
 Backward FLOPs follow the usual convention ``bwd_flops = 2 × fwd_flops`` (each matmul-like
 op needs one matmul for the input gradient and one for the weight gradient; FlopCounterMode
 counts only matmul-like ops and attention, see ``passes.annotate``). Attention backward
@@ -30,6 +35,7 @@ with recomputation (flash) is ~2.5×; the difference is inside the cost model's 
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Iterable
@@ -56,6 +62,8 @@ from passes.tensor_parallel import find_tensor_parallel
 from passes.trace import inputs_to_meta, to_meta, trace_module
 
 BWD_FLOPS_PER_FWD = 2.0
+LOSS_DTYPE_BYTES = 4
+"""The loss reads the model's output in float32 (``LayerInfo.loss_bytes``)."""
 
 
 def build_layer_graph(
@@ -87,9 +95,11 @@ def build_layer_graph(
     for group in groups:
         if group.layer_class not in by_class:
             by_class[group.layer_class] = annotate_layer(gm, meta_model, group, env)
-    layers = tuple(
-        _layer_info(group, *by_class[group.layer_class]) for group in groups
-    )
+    loss = _loss_bytes(gm, groups)
+    layers = _split_loss_classes(tuple(
+        _layer_info(group, *by_class[group.layer_class], loss.get(group.name, 0))
+        for group in groups
+    ))
     info: K.CaptureInfo = gm.meta[K.CAPTURE]
     return LayerGraph(
         layers=layers,
@@ -141,7 +151,8 @@ def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
     return LayerCosts(group.nodes, group.name), find_tensor_parallel(gm, model, group)
 
 
-def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None) -> LayerInfo:
+def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
+                loss_bytes: int) -> LayerInfo:
     return LayerInfo(
         name=group.name,
         layer_class=group.layer_class,
@@ -164,7 +175,45 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None) -> La
         attention_fwd_flops=costs.attention_fwd_flops,
         gemms=costs.gemms,
         tp=tp,
+        loss_bytes=loss_bytes,
     )
+
+
+def _loss_bytes(gm: GraphModule, groups: list[LayerGroup]) -> dict[str, int]:
+    """Float32 bytes of the floating tensors the model returns, by the layer producing them
+    (``LayerInfo.loss_bytes``): the runtime hands the output to the user's loss in float32
+    whatever the plan's precision (runtime/precision.py casts it up at the root), so its
+    size is counted at 4 bytes per element, not at the captured dtype. Every floating
+    tensor returned counts (an upper bound when the loss reads only the logits)."""
+    layer_of = {n: g.name for g in groups for n in g.nodes}
+    out: dict[str, int] = {}
+    for node in gm.graph.find_nodes(op="output"):
+        for arg in node.all_input_nodes:
+            if arg not in layer_of or K.TENSOR not in arg.meta:
+                continue
+            floating = [t for t in arg.meta[K.TENSOR].tensors
+                        if getattr(torch, t.dtype).is_floating_point]
+            size = sum(math.prod(t.shape) * LOSS_DTYPE_BYTES for t in floating)
+            out[layer_of[arg]] = out.get(layer_of[arg], 0) + size
+    return out
+
+
+def _split_loss_classes(layers: tuple[LayerInfo, ...]) -> tuple[LayerInfo, ...]:
+    """A layer whose output is the model's (``loss_bytes`` > 0) costs more than its
+    identical siblings (a stack of blocks whose last one is returned), and the planner
+    solves a class once from its first member: give it a class of its own."""
+    loss_by_class: dict[str, set[int]] = {}
+    for layer in layers:
+        loss_by_class.setdefault(layer.layer_class, set()).add(layer.loss_bytes)
+    out = []
+    for layer in layers:
+        values = loss_by_class[layer.layer_class]
+        nonzero = sorted(v for v in values if v)
+        if len(values) > 1 and layer.loss_bytes:
+            suffix = "" if len(nonzero) == 1 else str(nonzero.index(layer.loss_bytes))
+            layer = replace(layer, layer_class=f"{layer.layer_class}+loss{suffix}")
+        out.append(layer)
+    return tuple(out)
 
 
 def _gemms(calls: list[Node], layer: str) -> tuple[GemmShape, ...]:

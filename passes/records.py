@@ -152,6 +152,13 @@ class LayerInfo:
     attention, convolutions) is priced at the large-GEMM rate."""
     tp: TPOption | None = None
     """How this layer can be tensor-parallel, or None if no safe split is known."""
+    loss_bytes: int = 0
+    """Float32 bytes of the model's output this layer produces (the logits), at the
+    captured batch; 0 on every other layer. The runtime computes the user's loss on the
+    output in float32 (runtime/precision.py casts it up at the root), so cross-entropy
+    keeps one float32 copy of it from forward to backward and two more in its backward
+    (planner/costs.py charges them). Not part of ``layer_class``: the output layer gets a
+    class of its own (passes/layer_graph.py)."""
 
     @property
     def saved(self) -> SavedSplit:

@@ -49,6 +49,9 @@ rest again in backward (attention products, norms, activations, dropout); ``full
 the layer's input and runs the whole forward (TP collectives included) again in backward.
 Either way the freed activations come back, one layer at a time, during that layer's
 backward: a transient.
+
+The loss (``_loss_bytes``) is charged to the layer producing the model's output: one
+float32 copy of the logits kept per micro-batch, two more as a transient in its backward.
 """
 
 from __future__ import annotations
@@ -85,6 +88,11 @@ WGRAD_FRACTION = 0.5
 """Share of backward compute that computes weight gradients: a matmul's backward is two
 matmuls of the forward's size, one for the input gradient and one for the weight gradient.
 Zero-bubble schedules run it as a separate W pass."""
+
+LOSS_SAVED_COPIES = 1
+"""Float32 copies of the logits cross-entropy saves for backward (its log-probabilities)."""
+LOSS_BACKWARD_COPIES = 2
+"""More copies while the loss runs backward: the log-probabilities' and the logits' gradients."""
 
 HOST_LINK = Link(kind="pcie", bandwidth_GBps=25.0, latency_s=10e-6)
 """Device <-> host copies of offloaded layers: PCIe 4.0 x16, 32 GB/s per direction on
@@ -135,6 +143,9 @@ class LayerCost:
     hidden_comm_s: float = 0.0
     """Per step, communication hidden behind compute (net of the slowdown): comm_s plus
     this is all the communication the layer issues."""
+    loss_buffer_bytes: float = 0.0
+    """Part of buffer_bytes that is the loss's backward (``_loss_bytes``), on the layer
+    producing the model's output: alive in its backward only (planner/liveness.py)."""
 
     @property
     def time_s(self) -> float:
@@ -265,6 +276,7 @@ def layer_cost(
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     activations, rematerialized, recompute_s, recompute_comm = _activations(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
+    loss_kept, loss_transient = _loss_bytes(layer, dp * m)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
     host = _offload_s(local_params, prec, device) if offload else (0.0, 0.0, 0.0)
     host_per_micro, host_per_step, host_optimizer = host
@@ -293,11 +305,12 @@ def layer_cost(
         params_bytes=states[0],
         grads_bytes=states[1],
         optimizer_bytes=states[2],
-        activations_bytes=activations,
-        buffer_bytes=states[3] + rematerialized + ring.buffer_bytes,
+        activations_bytes=activations + loss_kept,
+        buffer_bytes=states[3] + rematerialized + ring.buffer_bytes + loss_transient,
         output_bytes=layer.output_bytes * act_scale / (dp * m) / (tp if sp else 1),
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
         hidden_comm_s=m * (hidden.fwd + hidden.bwd) + hidden.step,
+        loss_buffer_bytes=loss_transient,
     )
 
 
@@ -393,6 +406,22 @@ def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: in
         return kept - freed, freed, share * matmul_s + alone_s, 0.0
     checkpoint = (layer.input_bytes * act_scale / batch_shards) / (tp if sp else 1)
     return min(checkpoint, kept), kept, matmul_s + alone_s, tp_fwd
+
+
+def _loss_bytes(layer: LayerInfo, batch_shards: int) -> tuple[float, float]:
+    """(kept, transient) bytes of the loss on the layer producing the model's output, for
+    one micro-batch (``LayerInfo.loss_bytes``: the float32 logits at the captured batch).
+
+    Cross-entropy keeps its float32 log-probabilities, one copy of the logits, from its
+    forward to its backward, which then holds their gradient and the logits' gradient too:
+    two more copies, a transient. Recomputation cannot free the kept copy (the loss runs
+    outside the layer's checkpoint). The logits split with the batch shards (dp · m · cp);
+    under TP they are whole on every rank: a lone Linear's ``colwise_gather`` gathers its
+    output (runtime/tensor_parallel.py), and a block's rowwise output is all-reduced, or
+    gathered at the model's end under SP.
+    """
+    per_micro = layer.loss_bytes / batch_shards
+    return LOSS_SAVED_COPIES * per_micro, LOSS_BACKWARD_COPIES * per_micro
 
 
 def _sharded_saved(option: TPOption) -> SavedSplit:

@@ -24,11 +24,16 @@ runtime/pipeline.py):
 4. A layer's saved activations of one micro-batch are alive from its forward to its
    backward (to its W pass under a zero-bubble schedule, which needs the saved inputs of
    the weight matmuls); a layer's backward still holds its own while its gradient appears.
+   The layer producing the model's output counts the loss's among them: cross-entropy's
+   float32 log-probabilities, one copy of the logits (costs._loss_bytes), which the loss's
+   backward frees just before that layer's.
 5. A layer's transient buffer (``LayerCost.buffer_bytes``: FSDP's gathered layer with the
    next one prefetched, an unsharded gradient before its reduce-scatter, the activations
-   recomputation brings back, ring-attention blocks) is alive only while that layer runs
-   forward, backward or W. The cost model gives it as one number, so it is charged in
-   every pass (in forward an upper bound: no gradient or recomputation is alive then).
+   recomputation brings back, ring-attention blocks, the loss's two float32 gradient
+   copies on the output layer) is alive only while that layer runs forward, backward or W.
+   The cost model gives it as one number, so it is charged in every pass (in forward an
+   upper bound: no gradient or recomputation is alive then), except the loss's part
+   (``LayerCost.loss_buffer_bytes``), which is charged in backward (B) only.
 6. The optimizer step runs after every backward, with every activation freed.
 
 Every term above is one of the ILP's, alive for part of the step: parameters, gradients,
@@ -40,15 +45,11 @@ What the runtime also holds and LayerCost has no term for (``Uncosted``; measure
 tests/test_liveness.py, where it closes the gap to MemTracker; off in the plan's
 prediction, since the ILP cannot charge it):
 
-7. The loss: cross-entropy keeps its float32 log-probabilities (one copy of the logits)
-   from the last layer's forward to its backward, and its backward adds their gradient and
-   the logits' gradient (two more copies, float32 whatever the plan's precision: the root's
-   mixed-precision policy casts the output up, runtime/precision.py).
-8. AdamW's temporaries in ``step()``: torch's default takes the foreach kernels for CUDA
+7. AdamW's temporaries in ``step()``: torch's default takes the foreach kernels for CUDA
    tensors, whose ``_foreach_sqrt`` of the second moments is one float32 copy of every
    local parameter at once; on CPU it steps one parameter at a time, two float32 copies of
    it (sqrt, then its division by the bias correction), charged as the largest layer's.
-9. DDP under gradient accumulation: ``no_sync`` micro-batches accumulate into gradients
+8. DDP under gradient accumulation: ``no_sync`` micro-batches accumulate into gradients
    autograd allocates itself, next to the buckets, until the last micro-batch's backward
    copies each into its bucket view: a second copy of the gradients.
 
@@ -68,10 +69,6 @@ from autopar.planner.costs import LayerCost
 
 OPTIMIZER_EVENT = "optimizer step"
 FP32_BYTES = 4
-LOSS_SAVED_COPIES = 1
-"""Float32 copies of the logits cross-entropy saves (its log-probabilities)."""
-LOSS_BACKWARD_COPIES = 2
-"""More copies while the loss runs backward: the log-probabilities' and the logits' gradients."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -112,13 +109,10 @@ class RankLiveness:
 
 @dataclass(frozen=True, kw_only=True)
 class Uncosted:
-    """What the runtime holds that LayerCost has no term for (rules 7-9)."""
+    """What the runtime holds that LayerCost has no term for (rules 7-8)."""
 
-    logits_bytes: float = 0.0
-    """Float32 bytes of the last layer's output for one micro-batch (rule 7); 0 on ranks
-    without the last layer."""
     optimizer_temp_bytes: float = 0.0
-    """AdamW's temporaries during step() (rule 8; ``optimizer_temporary_bytes``)."""
+    """AdamW's temporaries during step() (rule 7; ``optimizer_temporary_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -132,7 +126,7 @@ def step_liveness(costs: Sequence[LayerCost], names: Sequence[str], *, microbatc
                   ddp: bool = False, uncosted: Uncosted | None = None) -> RankLiveness:
     """A pp = 1 rank: per micro-batch (gradient accumulation), every layer's forward in
     order, then every backward in reverse; then the optimizer step. ``costs`` and ``names``
-    are per layer in execution order; ``ddp`` is rule 3 (and 9)."""
+    are per layer in execution order; ``ddp`` is rule 3 (and 8)."""
     layers = [_Layer(n, c, 0) for n, c in zip(names, costs, strict=True)]
     actions = [(a, 0, mb) for mb in range(microbatches) for a in ("F", "B")]
     return _Walk(layers, split_backward=False, ddp=ddp, microbatches=microbatches,
@@ -169,12 +163,11 @@ class _Walk:
         self.layers, self.split, self.ddp = layers, split_backward, ddp
         self.microbatches, self.label = microbatches, label_microbatch
         self.uncosted = uncosted or Uncosted()
-        self.ddp_copies = ddp and uncosted is not None  # rule 9
-        self.last = len(layers) - 1 if self.uncosted.logits_bytes else -1  # rule 7's layer
+        self.ddp_copies = ddp and uncosted is not None  # rule 8
         self.params = sum(la.cost.params_bytes for la in layers)  # rule 1
         self.optimizer = sum(la.cost.optimizer_bytes for la in layers)
         self.grads: set[int] = set(range(len(layers))) if ddp else set()  # rules 2-3
-        self.second: set[int] = set()  # rule 9: autograd's own gradients beside DDP's buckets
+        self.second: set[int] = set()  # rule 8: autograd's own gradients beside DDP's buckets
         self.saved: dict[tuple[int, int], float] = {}  # (layer, micro-batch) -> bytes, rule 4
         self.timeline: list[Usage] = []
 
@@ -194,35 +187,31 @@ class _Walk:
         self.grads.update(range(len(self.layers)))
         self.second.clear()
         self.saved.clear()
-        self.record(OPTIMIZER_EVENT, self.uncosted.optimizer_temp_bytes)  # rules 6, 8
+        self.record(OPTIMIZER_EVENT, self.uncosted.optimizer_temp_bytes)  # rules 6, 7
         return RankLiveness(timeline=tuple(self.timeline))
 
     def event(self, action: str, i: int, mb: int) -> None:
-        cost, logits = self.layers[i].cost, self.uncosted.logits_bytes
-        buffer = cost.buffer_bytes  # rule 5
+        cost = self.layers[i].cost
+        buffer = cost.buffer_bytes  # rule 5; the loss's part only in its backward
+        if action != "B":
+            buffer -= cost.loss_buffer_bytes
         if action == "F":
-            self.saved[i, mb] = cost.activations_bytes
-            if i == self.last:
-                self.saved[-1, mb] = LOSS_SAVED_COPIES * logits  # rule 7
+            self.saved[i, mb] = cost.activations_bytes  # rule 4
         elif action == "W" or not self.split:
             self.grads.add(i)
             if self.ddp_copies and mb < self.microbatches - 1:
-                self.second.add(i)  # rule 9; the last micro-batch moves it into the bucket
-        if action == "B" and i == self.last:
-            buffer += LOSS_BACKWARD_COPIES * logits  # rule 7
+                self.second.add(i)  # rule 8; the last micro-batch moves it into the bucket
         suffix = f", micro-batch {mb}" if self.label else ""
         self.record(f"{self.VERBS[action]} of {self.layers[i].name}{suffix}", buffer)
         if action != "F" and self.ddp_copies and mb == self.microbatches - 1:
             self.second.discard(i)
-        if action == "B" and i == self.last:
-            self.saved.pop((-1, mb), None)
         if action == "W" or (action == "B" and not self.split):
             self.saved.pop((i, mb), None)
 
 
 def optimizer_temporary_bytes(costs: Sequence[LayerCost], optimizer_bytes_per_param: float,
                               *, foreach: bool) -> float:
-    """AdamW's temporaries during ``step()`` on one rank (rule 8). A layer's float32
+    """AdamW's temporaries during ``step()`` on one rank (rule 7). A layer's float32
     parameters are its optimizer bytes × 4 / the optimizer bytes per parameter
     (cost_models.memory.Precision.optimizer_bytes); offloaded layers step on the host."""
     fp32 = [c.optimizer_bytes * FP32_BYTES / optimizer_bytes_per_param for c in costs]
@@ -236,11 +225,9 @@ def uses_foreach(device_name: str) -> bool:
     return device_name != "cpu-process"
 
 
-def uncosted_terms(costs: Sequence[LayerCost], prec, *, foreach: bool,
-                   has_loss: bool = True) -> Uncosted:
-    """Rules 7 and 8 for a rank holding ``costs`` (in execution order; the last is the
-    model's last layer when ``has_loss``) under precision ``prec``
-    (cost_models.memory.Precision)."""
-    logits = costs[-1].output_bytes * FP32_BYTES / prec.activation_bytes if has_loss else 0.0
+def uncosted_terms(costs: Sequence[LayerCost], prec, *, foreach: bool) -> Uncosted:
+    """Rule 7 for a rank holding ``costs`` under precision ``prec``
+    (cost_models.memory.Precision); rule 8 is ``step_liveness``'s ``ddp`` with any
+    ``uncosted``."""
     temp = optimizer_temporary_bytes(costs, prec.optimizer_bytes, foreach=foreach)
-    return Uncosted(logits_bytes=logits, optimizer_temp_bytes=temp)
+    return Uncosted(optimizer_temp_bytes=temp)
