@@ -126,9 +126,16 @@ def _mlp_stack(widths: list[int], d: int = 8) -> nn.Module:
 def test_blocks_share_a_class_exactly_when_their_shapes_match(widths):
     lg = build_layer_graph(_mlp_stack(widths), (torch.randn(3, 8),))
     assert [layer.name for layer in lg.layers] == [f"blocks.{i}" for i in range(len(widths))]
-    for a, wa in zip(lg.layers, widths, strict=True):
-        for b, wb in zip(lg.layers, widths, strict=True):
-            assert (a.layer_class == b.layer_class) == (wa == wb)
+    # The last block returns the model's output, so it also carries the loss's memory
+    # (LayerInfo.loss_bytes): a class apart from identical siblings, named after theirs.
+    last = len(widths) - 1
+    assert [bool(layer.loss_bytes) for layer in lg.layers] == [i == last for i in range(len(widths))]
+    for i, (a, wa) in enumerate(zip(lg.layers, widths, strict=True)):
+        for j, (b, wb) in enumerate(zip(lg.layers, widths, strict=True)):
+            same_role = (i == last) == (j == last)
+            assert (a.layer_class == b.layer_class) == (wa == wb and same_role)
+            assert (a.layer_class.removesuffix("+loss") == b.layer_class.removesuffix("+loss")) \
+                == (wa == wb)
     assert lg.param_count == sum((8 * w + w) + (w * 8 + 8) for w in widths)
 
 
