@@ -171,7 +171,8 @@ def _pipeline_plan(graph, cluster, prec, case: Case) -> tuple[Plan, Predicted]:
     m = spec.num_microbatches
     weights = [layer_cost(layer, option_for(layer, case), case.mesh, cluster, prec, m).time_s
                for layer in graph.layers]
-    stage_of = _assignment(len(weights), balanced_bounds(weights, case.mesh.pp * spec.virtual_stages))
+    stages = case.mesh.pp * spec.virtual_stages
+    stage_of = _assignment(len(weights), balanced_bounds(weights, stages, graph.uncuttable))
     draft = Plan(model=MODEL, cluster=cluster.name, global_batch=BATCH, seq_len=SEQ,
                  mesh=case.mesh, pipeline=spec,
                  layers=tuple(LayerPlan(module=layer.name, strategy=option_for(layer, case),

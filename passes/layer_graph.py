@@ -108,6 +108,7 @@ def build_layer_graph(
         param_dtype=_param_dtype(model),
         model_name=model_name,
         context_parallel_problem=context_parallel_problem(gm, model),
+        uncuttable=uncuttable_boundaries(gm, groups),
         extra={
             "capture_method": info.method,
             "capture_fallback_reason": info.fallback_reason,
@@ -196,6 +197,37 @@ def _loss_bytes(gm: GraphModule, groups: list[LayerGroup]) -> dict[str, int]:
             size = sum(math.prod(t.shape) * LOSS_DTYPE_BYTES for t in floating)
             out[layer_of[arg]] = out.get(layer_of[arg], 0) + size
     return out
+
+
+def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup]) -> frozenset[int]:
+    """Indices k such that a pipeline stage starting at layer k would receive a value that
+    is not a floating-point tensor (``LayerGraph.uncuttable``). A value made in layer i (or
+    an input: before layer 0) and used in layer j > i crosses every cut i < k <= j; the
+    model's output is used on the last stage. Python values made inside a layer are not
+    checked: the runtime's split keeps each layer whole and traces such values inside it."""
+    layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
+    last = len(groups) - 1
+    out: set[int] = set()
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            made = -1
+        elif node in layer_index:
+            made = layer_index[node]
+        else:
+            continue
+        used = max((last if u.op == "output" else layer_index.get(u, made) for u in node.users),
+                   default=made)
+        if used > max(made, 0) and not _sendable(node, inside_layer=made >= 0):
+            out.update(range(max(made, 0) + 1, used + 1))
+    return frozenset(out)
+
+
+def _sendable(node: Node, *, inside_layer: bool) -> bool:
+    meta = node.meta.get(K.TENSOR)
+    if meta is None or not meta.tensors:
+        # A Python value: made at the model's top level it must cross as is.
+        return inside_layer and node.meta.get(K.MODULE_PATH, "") != ""
+    return all(getattr(torch, t.dtype).is_floating_point for t in meta.tensors)
 
 
 def _split_loss_classes(layers: tuple[LayerInfo, ...]) -> tuple[LayerInfo, ...]:

@@ -180,6 +180,10 @@ class LayerGraph:
     context_parallel_problem: str | None = "the graph was not analysed for context parallelism"
     """Why the model cannot run context-parallel, or None when it can
     (passes/context_parallel.py)."""
+    uncuttable: frozenset[int] = frozenset()
+    """Layer indices no pipeline stage may start at: a cut there would send a value other
+    than a floating-point tensor between stages (an int64 position tensor made before
+    the first layer, a Python number), which the runtime refuses (passes/split_stages.py)."""
     extra: dict[str, object] = field(default_factory=dict)
 
     @property

@@ -9,6 +9,8 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 from autopar.planner import search
@@ -17,6 +19,7 @@ from autopar.planner.pipeline import (
     _assignment,
     _Context,
     _Prepared,
+    balanced_bounds,
     pipeline_configs,
     search_pipeline,
 )
@@ -147,6 +150,40 @@ def test_plan_carries_stages_schedule_and_bubble_and_fits_each_rank():
     assert plan.prediction.memory.total_bytes <= cluster.device.memory_bytes
     assert plan.global_batch % (plan.mesh.dp * plan.pipeline.num_microbatches) == 0
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_no_stage_starts_where_a_non_floating_value_would_cross():
+    # The zoo GPT makes its position ids (int64, arange) beside wte and reads them in wpe:
+    # the runtime cannot send them between stages, so no stage may start at wpe.
+    spec = get_model("gpt-tiny")
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(8, device="meta"))
+    assert [layer.name for layer in graph.layers][:2] == ["wte", "wpe"]
+    assert graph.uncuttable == frozenset({1})
+    ctx = _Context(graph, Cluster.local(4), FP32, 10.0)
+    for config in pipeline_configs(graph, Cluster.local(4)):
+        cuts = ctx.cuts(config)
+        assert cuts, config
+        for stage_of in cuts:
+            assert stage_of[0] == stage_of[1], (config, stage_of)
+
+
+@settings(max_examples=60, deadline=None)
+@given(weights=st.lists(st.floats(0.1, 10.0), min_size=2, max_size=7), data=st.data())
+def test_balanced_cut_is_the_lightest_heaviest_stage_over_the_allowed_cuts(weights, data):
+    n = len(weights)
+    uncuttable = data.draw(st.frozensets(st.integers(1, n - 1)))
+    allowed = [k for k in range(1, n) if k not in uncuttable]
+    stages = data.draw(st.integers(1, len(allowed) + 1))
+    bounds = balanced_bounds(weights, stages, uncuttable)
+    assert len(bounds) == stages - 1 and not set(bounds) & uncuttable
+    assert list(bounds) == sorted(set(bounds))
+
+    def heaviest(cut):
+        edges = [0, *cut, n]
+        return max(sum(weights[a:b]) for a, b in itertools.pairwise(edges))
+
+    best = min(heaviest(c) for c in itertools.combinations(allowed, stages - 1))
+    assert heaviest(bounds) == pytest.approx(best)
 
 
 def megatron_rows(min_params_b: float):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from autopar.planner.bounds import rank_bound
@@ -226,14 +227,18 @@ class _Context:
         return self._costs[key]
 
     def cuts(self, config: PipelineConfig) -> list[tuple[int, ...]]:
-        """Candidate stage-of-layer assignments (contiguous, every stage non-empty)."""
+        """Candidate stage-of-layer assignments (contiguous, every stage non-empty, no stage
+        starting at a layer of ``LayerGraph.uncuttable``)."""
         n, stages = len(self.graph.layers), config.num_stages
-        if n <= EXHAUSTIVE_LAYERS and math.comb(n - 1, stages - 1) <= EXHAUSTIVE_CUTS:
+        allowed = [k for k in range(1, n) if k not in self.graph.uncuttable]
+        if len(allowed) < stages - 1:
+            return []
+        if n <= EXHAUSTIVE_LAYERS and math.comb(len(allowed), stages - 1) <= EXHAUSTIVE_CUTS:
             return [_assignment(n, bounds)
-                    for bounds in itertools.combinations(range(1, n), stages - 1)]
+                    for bounds in itertools.combinations(allowed, stages - 1)]
         weights = [min(c.fwd_s + c.bwd_s + c.wgrad_s for c in self.costs(i, config).values())
                    for i in range(n)]
-        return [_assignment(n, balanced_bounds(weights, stages))]
+        return [_assignment(n, balanced_bounds(weights, stages, self.graph.uncuttable))]
 
     def fastest(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> list[LayerCost]:
         return [min(self.costs(i, config).values(), key=lambda c: c.time_s)
@@ -525,9 +530,20 @@ def stage_peaks(timeline: Timeline, num_stages: int) -> tuple[int, ...]:
     return tuple(peak)
 
 
-def balanced_bounds(weights: list[float], stages: int) -> tuple[int, ...]:
+def balanced_bounds(weights: list[float], stages: int, uncuttable: Iterable[int] = ()
+                    ) -> tuple[int, ...]:
     """Cut points splitting ``weights`` into ``stages`` contiguous non-empty runs so that
-    the heaviest run is as light as possible (binary search on that bound, greedy fill)."""
+    the heaviest run is as light as possible (binary search on that bound, greedy fill),
+    with no cut at an index of ``uncuttable``: the layers across such an index are cut as
+    one unit."""
+    starts = [k for k in range(len(weights)) if k == 0 or k not in set(uncuttable)]
+    if len(starts) == len(weights):
+        return _balanced(weights, stages)
+    units = [sum(weights[a:b]) for a, b in itertools.pairwise([*starts, len(weights)])]
+    return tuple(starts[c] for c in _balanced(units, stages))
+
+
+def _balanced(weights: list[float], stages: int) -> tuple[int, ...]:
     n = len(weights)
     lo, hi = max(weights), sum(weights)
     for _ in range(60):
