@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 
 from autopar.api import search_plans
 from autopar.cli_checkpoint import (
@@ -80,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds)")
     c.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"],
                    help="auto: nccl with CUDA GPUs, gloo otherwise")
+    c.add_argument("--attention-shape", type=attention_shape, metavar="BH,SEQ,DIM",
+                   help="fused attention's batch x heads, sequence and head dim to time "
+                        "(default 8,512,64; give your model's: its rate depends on the shape)")
     c.set_defaults(handler=cmd_calibrate)
     return parser
 
@@ -92,6 +96,16 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def attention_shape(text: str) -> tuple[int, int, int]:
+    parts = text.split(",")
+    if len(parts) != 3:
+        raise argparse.ArgumentTypeError(
+            f"expected batch x heads, sequence and head dim as three integers like 8,512,64; "
+            f"got {text!r}")
+    heads, seq, dim = (positive_int(p.strip()) for p in parts)
+    return heads, seq, dim
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -149,6 +163,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
     check_output(args.out, force=args.force)  # before minutes of measuring, not after
     settings = Settings.quick() if args.quick else Settings()
+    if args.attention_shape:
+        settings = replace(settings, attention_shape=args.attention_shape)
     cal = calibrate(args.nproc, backend=args.backend, settings=settings)
     print(format_table(cal))
     cluster = write_profile(cal, args.out, force=args.force)

@@ -70,12 +70,16 @@ THREADS = 1
 (bench/pipeline_step.py: torch's default threads spin against each other)."""
 MiB = 1024**2
 KiB = 1024
-CALIBRATION = Settings(gemm_sizes=(256, 512, 1024), dtypes=("float32",), copy_bytes=64 * MiB,
+CALIBRATION = Settings(gemm_sizes=(256, 512, 1024), dtypes=("float32",),
+                       attention_shape=(BATCH // 4 * CONFIG["n_head"], SEQ,
+                                        CONFIG["n_embd"] // CONFIG["n_head"]),
                        message_bytes=tuple(4 * KiB * 4**i for i in range(7)), warmup=2,
                        repeats=5, timeout_s=120)
 """``autopar calibrate``'s defaults less bfloat16 (not used here) and the 2048 GEMM (time);
 GEMMs up to 1024 and messages up to 16 MiB cover this model's (its MLP GEMMs have a 1024
-dimension, the DP gradient all_reduce is 16 MiB), which ``Settings.quick()`` does not."""
+dimension, the DP gradient all_reduce is 16 MiB), which ``Settings.quick()`` does not.
+Attention is timed at the model's shape on a DP rank: 4 samples × 8 heads, seq 128, head
+dim 32 (what a user calibrating for their model passes)."""
 SUSTAINED_GEMM = (1024, 2.0)
 """(n, seconds): a cross-check of the calibrated GEMM rate, every rank multiplying n × n
 matrices back to back for that long at once (see ``sustained_gemm_flops``)."""
@@ -323,7 +327,8 @@ def main() -> None:
     d, link = cluster.device, cluster.intra_node
     print(f"  float32 peak x eff {d.peak('float32') * d.matmul_efficiency / 1e9:.1f} GFLOP/s, "
           f"half_dim {d.half_dim('float32'):.0f}, memory {d.memory_bandwidth_GBps:.2f} GB/s, "
-          f"kernel floor {d.kernel_floor_s * 1e6:.1f} us, link {link.bandwidth_GBps:.3f} GB/s "
+          f"kernel floor {d.kernel_floor_s * 1e6:.1f} us, attention at "
+          f"{d.attention_efficiency:.2f}x the GEMM rate, link {link.bandwidth_GBps:.3f} GB/s "
           f"+ {link.latency_s * 1e6:.0f} us (all_reduce fit)")
     print(f"  cross-check: float32 GEMM {SUSTAINED_GEMM[0]}, every rank multiplying for "
           f"{SUSTAINED_GEMM[1]:.0f} s at once: {sustained / 1e9:.1f} GFLOP/s per rank "

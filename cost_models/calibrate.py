@@ -178,15 +178,16 @@ def fit_gemm_curve(sizes: Sequence[int], times_s: Sequence[float], *,
                      half_dim=float(half_over_rate / inv_rate))
 
 
-def fit_memory_bandwidth_GBps(bytes_moved: Sequence[float], times_s: Sequence[float]) -> float:
-    """Bandwidth of large copies: bytes read + written over time, the slope when several sizes."""
+def kernel_mix_bandwidth_GBps(bytes_moved: Sequence[float], times_s: Sequence[float]) -> float:
+    """Memory bandwidth of a mix of memory-bound kernels, one (bytes read + written, time)
+    each: the harmonic mean of their rates, i.e. total bytes over total time were the same
+    bytes put through every kernel, so a slow kernel weighs as it does in a step that runs
+    them all."""
     b = np.asarray(bytes_moved, dtype=float)
     t = np.asarray(times_s, dtype=float)
     if b.size == 0 or b.shape != t.shape or np.any(t <= 0) or np.any(b <= 0):
-        raise CalibrationError("need positive copy sizes and times of equal count")
-    if b.size == 1 or np.ptp(b) == 0:
-        return float(np.median(b / t) / 1e9)
-    return fit_alpha_beta(b, t, kind="p2p").bandwidth_GBps
+        raise CalibrationError("need positive kernel sizes and times of equal count")
+    return float(b.size / np.sum(t / b) / 1e9)
 
 
 def relative_error(predicted: float, measured: float) -> float:

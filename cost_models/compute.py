@@ -27,10 +27,6 @@ from collections.abc import Iterable
 
 from cost_models.hardware import Device
 
-# Adam's step reads param, grad, exp_avg, exp_avg_sq and writes param, exp_avg, exp_avg_sq:
-# 7 tensors of one parameter each (torch.optim.AdamW, foreach implementation).
-ADAM_TENSORS_TOUCHED = 7
-
 
 def gemm_efficiency(device: Device, dtype: str, min_dim: float | None = None) -> float:
     """Achievable fraction of ``dtype``'s peak for a GEMM whose smallest dimension is
@@ -84,11 +80,3 @@ def gemm_s(m: int, n: int, k: int, device: Device, dtype: str, *,
     flops = 2.0 * m * n * k
     moved = (m * k + k * n + m * n) * bytes_per_element
     return roofline_s(flops, moved, 1, device, dtype, gemm_min_dim=min(m, n, k))
-
-
-def optimizer_step_s(local_params: float, state_bytes_per_param: float, device: Device,
-                     *, bandwidth_GBps: float | None = None) -> float:
-    """Adam over the parameters this rank holds: memory-bound elementwise work, at the
-    device's memory bandwidth or ``bandwidth_GBps`` (host memory, for offloaded states)."""
-    bandwidth = device.memory_bandwidth_GBps if bandwidth_GBps is None else bandwidth_GBps
-    return local_params * state_bytes_per_param * ADAM_TENSORS_TOUCHED / 4 / (bandwidth * 1e9)

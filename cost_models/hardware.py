@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from cost_models.errors import ConfigError
+from cost_models.optimizer import ADAM_KERNELS, DEFAULT_OPTIMIZER, AdamKernels
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16")
 LINK_KINDS = ("nvlink", "pcie", "network", "loopback")
@@ -43,6 +44,11 @@ DDP_BUCKET_BYTES = 25 * MiB
 in MiB)."""
 
 
+HOST_OVERHEADS = ("collective_skew_s", "fsdp_overhead_s", "tp_overhead_s",
+                  "dtensor_op_overhead_s")
+"""Device fields that CPU ranks measure and GPUs hide (0 unless calibrated)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Device:
     """One accelerator (or one CPU process of the local 'cluster')."""
@@ -62,6 +68,29 @@ class Device:
     asymptote; dtypes not listed use DEFAULT_MATMUL_HALF_DIM."""
     kernel_floor_s: float = 5e-6
     """Smallest time of one kernel (launch and tail)."""
+    collective_skew_s: float = 0.0
+    """Time a blocking collective waits beyond its α-β cost when ranks come to it from
+    computing: they arrive apart. CPU processes sharing cores drift apart by a share of a
+    scheduler slice between collectives; GPUs queue kernels ahead and barely drift.
+    ``autopar calibrate`` measures it on CPU ranks (a GEMM window, then a one-element
+    all_reduce, against the window alone); 0 until then."""
+    fsdp_overhead_s: float = 0.0
+    """Host time FSDP2 adds per wrapped module per micro-batch (its forward and backward
+    hooks, with their allocations and bookkeeping), beyond the copies and collectives the
+    cost model prices. It adds to the step on CPU ranks, where host and kernels share a
+    core; on GPUs the host runs ahead and hides it (0). Measured by ``autopar calibrate``."""
+    tp_overhead_s: float = 0.0
+    """Host time a tensor-parallel module (DTensor parameters, input and output hooks) adds
+    per micro-batch, as ``fsdp_overhead_s``."""
+    dtensor_op_overhead_s: float = 0.0
+    """Host time DTensor's dispatch adds to one op on a DTensor (the optimizer's ops on
+    FSDP2's and TP's parameters), as ``fsdp_overhead_s``."""
+    attention_efficiency: float = 1.0
+    """Fused attention's (``F.scaled_dot_product_attention``) FLOP rate as a fraction of the
+    large-GEMM rate, its FLOPs counted as FlopCounterMode counts them (4·b·h·s_q·s_kv·d
+    forward whether causal or not, backward twice that): below 1 where its kernels are
+    slower than GEMMs (CPU flash attention at small head dims), above 1 where a causal kernel
+    skips the masked half. ``autopar calibrate`` measures it; 1 until then."""
 
     def peak(self, dtype: str) -> float:
         try:
@@ -136,6 +165,10 @@ class Cluster:
     """Inside a node, per collective (one of COLLECTIVES): the link a calibration fitted
     on that collective itself, used instead of ``intra_node``. gloo's all_gather is not a
     ring and runs at about half its all_reduce's bandwidth (``autopar calibrate``)."""
+    optimizer: str = DEFAULT_OPTIMIZER
+    """The Adam kernels the training runs (a key of ``cost_models.optimizer.ADAM_KERNELS``):
+    torch's AdamW takes its foreach kernels on GPUs and steps one tensor at a time on CPU
+    processes; Megatron-LM runs a fused kernel."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -145,6 +178,10 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def adam_kernels(self) -> AdamKernels:
+        return ADAM_KERNELS[self.optimizer]
 
     def with_nodes(self, nodes: int) -> Cluster:
         _check_positive_int("nodes", nodes, self.name)
@@ -228,6 +265,7 @@ class Cluster:
             # FSDP2 overlaps its gathers and reduce-scatters through CUDA streams; on CPU it
             # issues them synchronously. DDP's and the pipeline's are async here too.
             overlap=Overlap(exposed=("fsdp",)),
+            optimizer="adamw-for-loop",
             source="uncalibrated defaults for local CPU processes",
         )
 
@@ -240,6 +278,10 @@ _UNITS = {
     "memory_gb": ("memory_bytes", 1e9),
     "latency_us": ("latency_s", 1e-6),
     "kernel_floor_us": ("kernel_floor_s", 1e-6),
+    "collective_skew_us": ("collective_skew_s", 1e-6),
+    "fsdp_overhead_us": ("fsdp_overhead_s", 1e-6),
+    "tp_overhead_us": ("tp_overhead_s", 1e-6),
+    "dtensor_op_overhead_us": ("dtensor_op_overhead_s", 1e-6),
     "ddp_bucket_mib": ("ddp_bucket_bytes", MiB),
 }
 
@@ -266,6 +308,9 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     for key in ("nodes", "devices_per_node"):
         if key in top:
             _check_positive_int(key, top[key], source)
+    if "optimizer" in top and top["optimizer"] not in ADAM_KERNELS:
+        raise ConfigError(f"{source}: optimizer = {top['optimizer']!r} is not one of "
+                          f"{', '.join(ADAM_KERNELS)}")
     margin = top.get("memory_margin_fraction", 0.1)
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")
@@ -290,7 +335,15 @@ def _device_from_dict(data: Any, where: str) -> Device:
     for key in ("memory_bytes", "memory_bandwidth_GBps", "kernel_floor_s"):
         if key in d:
             _check_positive(key, d[key], where)
+    for key in HOST_OVERHEADS:
+        value = d.get(key, 0.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
     d["memory_bytes"] = int(d["memory_bytes"])
+    attention = d.get("attention_efficiency", 1.0)
+    if isinstance(attention, bool) or not isinstance(attention, (int, float)) or not (
+            0 < attention <= 10):
+        raise ConfigError(f"{where}: attention_efficiency must be in (0, 10], got {attention!r}")
     eff = d.get("matmul_efficiency", 0.7)
     if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
         raise ConfigError(f"{where}: matmul_efficiency must be in (0, 1], got {eff!r}")

@@ -152,6 +152,9 @@ class LayerInfo:
     attention, convolutions) is priced at the large-GEMM rate."""
     tp: TPOption | None = None
     """How this layer can be tensor-parallel, or None if no safe split is known."""
+    param_tensors: int = 0
+    """Parameter tensors the layer owns: the optimizer launches kernels per tensor
+    (cost_models.optimizer)."""
     loss_bytes: int = 0
     """Float32 bytes of the model's output this layer produces (the logits), at the
     captured batch; 0 on every other layer. The runtime computes the user's loss on the

@@ -20,14 +20,15 @@ from autopar.calibrate import (
     fitted_gemm_curve,
     write_profile,
 )
+from autopar.calibration_kernels import memory_kernels
 from autopar.cli import main
 from cost_models.calibrate import (
     AlphaBeta,
     CalibrationError,
     fit_alpha_beta,
     fit_matmul,
-    fit_memory_bandwidth_GBps,
     fit_overlap_slowdown,
+    kernel_mix_bandwidth_GBps,
     predict_s,
     spread,
 )
@@ -94,12 +95,12 @@ def test_fit_matmul_recovers_efficiency_against_a_known_peak(peak, eff):
     assert own.peak_flops == pytest.approx(large_rate) and own.efficiency == pytest.approx(1.0)
 
 
-def test_memory_bandwidth_from_copies():
-    gbps, floor = 12.5, 2e-6
-    moved = [2 * 2**20 * k for k in (4, 16, 64)]
-    assert fit_memory_bandwidth_GBps(moved, [floor + b / (gbps * 1e9) for b in moved]) == \
-        pytest.approx(gbps)
-    assert fit_memory_bandwidth_GBps([1e9], [0.1]) == pytest.approx(10.0)
+def test_memory_bandwidth_of_a_kernel_mix_is_the_harmonic_mean_of_their_rates():
+    # 1 GB through a 10 GB/s copy and a 2.5 GB/s softmax: 0.1 + 0.4 s for 2 GB, 4 GB/s.
+    assert kernel_mix_bandwidth_GBps([2e9, 1e9], [0.2, 0.4]) == pytest.approx(4.0)
+    assert kernel_mix_bandwidth_GBps([1e9], [0.1]) == pytest.approx(10.0)
+    with pytest.raises(CalibrationError, match="positive kernel sizes"):
+        kernel_mix_bandwidth_GBps([1e9], [0.0])
 
 
 # -- overlap slowdown and repeatability, on synthetic timings ---------------------------------
@@ -141,8 +142,8 @@ def test_spread_of_repeated_windows():
 def synthetic_measurements(sigmas: dict[str, float]) -> Measurements:
     """Two ranks' worth of clean timings: 40 GFLOP/s GEMMs (windows 36..44), a 1 GB/s link,
     and per pattern three (alone, beside) pairs slowed by the given σ."""
-    m = Measurements(backend="gloo", nproc=2, threads=1, copy_s=0.01, copy_bytes=2**27,
-                     floor_s=1e-5)
+    m = Measurements(backend="gloo", nproc=2, threads=1, floor_s=1e-5,
+                     memory_kernels={"copy": (2**27, 0.01), "softmax": (2**27, 0.04)})
     rates = (36e9, 40e9, 44e9)
     m.gemm_windows_s = {"float32": {n: [2 * n**3 / r for r in rates] for n in (256, 512, 1024)}}
     m.gemm_s = {"float32": {n: w[1] for n, w in m.gemm_windows_s["float32"].items()}}
@@ -216,7 +217,8 @@ def calibration_run(tmp_path_factory):
     path = tmp_path_factory.mktemp("calibrate") / "profile.toml"
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(path)]) == 0
+        assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(path),
+                     "--attention-shape", "4,64,16"]) == 0
     return path, out.getvalue()
 
 
@@ -241,6 +243,30 @@ def test_quick_calibration_measures_every_overlap_slowdown_and_the_gemm_spread(c
     assert any(line.startswith("overlap") and "sigma" in line for line in table)
     assert all(any(line.startswith(p + " ") for line in table) for p in OVERLAP_PATTERNS)
     assert any("windows min..max" in line and "spread" in line for line in table)
+
+
+def test_quick_calibration_measures_the_work_beside_gemms_and_the_host_overheads(
+        calibration_run):
+    path, printed = calibration_run
+    cluster = Cluster.from_toml(path)
+    d = cluster.device
+    # Memory-bound kernels: the profile's bandwidth is the harmonic mean of the mix's rates.
+    rates = cluster.extra["memory"]["GBps"]
+    assert cluster.extra["memory"]["kernels"] == list(memory_kernels(4096, "cpu"))
+    assert d.memory_bandwidth_GBps == pytest.approx(len(rates) / sum(1 / r for r in rates),
+                                                    rel=1e-3)
+    # Attention at the shape asked for, over float32's fitted large-GEMM rate.
+    attention = cluster.extra["attention"]
+    assert attention["shape"] == [4, 64, 16] and attention["dtype"] == "float32"
+    assert d.attention_efficiency == pytest.approx(
+        attention["tflops"] * 1e12 / (d.peak("float32") * d.matmul_efficiency), rel=1e-2)
+    # gloo ranks: torch's AdamW steps one tensor at a time; FSDP2, TP and DTensor cost
+    # host time on the ranks' cores.
+    assert cluster.optimizer == "adamw-for-loop"
+    assert d.fsdp_overhead_s > 0 and d.tp_overhead_s > 0 and d.dtensor_op_overhead_s > 0
+    assert d.collective_skew_s >= 0
+    assert "host overheads: FSDP2" in printed and "harmonic mean" in printed
+    assert "causal attention float32 (batch x heads, seq, head dim) = (4, 64, 16)" in printed
 
 
 def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
@@ -303,6 +329,18 @@ def test_calibration_that_cannot_run_exits_2_saying_why(args, message, tmp_path,
     assert main(["calibrate", "--quick", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("8,512", "three integers like 8,512,64; got '8,512'"),
+    ("8,0,64", "expected a positive integer, got 0"),
+])
+def test_a_bad_attention_shape_exits_2_naming_it(shape, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", "--attention-shape", shape])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--attention-shape" in err and message in err and "Traceback" not in err
 
 
 def test_existing_profile_is_kept_unless_forced(tmp_path, capsys):

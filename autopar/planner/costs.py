@@ -50,8 +50,12 @@ the layer's input and runs the whole forward (TP collectives included) again in 
 Either way the freed activations come back, one layer at a time, during that layer's
 backward: a transient.
 
-The loss (``_loss_bytes``) is charged to the layer producing the model's output: one
-float32 copy of the logits kept per micro-batch, two more as a transient in its backward.
+The loss is charged to the layer producing the model's output: one float32 copy of the
+logits kept per micro-batch, two more as a transient in its backward (``_loss_bytes``),
+and its memory-bound passes over them in forward and backward (``_loss_s``).
+
+The optimizer step is Adam's passes over the parameters a rank holds, in the kernels the
+cluster's software runs (``Cluster.optimizer``, cost_models/optimizer.py).
 """
 
 from __future__ import annotations
@@ -67,9 +71,10 @@ from cost_models.comm import (
     p2p_s,
     reduce_scatter_s,
 )
-from cost_models.compute import gemm_shortfall_flops, optimizer_step_s, roofline_s
+from cost_models.compute import gemm_shortfall_flops, roofline_s
 from cost_models.hardware import Cluster, Device, Link, Overlap
 from cost_models.memory import Precision
+from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
 from cost_models.overlap import exposed_comm_s
 from passes.records import Collective, LayerInfo, SavedSplit, TPOption
 from runtime.plan import (
@@ -143,6 +148,9 @@ class LayerCost:
     hidden_comm_s: float = 0.0
     """Per step, communication hidden behind compute (net of the slowdown): comm_s plus
     this is all the communication the layer issues."""
+    fsdp_host_s: float = 0.0
+    """Per step, the part of compute_s that is FSDP2's host time (``_engine_host_s``): a
+    plan the runtime runs on DDP (search.runs_on_ddp) does not pay it."""
     loss_buffer_bytes: float = 0.0
     """Part of buffer_bytes that is the loss's backward (``_loss_bytes``), on the layer
     producing the model's output: alive in its backward only (planner/liveness.py)."""
@@ -262,14 +270,16 @@ def layer_cost(
     alone = _memory_bound_bytes(layer, is_tp, sp, tp) * act_scale / (dp * m)
     # Small GEMMs run below the large-GEMM rate: their shortfall in asymptote FLOPs, the
     # same share of backward (two GEMMs over the same dims per forward GEMM).
-    short = _gemm_shortfall(layer, is_tp, fwd_flops, dp * m, tp, device, dtype)
+    short = (_gemm_shortfall(layer, is_tp, fwd_flops, dp * m, tp, device, dtype)
+             + _attention_shortfall(layer, is_tp, dp * m, tp, device))
     bwd_short = short * layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
     fwd_matmul = roofline_s(fwd_flops + short, mem, layer.num_ops, device, dtype)
     fwd_alone = roofline_s(0.0, alone, 0, device, dtype)
-    fwd_compute = fwd_matmul + fwd_alone
+    loss_fwd, loss_bwd = _loss_s(layer, dp * m, prec, device)
+    fwd_compute = fwd_matmul + fwd_alone + loss_fwd
     bwd_compute = (roofline_s(layer.bwd_flops * ratio + bwd_short, 2 * mem, 2 * layer.num_ops,
                               device, dtype)
-                   + roofline_s(0.0, 2 * alone, 0, device, dtype))
+                   + roofline_s(0.0, 2 * alone, 0, device, dtype) + loss_bwd)
 
     tp_fwd, tp_bwd = _tp_comm_s(layer, is_tp, sp, mesh, cluster, act_scale / (dp * m))
     ring = _ring_attention(layer, is_tp, mesh, cluster, act_scale / (dp * m), fwd_compute)
@@ -278,12 +288,16 @@ def layer_cost(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
     loss_kept, loss_transient = _loss_bytes(layer, dp * m)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
-    host = _offload_s(local_params, prec, device) if offload else (0.0, 0.0, 0.0)
+    host = _offload_s(local_params, layer.param_tensors, prec, device) if offload else (
+        0.0, 0.0, 0.0)
     host_per_micro, host_per_step, host_optimizer = host
     if offload:
         optimizer = host_optimizer
     else:
-        optimizer = optimizer_step_s(local_params, prec.state_bytes, device)
+        optimizer = optimizer_step_s(local_params, layer.param_tensors, cluster.adam_kernels,
+                                     device)
+    engine_micro, engine_step = _engine_host_s(layer, is_tp, sp, cluster)
+    optimizer += engine_step
     states = _states_bytes(strategy, offload, tp_params, shards, m, prec)
     hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm,
                             fwd_window=fwd_compute, bwd_window=bwd_compute + recompute_s)
@@ -294,13 +308,14 @@ def layer_cost(
         option=option_label(strategy, recompute, offload, sp),
         strategy=strategy, recompute=recompute, offload=offload, sequence_parallel=sp,
         microbatches=m,
-        fwd_s=fwd_compute + tp_fwd + dp_comm.gather_per_micro - hidden.fwd + host_per_micro / 2,
+        fwd_s=(fwd_compute + tp_fwd + dp_comm.gather_per_micro - hidden.fwd + host_per_micro / 2
+               + engine_micro / 2),
         bwd_s=((1 - WGRAD_FRACTION) * bwd_compute + recompute_s + recompute_comm + tp_bwd
                + dp_comm.gather_per_micro + dp_comm.reduce_per_micro - hidden.bwd
-               + host_per_micro / 2),
+               + host_per_micro / 2 + engine_micro / 2),
         wgrad_s=WGRAD_FRACTION * bwd_compute,
         step_s=per_step_comm + optimizer,
-        compute_s=m * (fwd_compute + bwd_compute + recompute_s) + optimizer,
+        compute_s=m * (fwd_compute + bwd_compute + recompute_s + engine_micro) + optimizer,
         comm_s=m * per_micro_comm + per_step_comm,
         params_bytes=states[0],
         grads_bytes=states[1],
@@ -311,6 +326,7 @@ def layer_cost(
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
         hidden_comm_s=m * (hidden.fwd + hidden.bwd) + hidden.step,
         loss_buffer_bytes=loss_transient,
+        fsdp_host_s=m * cluster.device.fsdp_overhead_s + engine_step,
     )
 
 
@@ -373,6 +389,16 @@ def _gemm_shortfall(layer: LayerInfo, is_tp: bool, local_flops: float, batch_sha
     return gemm_shortfall_flops(linear + batched, device, dtype)
 
 
+def _attention_shortfall(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int,
+                         device: Device) -> float:
+    """FLOPs fused attention loses (or gains) against the large-GEMM rate, counted at that
+    rate: its forward FLOPs on this rank f (heads split by TP) take as long as
+    f / ``Device.attention_efficiency`` FLOPs do at the GEMM rate. Backward loses the same
+    share (``layer_cost`` scales the forward's shortfall by bwd/fwd FLOPs)."""
+    local = layer.attention_fwd_flops / (batch_shards * (tp if is_tp else 1))
+    return local * (1 / device.attention_efficiency - 1)
+
+
 def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: int,
                  batch_shards: int, act_scale: float, matmul_s: float, alone_s: float,
                  tp_fwd: float) -> tuple[float, float, float, float]:
@@ -424,6 +450,53 @@ def _loss_bytes(layer: LayerInfo, batch_shards: int) -> tuple[float, float]:
     return LOSS_SAVED_COPIES * per_micro, LOSS_BACKWARD_COPIES * per_micro
 
 
+def _engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster
+                   ) -> tuple[float, float]:
+    """(Per micro-batch, per step) host time the parallel engines add to this layer on a
+    device whose host work does not hide behind its kernels (CPU ranks; ``Device``'s
+    overheads are 0 elsewhere). Every layer outside a DDP plan runs under FSDP2
+    (runtime/data_parallel.py): its hooks each micro-batch, and DTensor's dispatch of each
+    of the optimizer's ops on its parameters (FSDP2 keeps them as DTensors). A
+    tensor-parallel layer's modules add their DTensor hooks and dispatch."""
+    device, adam = cluster.device, cluster.adam_kernels
+    per_micro = device.fsdp_overhead_s
+    if is_tp:
+        assert layer.tp is not None
+        styles = layer.tp.sp_styles if sp and layer.tp.sp_styles else layer.tp.styles
+        per_micro += len(styles) * device.tp_overhead_s
+    ops = adam.kernels * (layer.param_tensors if adam.per_tensor else 1)
+    per_step = ops * device.dtensor_op_overhead_s if layer.param_tensors else 0.0
+    return per_micro, per_step
+
+
+LOSS_FWD_PASSES = 2
+"""Float32 logits-sized tensors cross-entropy's forward reads or writes: log-softmax reads
+the logits and writes the log-probabilities (the target gather is one element a row)."""
+LOSS_BWD_PASSES = 4
+"""And its backward: the log-probabilities' gradient is written (zeros, one element a row
+scattered), then log-softmax's backward reads it and the log-probabilities and writes the
+logits' gradient."""
+LOSS_KERNELS = 2
+"""Kernels each way: log-softmax and the target gather (forward), their backwards."""
+
+
+def _loss_s(layer: LayerInfo, batch_shards: int, prec: Precision, device: Device
+            ) -> tuple[float, float]:
+    """(forward, backward) seconds of the loss on the layer producing the model's output,
+    one micro-batch: memory-bound passes over the float32 logits (``_loss_bytes``), plus
+    the cast up to float32 and the gradient's cast back when the plan computes in lower
+    precision (runtime/precision.py): read the low-precision tensor, write the other."""
+    if not layer.loss_bytes:
+        return 0.0, 0.0
+    logits = layer.loss_bytes / batch_shards
+    low = prec.activation_bytes / CAPTURE_ACTIVATION_BYTES
+    cast = 0.0 if low >= 1 else (1 + low) * logits
+    dtype = prec.compute_dtype
+    fwd = roofline_s(0.0, LOSS_FWD_PASSES * logits + cast, LOSS_KERNELS, device, dtype)
+    bwd = roofline_s(0.0, LOSS_BWD_PASSES * logits + cast, LOSS_KERNELS, device, dtype)
+    return fwd, bwd
+
+
 def _sharded_saved(option: TPOption) -> SavedSplit:
     """The TP-sharded saved bytes by kind (all floating when the capture did not split them)."""
     return option.sharded_saved or SavedSplit(floating=option.sharded_saved_bytes)
@@ -445,8 +518,9 @@ def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Clu
         collectives = layer.tp.sp_collectives
     group = Group(mesh.tp, 1)
     times = {"fwd": 0.0, "bwd": 0.0}
+    skew = cluster.device.collective_skew_s  # each blocks the op after it
     for c in collectives:
-        times[c.phase] += collective_s(c.kind, c.nbytes * scale, group, cluster)
+        times[c.phase] += collective_s(c.kind, c.nbytes * scale, group, cluster) + skew
     return times["fwd"], times["bwd"]
 
 
@@ -499,35 +573,47 @@ class _DPComm:
 
 def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
                tp_params: float, shards: int) -> _DPComm:
+    """Each collective with its skew (``Device.collective_skew_s``): the gathers and
+    reduce-scatters wait for every rank; the all-reduce of replicated gradients runs in
+    DDP's buckets, waited once per bucket, so a layer carries its share of one skew."""
     dp, tp = mesh.replicas, mesh.tp
     group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
     params = tp_params * prec.param_bytes
     grads = tp_params * prec.grad_bytes
+    skew = cluster.device.collective_skew_s
+
+    def gather(group: Group) -> float:
+        t = all_gather_s(params, group, cluster)
+        return t + skew if t else 0.0
+
+    def scatter(group: Group) -> float:
+        t = reduce_scatter_s(grads, group, cluster)
+        return t + skew if t else 0.0
+
     if strategy in ("replicate", "tp"):
-        return _DPComm(0.0, 0.0, all_reduce_s(grads, group, cluster))
+        t = all_reduce_s(grads, group, cluster)
+        share = min(1.0, grads / cluster.overlap.ddp_bucket_bytes)
+        return _DPComm(0.0, 0.0, t + share * skew if t else 0.0)
     if strategy == "zero1":
-        return _DPComm(0.0, 0.0, all_gather_s(params, group, cluster)
-                       + reduce_scatter_s(grads, group, cluster))
+        return _DPComm(0.0, 0.0, gather(group) + scatter(group))
     if strategy == "zero2":
-        return _DPComm(0.0, reduce_scatter_s(grads, group, cluster),
-                       all_gather_s(params, group, cluster))
+        return _DPComm(0.0, scatter(group), gather(group))
     if strategy == "hsdp":
         shard = Group(shards, 1)
         replicas = Group(dp * tp // shards, shards)
         # Reduce-scattered in the shard group every micro-batch (once in a pipeline, as
         # fsdp below), all-reduced across groups once (runtime/data_parallel.py).
-        scatter = reduce_scatter_s(grads, shard, cluster)
         across = all_reduce_s(grads / shards, replicas, cluster)
+        across += skew if across else 0.0
         if mesh.pp > 1:
-            return _DPComm(all_gather_s(params, shard, cluster), 0.0, scatter + across)
-        return _DPComm(all_gather_s(params, shard, cluster), scatter, across)
+            return _DPComm(gather(shard), 0.0, scatter(shard) + across)
+        return _DPComm(gather(shard), scatter(shard), across)
     # fsdp / tp_fsdp (FSDP2 default): gather for forward, reshard, gather again for
     # backward; gradients are reduce-scattered every micro-batch and accumulated sharded.
     # Pipeline schedules reduce once, after the last micro-batch (their REDUCE_GRAD step).
-    scatter = reduce_scatter_s(grads, group, cluster)
     if mesh.pp > 1:
-        return _DPComm(all_gather_s(params, group, cluster), 0.0, scatter)
-    return _DPComm(all_gather_s(params, group, cluster), scatter, 0.0)
+        return _DPComm(gather(group), 0.0, scatter(group))
+    return _DPComm(gather(group), scatter(group), 0.0)
 
 
 @dataclass(frozen=True)
@@ -592,15 +678,17 @@ def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m
     return p / n, g / n, k / n, 2 * p + g
 
 
-def _offload_s(local_params: float, prec: Precision, device) -> tuple[float, float, float]:
+def _offload_s(local_params: float, param_tensors: int, prec: Precision, device
+               ) -> tuple[float, float, float]:
     """(host copies per micro-batch, per step, optimizer step on the host) of an offloaded
     layer: its parameter shard is copied to the device before each of the two gathers,
-    its gradient shard back once per step, and Adam runs at host memory bandwidth."""
+    its gradient shard back once per step, and Adam runs at host memory bandwidth, one
+    tensor at a time (torch's AdamW on CPU tensors)."""
     shard = local_params * prec.param_bytes
     per_micro = 2 * (shard / (HOST_LINK.bandwidth_GBps * 1e9) + HOST_LINK.latency_s)
     per_step = local_params * prec.grad_bytes / (HOST_LINK.bandwidth_GBps * 1e9)
-    optimizer = optimizer_step_s(local_params, prec.state_bytes, device,
-                                 bandwidth_GBps=HOST_MEMORY_GBPS)
+    optimizer = optimizer_step_s(local_params, param_tensors, ADAM_KERNELS["adamw-for-loop"],
+                                 device, bandwidth_GBps=HOST_MEMORY_GBPS)
     return per_micro, per_step, optimizer
 
 

@@ -134,9 +134,11 @@ def megatron_graph(row: MegatronRow) -> LayerGraph:
 def megatron_cluster(row: MegatronRow) -> Cluster:
     """DGX A100 80GB nodes, with the 2021 runs' communication exposed: Megatron-LM
     all-reduced data-parallel gradients after backward and waited for each pipeline
-    send/recv (its schedules' blocking ``send_forward_recv_backward`` pairs)."""
+    send/recv (its schedules' blocking ``send_forward_recv_backward`` pairs). Its optimizer
+    is apex's fused Adam."""
     cluster = Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8)
-    return replace(cluster, overlap=replace(cluster.overlap, exposed=("dp", "pp")))
+    return replace(cluster, overlap=replace(cluster.overlap, exposed=("dp", "pp")),
+                   optimizer="fused-adam")
 
 
 def predicted_tflops(row: MegatronRow, step_time_s: float) -> float:

@@ -276,11 +276,12 @@ def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int) 
 def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candidate,
                options: list[ClassOptions], report: SolverReport) -> Plan:
     costs = assign_layers(graph, cand.choice, options)
+    ddp = runs_on_ddp(costs, prec, cand.mesh)
     memory = plan_memory(costs, cluster.memory_margin_fraction,
-                         names=[layer.name for layer in graph.layers],
-                         ddp=runs_on_ddp(costs, prec, cand.mesh))
+                         names=[layer.name for layer in graph.layers], ddp=ddp)
     assert memory.total_bytes <= cluster.device.memory_bytes, "the ILP's memory row was violated"
-    compute = sum(c.compute_s for c in costs)
+    # The layer costs price FSDP2's host time, which a plan run on DDP does not pay.
+    compute = sum(c.compute_s - (c.fsdp_host_s if ddp else 0.0) for c in costs)
     comm = sum(c.comm_s for c in costs)
     prediction = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                             memory=memory, capacity_bytes=cluster.device.memory_bytes,

@@ -1,0 +1,477 @@
+"""Measuring, on every rank of an ``autopar calibrate`` launch: what ``Settings`` asks
+for, timed as ``autopar.calibrate``'s docstring describes, into ``Measurements`` (each
+number the slowest rank's, ``slowest``). The fits and the profile are ``autopar.calibrate``'s.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from autopar.calibration_kernels import HOST_STACK, attention_op, host_overhead_ops, memory_kernels
+from cost_models.calibrate import CalibrationError, fit_overlap_slowdown
+
+KiB, MiB = 1024, 1024**2
+COLLECTIVES = ("all_reduce", "all_gather", "p2p")
+OVERLAP_PATTERNS = ("dp", "fsdp", "pp")
+"""``cost_models.overlap``'s patterns, each timed beside its own communication: dp beside
+all_reduce (DDP's gradient buckets), fsdp beside all_gather_single + reduce_scatter_single
+(what FSDP2's ``fully_shard`` issues), pp beside isend/irecv with both ring neighbours."""
+OVERLAP_COMM_FACTOR = 1.5
+"""The communication issued beside a GEMM window is sized to last this many times the
+window, each timed alone. Beside each other both slow down, and the communication mostly
+outlasts the compute (then σ = compute beside / alone); when it ends first,
+``fit_overlap_slowdown`` reads σ from when it ended. Larger only makes the run longer."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """What to measure; ``quick()`` keeps a run to a few seconds for tests and CI."""
+
+    gemm_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
+    memory_kernel_bytes: int | None = None
+    """Size of each memory-bound kernel's tensors; None: 4 MiB on CPU (an activation of the
+    models CPU ranks train; glibc serves allocations below its mmap threshold from the heap,
+    while larger ones fault in fresh pages on every call and run several times slower),
+    256 MiB on GPUs (past an H100's 50 MB L2 cache, so the kernels stream from HBM)."""
+    attention_shape: tuple[int, int, int] = (8, 512, 64)
+    """Fused attention's (batch × heads, sequence, head dim): its rate depends on the shape
+    (on CPU it doubles from head dim 32 to 128); pass the model's own for its planning."""
+    message_bytes: tuple[int, ...] = tuple(4 * KiB * 4**i for i in range(7))  # 4 KiB … 16 MiB
+    warmup: int = 2
+    repeats: int = 7
+    gemm_window_s: float = 0.2
+    """Each GEMM timing runs back to back for at least this long, so that every rank is
+    multiplying for the whole window (short repeats drift apart and catch other ranks idle:
+    bench/cost_fidelity.py measured 53 GFLOP/s calibrated against 39 sustained)."""
+    gemm_windows: int = 3
+    """Windows per GEMM size: the median is fitted, the spread (min..max) recorded."""
+    overlap_gemm_size: int = 1024
+    """n of the n × n float32 GEMMs whose slowdown beside communication is measured."""
+    overlap_repeats: int = 3
+    """(alone, beside) window pairs per overlap pattern; σ is the median over the pairs."""
+    skew_window_s: float = 0.01
+    """Compute between two blocking collectives when measuring the collective skew: about a
+    layer's forward on a CPU rank (ranks drift further apart over longer windows)."""
+    skew_rounds: int = 10
+    """(window, collective) rounds timed together, against as many windows alone."""
+    timeout_s: float = 120
+
+    @classmethod
+    def quick(cls) -> Settings:
+        return cls(gemm_sizes=(128, 256, 512), dtypes=("float32",), attention_shape=(4, 128, 32),
+                   message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
+                   warmup=1, repeats=5, gemm_window_s=0.05, overlap_gemm_size=512,
+                   timeout_s=60)
+
+
+@dataclass
+class Measurements:
+    """Slowest-rank medians, seconds."""
+
+    backend: str
+    nproc: int
+    threads: int
+    gemm_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    gemm_windows_s: dict[str, dict[int, list[float]]] = field(default_factory=dict)
+    """Per-GEMM time of each window; ``gemm_s`` is their median."""
+    memory_kernels: dict[str, tuple[int, float]] = field(default_factory=dict)
+    """Per memory-bound kernel (``calibration_kernels.memory_kernels``): (bytes read + written,
+    seconds) per call."""
+    attention: AttentionTiming | None = None
+    host: HostTiming | None = None
+    """Host overheads, measured on CPU ranks only (GPUs hide them behind kernels)."""
+    floor_s: float = 0.0
+    comm_s: dict[str, dict[int, float]] = field(default_factory=dict)
+    """Per collective: comm.py's size S (bytes) → time."""
+    overlap: dict[str, list[OverlapSample]] = field(default_factory=dict)
+    """Per pattern of OVERLAP_PATTERNS: the (alone, beside) window pairs."""
+
+
+@dataclass(frozen=True)
+class AttentionTiming:
+    """Causal fused attention, forward + backward, on the slowest rank."""
+
+    dtype: str
+    shape: tuple[int, int, int]
+    flops: float
+    """Counted as the planner counts them (``calibration_kernels.attention_op``)."""
+    seconds: float
+
+
+@dataclass(frozen=True)
+class HostTiming:
+    """What the parallel engines and rank drift add on CPU ranks (seconds, slowest rank)."""
+
+    fsdp_s: float
+    """Per FSDP2 module, forward + backward."""
+    tp_s: float
+    """Per tensor-parallel module, forward + backward."""
+    dtensor_op_s: float
+    """Per op on a DTensor."""
+    skew_s: float
+    """Per blocking collective after a compute window, beyond its back-to-back time."""
+    skew_window_s: float
+    """That window."""
+
+
+@dataclass(frozen=True)
+class OverlapSample:
+    """One GEMM window timed alone, then beside communication started with it (seconds)."""
+
+    compute_alone_s: float
+    compute_beside_s: float
+    comm_s: float
+    """From the common start until the communication was seen complete."""
+
+
+def overlap_slowdowns(samples: list[OverlapSample]) -> list[float]:
+    """σ of each window pair that the overlap model can explain (others are noise)."""
+    sigmas = []
+    for s in samples:
+        try:
+            sigmas.append(fit_overlap_slowdown(s.compute_alone_s, s.compute_beside_s, s.comm_s))
+        except CalibrationError:
+            continue
+    return sigmas
+
+
+# -- measuring, on every rank ----------------------------------------------------------------
+
+def measure_rank(settings: Settings, backend: str) -> Measurements:
+    device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
+    timer = _cuda_timer if backend == "nccl" else _cpu_timer
+    m = Measurements(backend=backend, nproc=dist.get_world_size(),
+                     threads=torch.get_num_threads())
+    for dtype in settings.dtypes:
+        if not _supports(dtype, device):
+            continue
+        m.gemm_s[dtype] = {}
+        for n in settings.gemm_sizes:
+            a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+            b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
+            windows = _sustained(timer, lambda a=a, b=b: torch.mm(a, b), settings, device)
+            m.gemm_windows_s.setdefault(dtype, {})[n] = windows
+            m.gemm_s[dtype][n] = statistics.median(windows)
+    kernel_bytes = settings.memory_kernel_bytes or (256 * MiB if backend == "nccl" else 4 * MiB)
+    for name, (moved, op) in memory_kernels(kernel_bytes, device).items():
+        m.memory_kernels[name] = (moved, statistics.median(_sustained(timer, op, settings,
+                                                                      device)))
+    m.attention = _measure_attention(settings, backend, device, timer, m)
+    if backend == "gloo":
+        m.host = _measure_host(settings, device, timer)
+    one = torch.ones(1, device=device)
+    m.floor_s = _median(timer, lambda: one.add_(1), settings)
+    world = dist.get_world_size()
+    for kind in COLLECTIVES:
+        m.comm_s[kind] = {}
+        for nbytes in settings.message_bytes:
+            x = torch.zeros(nbytes // 4, device=device)
+            size, op = _collective(kind, x, world)
+            dist.barrier()
+            m.comm_s[kind][size] = _median(timer, op, settings, small=nbytes < 256 * KiB)
+    m.overlap = _measure_overlap(settings, device, timer)
+    return m
+
+
+def _measure_attention(settings: Settings, backend: str, device: torch.device | str,
+                       timer: Callable, m: Measurements) -> AttentionTiming | None:
+    """Causal attention in the dtype training computes in (bfloat16 on GPUs, float32 on
+    CPU), when its GEMMs were measured (the efficiency is relative to their rate)."""
+    dtype = "bfloat16" if backend == "nccl" else "float32"
+    if dtype not in m.gemm_s:
+        return None
+    flops, op = attention_op(settings.attention_shape, getattr(torch, dtype), device)
+    seconds = statistics.median(_sustained(timer, op, settings, device))
+    return AttentionTiming(dtype=dtype, shape=settings.attention_shape, flops=flops,
+                           seconds=seconds)
+
+
+def _measure_host(settings: Settings, device: torch.device | str, timer: Callable
+                  ) -> HostTiming:
+    """The engines' host time per module or op (``calibration_kernels.host_overhead_ops``,
+    on a mesh of each rank alone, all ranks at once), and the collective skew."""
+    one = init_device_mesh("cpu", (dist.get_world_size(), 1),
+                           mesh_dim_names=("calibrate_ranks", "calibrate_alone"))
+    ops = host_overhead_ops(one["calibrate_alone"], device)
+    t = {k: statistics.median(_sustained(timer, op, settings, device)) for k, op in ops.items()}
+    return HostTiming(fsdp_s=max(0.0, (t["fsdp"] - t["plain"]) / HOST_STACK),
+                      tp_s=max(0.0, (t["tp"] - t["plain"]) / HOST_STACK),
+                      dtensor_op_s=max(0.0, t["dtensor op"] - t["op"]),
+                      skew_s=_measure_skew(settings, device, timer),
+                      skew_window_s=settings.skew_window_s)
+
+
+def _measure_skew(settings: Settings, device: torch.device | str, timer: Callable) -> float:
+    """Every rank runs ``skew_rounds`` GEMM windows of ``skew_window_s``, each followed by
+    a one-element all_reduce, then as many windows alone; the skew is the difference per
+    round less the all_reduce's own back-to-back time."""
+    n = settings.overlap_gemm_size
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+    window, _, _ = _window(timer, lambda: torch.mm(a, b), settings, device,
+                           seconds=settings.skew_window_s)
+    one = torch.zeros(1, device=device)
+    back_to_back = _median(timer, lambda: dist.all_reduce(one), settings, small=True)
+    rounds = settings.skew_rounds
+
+    def synced() -> None:
+        for _ in range(rounds):
+            window()
+            dist.all_reduce(one)
+
+    def alone() -> None:
+        for _ in range(rounds):
+            window()
+
+    dist.barrier()
+    with_collectives = timer(synced)
+    dist.barrier()
+    without = timer(alone)
+    return max(0.0, (with_collectives - without) / rounds - back_to_back)
+
+
+def _collective(kind: str, x: torch.Tensor, world: int) -> tuple[int, Callable[[], object]]:
+    """(S in comm.py's convention, the op). p2p is a ping-pong between ranks 0 and 1."""
+    if kind == "all_reduce":
+        return x.nbytes, lambda: dist.all_reduce(x)
+    if kind == "all_gather":
+        out = torch.empty(world * x.numel(), dtype=x.dtype, device=x.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        return out.nbytes, lambda: gather(out, x)
+    rank = dist.get_rank()
+
+    def ping_pong() -> None:  # one-way time = half a round trip (halved in _median)
+        if rank == 0:
+            dist.send(x, 1)
+            dist.recv(x, 1)
+        elif rank == 1:
+            dist.recv(x, 0)
+            dist.send(x, 0)
+
+    ping_pong.round_trips = 2  # type: ignore[attr-defined]
+    return x.nbytes, ping_pong
+
+
+def _measure_overlap(settings: Settings, device: torch.device | str,
+                     timer: Callable) -> dict[str, list[OverlapSample]]:
+    """(alone, beside) pairs of one GEMM window per pattern of OVERLAP_PATTERNS.
+
+    Every rank runs the same window (the same GEMM count) at once, first alone, then with
+    the pattern's communication issued (``async_op=True``) just before it and waited after
+    it; the communication is repeated to last OVERLAP_COMM_FACTOR windows (timed alone).
+    Message: the largest of ``settings.message_bytes``. The pairs alternate, so that a
+    machine whose speed drifts moves both halves of a pair alike.
+    """
+    n = settings.overlap_gemm_size
+    a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+
+    def op() -> None:
+        torch.mm(a, b)
+
+    window, count, op_s = _window(timer, op, settings, device)
+    x = torch.zeros(settings.message_bytes[-1] // 4, device=device)  # zeros stay finite
+    out: dict[str, list[OverlapSample]] = {}
+    for pattern in OVERLAP_PATTERNS:
+        issue = _overlap_comm(pattern, x)
+        for _ in range(settings.warmup):
+            _wait(issue())
+        dist.barrier()
+        chunk_s = timer(lambda issue=issue: _wait(issue()))
+        chunks = _agree(math.ceil(OVERLAP_COMM_FACTOR * count * op_s / max(chunk_s, 1e-9)),
+                        device)
+
+        def issue_all(issue=issue, chunks=chunks) -> list:
+            return [w for _ in range(chunks) for w in issue()]
+
+        samples = []
+        for _ in range(settings.overlap_repeats):
+            dist.barrier()
+            alone_s = timer(window)
+            dist.barrier()
+            beside_s, comm_s = _time_beside(op, count, issue_all, cuda=x.is_cuda)
+            samples.append(OverlapSample(alone_s, beside_s, comm_s))
+        out[pattern] = samples
+    return out
+
+
+def _overlap_comm(pattern: str, x: torch.Tensor) -> Callable[[], list]:
+    """A function issuing one round of the pattern's communication; returns its works."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if pattern == "dp":
+        return lambda: [dist.all_reduce(x, async_op=True)]
+    if pattern == "fsdp":
+        full = torch.zeros(world * x.numel(), dtype=x.dtype, device=x.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        return lambda: [gather(full, x, async_op=True), scatter(x, full, async_op=True)]
+    received = torch.empty_like(x)
+    return lambda: [dist.isend(x, (rank + 1) % world), dist.irecv(received, (rank - 1) % world)]
+
+
+def _time_beside(op: Callable[[], object], count: int, issue: Callable[[], list], *,
+                 cuda: bool) -> tuple[float, float]:
+    """(compute s, communication s) of ``count`` ops run beside the works ``issue`` starts.
+
+    On CPU a thread waits on the works (``wait`` releases the GIL) and notes when they end;
+    polling ``is_completed`` cannot, since gloo's send/recv works report completion only
+    once waited on. On CUDA the works are waited after the ops: the end is read as
+    max(compute, comm), which reads σ as compute beside / alone (a lower bound when the
+    communication ended first).
+    """
+    if cuda:
+        start, done, comm_done = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+        start.record()
+        works = issue()
+        for _ in range(count):
+            op()
+        done.record()
+        _wait(works)
+        comm_done.record()
+        comm_done.synchronize()
+        return start.elapsed_time(done) / 1e3, start.elapsed_time(comm_done) / 1e3
+    works = issue()
+    start = time.perf_counter()
+    ended: list[float | BaseException] = []
+
+    def wait_and_note() -> None:
+        try:
+            _wait(works)
+            ended.append(time.perf_counter())
+        except BaseException as e:  # re-raised on the rank's main thread below
+            ended.append(e)
+
+    waiter = threading.Thread(target=wait_and_note, name="autopar-calibrate-wait")
+    waiter.start()
+    for _ in range(count):
+        op()
+    end = time.perf_counter()
+    waiter.join()
+    if isinstance(ended[0], BaseException):
+        raise ended[0]
+    return end - start, ended[0] - start
+
+
+def _wait(works: list) -> None:
+    for w in works:
+        w.wait()
+
+
+def _agree(count: int, device: torch.device | str) -> int:
+    """The largest of every rank's ``count``: ranks must issue the same collectives."""
+    t = torch.tensor([count], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _median(timer: Callable, op: Callable[[], object], settings: Settings, *,
+            small: bool = False) -> float:
+    """Median after warm-up; small messages are cheap and noisy, so they get 4x the repeats."""
+    for _ in range(settings.warmup):
+        op()
+    times = [timer(op) for _ in range(settings.repeats * (4 if small else 1))]
+    return statistics.median(times) / getattr(op, "round_trips", 1)
+
+
+def _sustained(timer: Callable, op: Callable[[], object], settings: Settings,
+               device: torch.device | str) -> list[float]:
+    """Per-op times of ``op`` run back to back for ``settings.gemm_window_s``, one per
+    window (``settings.gemm_windows`` of them).
+
+    Every rank starts each window together and runs the same count of ops, so that a
+    window measures a rank's share of the machine with all ranks busy; windows of
+    different lengths let the last rank run alone and read up to 10x faster.
+    """
+    window, count, _ = _window(timer, op, settings, device)
+    times = []
+    for _ in range(settings.gemm_windows):
+        dist.barrier()
+        times.append(timer(window))
+    return [t / count for t in times]
+
+
+def _window(timer: Callable, op: Callable[[], object], settings: Settings,
+            device: torch.device | str, *, seconds: float | None = None
+            ) -> tuple[Callable[[], None], int, float]:
+    """(A window of back-to-back ops lasting about ``seconds`` (default
+    ``settings.gemm_window_s``), its count of ops, one op's time).
+
+    The count is what a rank completed in one such window with every rank multiplying at
+    once, the largest of any rank's so that all run the same work. One op timed alone
+    would not do: on oversubscribed CPU cores a small GEMM takes 0.03 ms or, when its
+    threads wait out a scheduler tick, 10 ms, and a count read from the fast case makes a
+    window of seconds.
+    """
+    for _ in range(settings.warmup):
+        op()
+    dist.barrier()
+    elapsed, ops = 0.0, 0
+    while elapsed < (settings.gemm_window_s if seconds is None else seconds):
+        elapsed += timer(op)
+        ops += 1
+    count = _agree(ops, device)
+
+    def window() -> None:
+        for _ in range(count):
+            op()
+
+    return window, count, elapsed / ops
+
+
+def _cpu_timer(op: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    op()
+    return time.perf_counter() - start
+
+
+def _cuda_timer(op: Callable[[], object]) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    op()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _supports(dtype: str, device: torch.device | str) -> bool:
+    try:
+        x = torch.ones(8, 8, device=device, dtype=getattr(torch, dtype))
+        torch.mm(x, x)
+        return True
+    except (RuntimeError, TypeError):
+        return False
+
+
+def slowest(per_rank: list[Measurements], backend: str, nproc: int) -> Measurements:
+    """Every number as its slowest rank's; p2p from ranks 0 and 1 only."""
+    first = per_rank[0]
+    out = Measurements(backend=backend, nproc=nproc, threads=first.threads,
+                       floor_s=max(r.floor_s for r in per_rank))
+    out.memory_kernels = {k: (moved, max(r.memory_kernels[k][1] for r in per_rank))
+                          for k, (moved, _) in first.memory_kernels.items()}
+    if first.attention is not None:
+        out.attention = max((r.attention for r in per_rank), key=lambda a: a.seconds)
+    if first.host is not None:
+        out.host = HostTiming(**{k: max(getattr(r.host, k) for r in per_rank)
+                                 for k in ("fsdp_s", "tp_s", "dtensor_op_s", "skew_s")},
+                              skew_window_s=first.host.skew_window_s)
+    for d, v in first.gemm_s.items():
+        slowest = {n: max(per_rank, key=lambda r, d=d, n=n: r.gemm_s[d][n]) for n in v}
+        out.gemm_s[d] = {n: r.gemm_s[d][n] for n, r in slowest.items()}
+        out.gemm_windows_s[d] = {n: r.gemm_windows_s[d][n] for n, r in slowest.items()}
+    for pattern in first.overlap:  # the rank whose compute slowed most
+        out.overlap[pattern] = max(
+            (r.overlap[pattern] for r in per_rank),
+            key=lambda samples: statistics.median(overlap_slowdowns(samples) or [0.0]))
+    for kind, v in first.comm_s.items():
+        ranks = per_rank[:2] if kind == "p2p" else per_rank
+        out.comm_s[kind] = {s: max(r.comm_s[kind][s] for r in ranks) for s in v}
+    return out

@@ -1,0 +1,234 @@
+"""Cost terms beside the matmuls: the optimizer step, the loss, fused attention's rate, and
+the host time and skew that CPU ranks add (autopar/planner/costs.py, cost_models/).
+
+Each is checked against a hand count or against what torch actually runs."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from planner_cases import graph_of, make_cluster, make_layer
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autopar.planner.costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES, LOSS_KERNELS, layer_cost
+from autopar.planner.ilp import ClassOptions
+from autopar.planner.search import Candidate, _make_plan
+from cost_models.comm import Group, all_gather_s, reduce_scatter_s
+from cost_models.errors import ConfigError
+from cost_models.hardware import Cluster
+from cost_models.memory import precision
+from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
+from runtime.plan import Mesh, SolverReport, option_label
+
+FP32, BF16 = precision("float32"), precision("bfloat16")
+
+
+# -- the optimizer: what torch's AdamW runs -------------------------------------------------
+
+class _Census(TorchDispatchMode):
+    """Per aten op on tensors of ``numel`` elements: kernels, and operands read or written
+    (a tensor passed twice to one op is read once)."""
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel, self.kernels, self.passes = numel, 0, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        sized = {id(t): t for t in tree_leaves((args, kwargs or {}))
+                 if isinstance(t, torch.Tensor) and t.numel() == self.numel}
+        if sized:
+            self.kernels += 1
+            inplace = func._schema.name.endswith("_")
+            written = tree_leaves(args[0]) if inplace else tree_leaves(out)
+            self.passes += len(sized) + sum(isinstance(t, torch.Tensor) for t in written)
+        return out
+
+
+@pytest.mark.parametrize("name, foreach", [("adamw-for-loop", False), ("adamw-foreach", True)])
+def test_torch_adamw_runs_the_passes_and_kernels_the_optimizer_model_charges(name, foreach):
+    tensors, numel = 6, 1000
+    params = [torch.nn.Parameter(torch.randn(numel)) for _ in range(tensors)]
+    opt = torch.optim.AdamW(params, lr=1e-3, foreach=foreach)
+    for p in params:
+        p.grad = torch.randn(numel)
+    opt.step()  # creates the moments
+    with _Census(numel) as census:
+        opt.step()
+    kernels = ADAM_KERNELS[name]
+    assert census.passes == kernels.fp32_passes * tensors
+    per_tensor_kernels = census.kernels / (tensors if kernels.per_tensor else 1)
+    # The for-loop also bumps and reads each tensor's step count (two ops on a scalar).
+    extra = 2 if kernels.per_tensor else 0
+    assert per_tensor_kernels + extra == kernels.kernels
+
+
+def test_optimizer_step_is_its_passes_at_memory_bandwidth_plus_its_launches():
+    device = make_cluster().device  # 2000 GB/s, 5 us floor
+    # 1e8 parameters: 20 float32 passes of 400 MB = 8 GB -> 4 ms; 10 kernels x 7 tensors.
+    t = optimizer_step_s(1e8, 7, ADAM_KERNELS["adamw-for-loop"], device)
+    assert t == pytest.approx(8e9 / 2000e9 + 70 * 5e-6)
+    fused = optimizer_step_s(1e8, 7, ADAM_KERNELS["fused-adam"], device)
+    assert fused == pytest.approx(7 * 4e8 / 2000e9 + 5e-6)
+    assert optimizer_step_s(0, 0, ADAM_KERNELS["adamw-foreach"], device) == 0.0
+
+
+def test_layer_cost_charges_the_clusters_optimizer():
+    layer = replace(make_layer("h.0", "B", 0, params=10**7, fwd_flops=1e9, saved_bytes=0,
+                               act_bytes=0), param_tensors=4)
+    fused = replace(make_cluster(), optimizer="fused-adam")
+    torch_adam = make_cluster()  # the default: adamw-foreach
+    a = layer_cost(layer, "replicate", Mesh(dp=4), torch_adam, FP32).step_s
+    b = layer_cost(layer, "replicate", Mesh(dp=4), fused, FP32).step_s
+    comm = layer_cost(layer, "replicate", Mesh(dp=4), torch_adam, FP32).comm_s
+    assert a - comm == pytest.approx(20 * 4e7 / 2000e9 + 8 * 5e-6)
+    assert b - comm == pytest.approx(7 * 4e7 / 2000e9 + 5e-6)
+
+
+def test_a_cluster_file_names_an_optimizer_the_model_knows():
+    text = _cluster_toml("optimizer = \"sgd\"\n")
+    with pytest.raises(ConfigError, match="optimizer = 'sgd' is not one of adamw-for-loop"):
+        Cluster.from_toml_text(text)
+    assert Cluster.from_toml_text(_cluster_toml('optimizer = "fused-adam"\n')).optimizer == \
+        "fused-adam"
+
+
+# -- the loss -------------------------------------------------------------------------------
+
+def test_the_output_layer_pays_cross_entropys_passes_over_the_logits():
+    cluster = make_cluster()
+    head = make_layer("lm_head", "H", 0, params=0, fwd_flops=0.0, saved_bytes=0, act_bytes=0,
+                      tp=False)
+    with_loss = replace(head, loss_bytes=8 * 2**30)  # float32 logits of the global batch
+    base = layer_cost(head, "replicate", Mesh(dp=4), cluster, FP32, 2)
+    cost = layer_cost(with_loss, "replicate", Mesh(dp=4), cluster, FP32, 2)
+    logits = 8 * 2**30 / 8  # per micro-batch: dp 4 x 2 micro-batches
+    floor = LOSS_KERNELS * 5e-6
+    assert cost.fwd_s - base.fwd_s == pytest.approx(LOSS_FWD_PASSES * logits / 2000e9 + floor)
+    backward = (cost.bwd_s + cost.wgrad_s) - (base.bwd_s + base.wgrad_s)
+    assert backward == pytest.approx(LOSS_BWD_PASSES * logits / 2000e9 + floor)
+    # In bfloat16 the logits are cast up for the loss and the gradient back down: read 2
+    # bytes and write 4 per element each way.
+    low = layer_cost(with_loss, "replicate", Mesh(dp=4), cluster, BF16, 2)
+    low_base = layer_cost(head, "replicate", Mesh(dp=4), cluster, BF16, 2)
+    assert low.fwd_s - low_base.fwd_s == pytest.approx(
+        (LOSS_FWD_PASSES + 1.5) * logits / 2000e9 + floor)
+
+
+# -- fused attention's rate -------------------------------------------------------------------
+
+def test_fused_attention_runs_at_its_own_rate():
+    cluster = make_cluster()
+    attention = 4e12  # forward FLOPs of the layer's scaled_dot_product_attention
+    layer = replace(make_layer("h.0", "B", 0, params=0, fwd_flops=attention + 6e12,
+                               saved_bytes=0, act_bytes=0), attention_fwd_flops=attention)
+    slow = replace(cluster, device=replace(cluster.device, attention_efficiency=0.25))
+    base = layer_cost(layer, "replicate", Mesh(dp=2), cluster, FP32)
+    cost = layer_cost(layer, "replicate", Mesh(dp=2), slow, FP32)
+    rate = 100e12 * 0.7  # peak x the device's GEMM efficiency
+    # 2e12 attention FLOPs on this rank take 4x as long: 3 x 2e12 more at the GEMM rate.
+    assert cost.fwd_s - base.fwd_s == pytest.approx(3 * 2e12 / rate)
+    assert cost.compute_s - base.compute_s == pytest.approx(3 * 3 * 2e12 / rate)
+    # Under TP the heads split: a quarter of the heads, a quarter of the loss.
+    tp = option_label("tp", "none", False, False)
+    split = layer_cost(layer, tp, Mesh(dp=2, tp=4), slow, FP32).fwd_s
+    assert split - layer_cost(layer, tp, Mesh(dp=2, tp=4), cluster, FP32).fwd_s == \
+        pytest.approx(3 * 2e12 / 4 / rate)
+
+
+# -- CPU ranks: host overheads and collective skew --------------------------------------------
+
+def _cpu_like() -> Cluster:
+    cluster = make_cluster()
+    return replace(cluster, optimizer="adamw-for-loop", device=replace(
+        cluster.device, fsdp_overhead_s=1e-3, tp_overhead_s=2e-3, dtensor_op_overhead_s=5e-5,
+        collective_skew_s=3e-3))
+
+
+def test_fsdp2_host_time_per_micro_batch_and_per_optimizer_op():
+    layer = replace(make_layer("h.0", "B", 0, params=10**6, fwd_flops=1e9, saved_bytes=0,
+                               act_bytes=0), param_tensors=4)
+    cpu = _cpu_like()
+    cpu = replace(cpu, device=replace(cpu.device, collective_skew_s=0.0))
+    plain = replace(cpu, device=make_cluster().device)
+    cost = layer_cost(layer, "fsdp", Mesh(dp=4), cpu, FP32, 3)
+    base = layer_cost(layer, "fsdp", Mesh(dp=4), plain, FP32, 3)
+    hooks, optimizer_ops = 3 * 1e-3, 10 * 4 * 5e-5  # 10 ops on each of 4 DTensors
+    assert cost.compute_s - base.compute_s == pytest.approx(hooks + optimizer_ops)
+    assert cost.fsdp_host_s == pytest.approx(hooks + optimizer_ops)
+    assert cost.fwd_s - base.fwd_s == pytest.approx(0.5e-3)
+
+
+def test_tensor_parallel_modules_add_their_host_time():
+    layer = make_layer("h.0", "B", 0, params=10**6, fwd_flops=1e9, saved_bytes=0, act_bytes=0)
+    tp = option_label("tp", "none", False, False)
+    cpu = _cpu_like()
+    no_tp_host = replace(cpu, device=replace(cpu.device, tp_overhead_s=0.0))
+    extra = (layer_cost(layer, tp, Mesh(dp=2, tp=2), cpu, FP32).compute_s
+             - layer_cost(layer, tp, Mesh(dp=2, tp=2), no_tp_host, FP32).compute_s)
+    assert extra == pytest.approx(len(layer.tp.styles) * 2e-3)
+
+
+def test_every_blocking_collective_waits_out_the_skew():
+    layer = make_layer("h.0", "B", 0, params=10**6, fwd_flops=1e9, saved_bytes=0,
+                       act_bytes=2**20)
+    cpu = _cpu_like()
+    no_skew = replace(cpu, device=replace(cpu.device, collective_skew_s=0.0))
+    mesh = Mesh(dp=2, tp=2)
+    tp = option_label("tp", "none", False, False)
+    # One TP all-reduce in forward and one in backward, per micro-batch.
+    skewed, base = (layer_cost(layer, tp, mesh, c, FP32, 2) for c in (cpu, no_skew))
+    assert skewed.fwd_s - base.fwd_s == pytest.approx(3e-3)
+    assert skewed.bwd_s - base.bwd_s == pytest.approx(3e-3)
+    # FSDP: two gathers and one reduce-scatter per micro-batch, none overlapped here.
+    exposed = replace(cpu, overlap=replace(cpu.overlap, exposed=("fsdp",)))
+    exposed_no_skew = replace(no_skew, overlap=exposed.overlap)
+    fsdp = (layer_cost(layer, "fsdp", Mesh(dp=4), exposed, FP32, 2).comm_s
+            - layer_cost(layer, "fsdp", Mesh(dp=4), exposed_no_skew, FP32, 2).comm_s)
+    assert fsdp == pytest.approx(2 * 3 * 3e-3)
+    assert all_gather_s(4e6, Group(4), cpu) == all_gather_s(4e6, Group(4), no_skew)
+    assert reduce_scatter_s(4e6, Group(4), cpu) == reduce_scatter_s(4e6, Group(4), no_skew)
+
+
+def test_a_plan_that_runs_on_ddp_does_not_pay_fsdp2s_host_time():
+    cpu = _cpu_like()
+    layers = [replace(make_layer(f"h.{i}", "B", i, params=10**6, fwd_flops=1e9, saved_bytes=0,
+                                 act_bytes=0), param_tensors=2) for i in range(2)]
+    graph = graph_of(layers, batch=8)
+    report = SolverReport(solver="fixed", status="optimal", objective_s=0.0,
+                          lower_bound_s=0.0, gap=0.0, solve_time_s=0.0)
+
+    def predicted(strategy: str, prec) -> tuple[float, float]:
+        cost = layer_cost(layers[0], strategy, Mesh(dp=4), cpu, prec)
+        options = [ClassOptions(name="B", count=2, costs={strategy: cost})]
+        cand = Candidate(mesh=Mesh(dp=4), status="optimal", choice={"B": {strategy: 2}})
+        plan = _make_plan(graph, cpu, prec, cand, options, report)
+        return plan.prediction.step_time_s, 2 * cost.time_s
+
+    ddp, layer_sum = predicted("replicate", FP32)  # float32, all replicate: DDP
+    assert ddp == pytest.approx(layer_sum - 2 * (1e-3 + 10 * 2 * 5e-5))
+    fsdp2, layer_sum = predicted("replicate", BF16)  # mixed precision runs on FSDP2
+    assert fsdp2 == pytest.approx(layer_sum)
+
+
+@pytest.mark.parametrize("field", ["collective_skew_us", "fsdp_overhead_us", "tp_overhead_us",
+                                   "dtensor_op_overhead_us"])
+def test_a_negative_host_overhead_names_the_field(field):
+    with pytest.raises(ConfigError, match=f"{field} must be a non-negative number"):
+        Cluster.from_toml_text(_cluster_toml(device_extra=f"{field} = -1\n"))
+
+
+@pytest.mark.parametrize("value", ["0", "-0.5", "11"])
+def test_attention_efficiency_out_of_range_is_refused(value):
+    with pytest.raises(ConfigError, match="attention_efficiency must be in"):
+        Cluster.from_toml_text(_cluster_toml(device_extra=f"attention_efficiency = {value}\n"))
+
+
+def _cluster_toml(top: str = "", device_extra: str = "") -> str:
+    return (f'name = "t"\n{top}\n[device]\nname = "d"\nmemory_gib = 8\n'
+            f"memory_bandwidth_GBps = 100\n{device_extra}\n[device.peak_tflops]\nfloat32 = 1\n"
+            '[intra_node]\nkind = "pcie"\nbandwidth_GBps = 10\nlatency_us = 5\n'
+            '[inter_node]\nkind = "network"\nbandwidth_GBps = 10\nlatency_us = 5\n')
