@@ -372,12 +372,25 @@ def _agree(count: int, device: torch.device | str) -> int:
     return int(t.item())
 
 
+SMALL_BATCH = 8
+"""Calls timed together per sample of a small message: a call takes microseconds, or a
+millisecond when a rank waits out a scheduler wake-up on a loaded machine, and the median
+of single calls flips between the two; the mean of a batch holds both in proportion."""
+
+
 def _median(timer: Callable, op: Callable[[], object], settings: Settings, *,
             small: bool = False) -> float:
-    """Median after warm-up; small messages are cheap and noisy, so they get 4x the repeats."""
+    """Median per call after warm-up; small messages are cheap and noisy, so they get 4x
+    the samples, each a batch of SMALL_BATCH calls."""
     for _ in range(settings.warmup):
         op()
-    times = [timer(op) for _ in range(settings.repeats * (4 if small else 1))]
+    batch = SMALL_BATCH if small else 1
+
+    def calls() -> None:
+        for _ in range(batch):
+            op()
+
+    times = [timer(calls) / batch for _ in range(settings.repeats * (4 if small else 1))]
     return statistics.median(times) / getattr(op, "round_trips", 1)
 
 
