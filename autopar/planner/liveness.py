@@ -25,15 +25,18 @@ runtime/pipeline.py):
    backward (to its W pass under a zero-bubble schedule, which needs the saved inputs of
    the weight matmuls); a layer's backward still holds its own while its gradient appears.
    The layer producing the model's output counts the loss's among them: cross-entropy's
-   float32 log-probabilities, one copy of the logits (costs._loss_bytes), which the loss's
-   backward frees just before that layer's.
+   float32 log-probabilities, one copy of the logits (costs._loss_bytes).
 5. A layer's transient buffer (``LayerCost.buffer_bytes``: FSDP's gathered layer with the
    next one prefetched, an unsharded gradient before its reduce-scatter, the activations
    recomputation brings back, ring-attention blocks, the loss's two float32 gradient
    copies on the output layer) is alive only while that layer runs forward, backward or W.
    The cost model gives it as one number, so it is charged in every pass (in forward an
    upper bound: no gradient or recomputation is alive then), except the loss's part
-   (``LayerCost.loss_buffer_bytes``), which is charged in backward (B) only.
+   (``LayerCost.loss_buffer_bytes``). The loss's backward is an event of its own, before
+   the output layer's backward: the loss's part, not the layer's (FSDP2 gathers the layer
+   for backward, and its gradient appears, only once the logits' gradient reaches it);
+   the log-probabilities are freed after it, and the logits' gradient, one copy of the same
+   size, is alive through the layer's backward in their place.
 6. The optimizer step runs after every backward, with every activation freed.
 
 Every term above is one of the ILP's, alive for part of the step: parameters, gradients,
@@ -192,16 +195,18 @@ class _Walk:
 
     def event(self, action: str, i: int, mb: int) -> None:
         cost = self.layers[i].cost
-        buffer = cost.buffer_bytes  # rule 5; the loss's part only in its backward
-        if action != "B":
-            buffer -= cost.loss_buffer_bytes
+        suffix = f", micro-batch {mb}" if self.label else ""
+        # Rule 5: the layer's own buffer in every pass; the loss's part is charged below.
+        buffer = cost.buffer_bytes - cost.loss_buffer_bytes
         if action == "F":
             self.saved[i, mb] = cost.activations_bytes  # rule 4
-        elif action == "W" or not self.split:
+        if action == "B" and cost.loss_buffer_bytes:
+            # Rule 5: the loss's backward, before the layer's gradient or buffer.
+            self.record(f"backward of the loss{suffix}", cost.loss_buffer_bytes)
+        if action == "W" or (action == "B" and not self.split):
             self.grads.add(i)
             if self.ddp_copies and mb < self.microbatches - 1:
                 self.second.add(i)  # rule 8; the last micro-batch moves it into the bucket
-        suffix = f", micro-batch {mb}" if self.label else ""
         self.record(f"{self.VERBS[action]} of {self.layers[i].name}{suffix}", buffer)
         if action != "F" and self.ddp_copies and mb == self.microbatches - 1:
             self.second.discard(i)
