@@ -123,6 +123,16 @@ def test_walk_holds_the_loss_at_its_own_backward_only(tiny):
     assert bwd.activations_bytes - after.activations_bytes == last.activations_bytes
 
 
+def test_a_pipelines_last_stage_also_keeps_the_logits(tiny):
+    # PipelineStage's forward cache holds the stage's output until the micro-batch's
+    # backward: one more kept copy under pipelining, none more in backward.
+    cluster = make_cluster(per_node=2)
+    flat = layer_cost(lm_head(tiny), "replicate", Mesh(dp=1), cluster, FP32, 2)
+    piped = layer_cost(lm_head(tiny), "replicate", Mesh(pp=2, dp=1), cluster, FP32, 2)
+    assert piped.activations_bytes - flat.activations_bytes == KEPT / 2
+    assert piped.loss_buffer_bytes == flat.loss_buffer_bytes == TRANSIENT / 2
+
+
 def test_ilp_sum_still_bounds_the_walk_with_the_loss(tiny):
     rng, cluster, names = random.Random(0), make_cluster(per_node=2), [la.name for la in tiny.layers]
     checked = 0
