@@ -24,7 +24,10 @@
    states, activations, temporaries of forward/backward/optimizer, collective buffers
    (FSDP2's resizes of unsharded parameters included) — and keeps the peak of their sum.
    It counts tensor bytes, not the allocator's: no fragmentation or caching, and nothing
-   the C++ side allocates without a dispatched op (gloo's own staging buffers).
+   the C++ side allocates without a dispatched op (gloo's own staging buffers). Storages
+   made before the tracked step are registered first: the modules' parameters, the
+   optimizer's states and, under DDP, its gradient buckets (``ddp_buckets``; unregistered,
+   they were missed until a gradient in them appeared, 16.3 MiB short at DDP's peak).
 
 Predicted memory is the model's per-rank peak without its allocator margin
 (``Cluster.memory_margin_fraction``), i.e. what MemTracker can see; the margin is printed
@@ -46,6 +49,7 @@ import torch
 import torch.distributed as dist
 from step_timing import median_step_s
 from torch.distributed._tools.mem_tracker import MemTracker
+from torch.nn.parallel import DistributedDataParallel
 
 from autopar.calibrate import Settings, calibrate, write_profile
 from autopar.lower import make_trainer
@@ -227,16 +231,38 @@ def sustained_gemm_flops(n: int, seconds: float) -> float:
 
 def tracked_peak(trainer, inputs: tuple, targets: torch.Tensor) -> tuple[int, dict[str, int]]:
     """Peak live tensor bytes of one training step on this rank, by MemTracker, with the
-    trainer's modules and optimizer states registered as existing before it."""
+    trainer's modules, optimizer states and DDP's gradient buckets registered as existing
+    before it."""
     modules = list(getattr(trainer, "stages", None) or [trainer.module])
     tracker = StepTracker()
-    tracker.track_external(*modules, trainer.optimizer)
+    tracker.track_external(*modules, trainer.optimizer, *ddp_buckets(trainer, inputs, targets))
     with tracker:
         trainer.train_step(inputs, targets)
     snap = tracker.get_tracker_snapshot("peak")
     cpu = next(iter(snap.values()), {})
     parts = {str(getattr(k, "value", k)): int(v) for k, v in cpu.items()}
     return parts.get("Total", 0), parts
+
+
+def ddp_buckets(trainer, inputs: tuple, targets: torch.Tensor) -> list[torch.Tensor]:
+    """Under DDP, the gradients of one more (untracked) step as its optimizer sees them: views
+    into DDP's all-reduce buckets (``gradient_as_bucket_view=True``), which DDP allocates once
+    and keeps between steps. ``zero_grad(set_to_none=True)`` drops the views, not the
+    buckets, so without these MemTracker would count a bucket only once a gradient in it
+    appears in backward, and miss all of them before (the loss's backward, where DDP's
+    peak is). Elsewhere (FSDP2) gradients are freed with the views: nothing to add."""
+    if not isinstance(trainer.module, DistributedDataParallel):
+        return []
+    held: list[torch.Tensor] = []
+
+    def keep(optimizer, args, kwargs) -> None:
+        held.extend(p.grad for group in optimizer.param_groups for p in group["params"]
+                    if p.grad is not None)
+
+    handle = trainer.optimizer.register_step_pre_hook(keep)
+    trainer.train_step(inputs, targets)
+    handle.remove()
+    return held
 
 
 class StepTracker(MemTracker):

@@ -89,18 +89,25 @@ def make_plan(dimension: str, n_layer: int, sp_styles: dict[str, str]) -> Plan:
 
 def predict(graph, plan: Plan) -> tuple[float, float]:
     """(states, activations) bytes per rank: layer_cost summed over the layers (modelled)."""
+    from dataclasses import replace
+
     from autopar.planner.costs import layer_cost
     from cost_models.hardware import Cluster
     from cost_models.memory import precision
+    from runtime.data_parallel import uses_ddp
     from runtime.plan import option_label
 
     cluster, prec = Cluster.local(WORLD), precision(plan.param_dtype)
     states = activations = 0.0
+    ddp = uses_ddp(list(plan.layers), mixed_precision=plan.param_dtype != "float32")
     for info in graph.layers:
         la = plan.layer(info.name)
         option = option_label(la.strategy, la.recompute, la.offload, la.sequence_parallel)
-        cost = layer_cost(info, option, plan.mesh, cluster, prec, plan.microbatches)
-        states += cost.states_bytes
+        # The loss's kept copy is outside the measured activations (module docstring).
+        cost = layer_cost(replace(info, loss_bytes=0), option, plan.mesh, cluster, prec,
+                          plan.microbatches)
+        # FSDP2's gathered copy of float32 replicated parameters: not on DDP, which holds one.
+        states += cost.states_bytes - (cost.gathered_bytes if ddp else 0.0)
         activations += cost.activations_bytes
     return states, activations
 
@@ -152,8 +159,10 @@ def states_bytes(trainer, forward_params: dict[int, int]) -> int:
     params = _parameters(trainer.applied.model)
     optim = [v for state in trainer.optimizer.state.values() for v in state.values()
              if hasattr(v, "untyped_storage")]
-    held = (forward_params | _bytes_of(params) | _bytes_of(p.grad for p in params)
-            | _bytes_of(optim))
+    # A storage's size at the end of the forward wins over its size now: backward resizes a
+    # gathered copy to 0 in place, the same storage (listed first, it read as 0 here).
+    held = (_bytes_of(params) | _bytes_of(p.grad for p in params) | _bytes_of(optim)
+            | forward_params)
     buckets = 0  # separate from the gradients unless they are views into the buckets
     ddp = trainer.module
     if isinstance(ddp, DistributedDataParallel) and not ddp.gradient_as_bucket_view:

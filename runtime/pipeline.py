@@ -225,8 +225,11 @@ class PipelineTrainer(Trainer):
             )
         losses: list[torch.Tensor] = []
         args = tuple(inputs) if self.has_first else ()
+        # return_outputs=False: the last stage would otherwise keep every micro-batch's
+        # output (the logits) until the step ends and then concatenate them into one more
+        # copy, to return a value nothing here uses.
         self.schedule.step(*args, target=targets if self.has_last else None,
-                           losses=losses if self.has_last else None)
+                           losses=losses if self.has_last else None, return_outputs=False)
         local = torch.stack(losses).mean().detach() if self.has_last else torch.zeros(())
         if self.has_last and self.loss_scaler is not None:
             local = local / self.loss_scaler.get_scale()

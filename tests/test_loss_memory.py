@@ -101,7 +101,7 @@ def test_a_returned_block_gets_a_class_apart_from_its_identical_siblings():
         ("Linear#0", 0), ("Linear#0", 0), ("Linear#0+loss", 4 * 4 * 8 * 32)]
 
 
-def test_walk_holds_the_loss_at_the_output_layers_backward_only(tiny):
+def test_walk_holds_the_loss_at_its_own_backward_only(tiny):
     mesh, m = Mesh(dp=2), 2
     costs = [layer_cost(la, "fsdp", mesh, make_cluster(per_node=2), FP32, m)
              for la in tiny.layers]
@@ -109,12 +109,28 @@ def test_walk_holds_the_loss_at_the_output_layers_backward_only(tiny):
     by_event = {u.event: u for u in step_liveness(costs, names, microbatches=m).timeline}
     last = costs[-1]
     fwd = by_event["forward of lm_head, micro-batch 0"]
+    loss = by_event["backward of the loss, micro-batch 0"]
     bwd = by_event["backward of lm_head, micro-batch 0"]
-    assert fwd.buffers_bytes == last.buffer_bytes - TRANSIENT / 4
-    assert bwd.buffers_bytes == last.buffer_bytes
-    assert bwd.activations_bytes >= KEPT / 4  # the log-probabilities, until here
+    assert fwd.buffers_bytes == bwd.buffers_bytes == last.buffer_bytes - TRANSIENT / 4
+    # The loss's backward runs before FSDP2 gathers the head for its own: the loss's two
+    # copies, not the head's gathered parameters and unsharded gradient.
+    assert loss.buffers_bytes == TRANSIENT / 4
+    assert loss.grads_bytes == bwd.grads_bytes - last.grads_bytes
+    # The log-probabilities until the loss's backward, the logits' gradient (the same
+    # size) through the head's.
+    assert loss.activations_bytes == bwd.activations_bytes >= KEPT / 4
     after = by_event["backward of ln_f, micro-batch 0"]
     assert bwd.activations_bytes - after.activations_bytes == last.activations_bytes
+
+
+def test_a_pipelines_last_stage_also_keeps_the_logits(tiny):
+    # PipelineStage's forward cache holds the stage's output until the micro-batch's
+    # backward: one more kept copy under pipelining, none more in backward.
+    cluster = make_cluster(per_node=2)
+    flat = layer_cost(lm_head(tiny), "replicate", Mesh(dp=1), cluster, FP32, 2)
+    piped = layer_cost(lm_head(tiny), "replicate", Mesh(pp=2, dp=1), cluster, FP32, 2)
+    assert piped.activations_bytes - flat.activations_bytes == KEPT / 2
+    assert piped.loss_buffer_bytes == flat.loss_buffer_bytes == TRANSIENT / 2
 
 
 def test_ilp_sum_still_bounds_the_walk_with_the_loss(tiny):
@@ -135,9 +151,10 @@ def test_ilp_sum_still_bounds_the_walk_with_the_loss(tiny):
 
 # -- GPT-2 small on 4 GiB devices ---------------------------------------------------------
 
-GPT2_REPORTED_BEFORE_GIB = 3.41
-"""What the plan reported before the loss was costed (dp = 8, no accumulation); its full
-walk, loss included, was 5.40 GiB: it would not have fit."""
+# Before the loss was costed this plan was dp = 8 without accumulation, reported at 3.41 GiB
+# for a step whose full walk, loss included, was 5.40 GiB: it would not have fit. Costed, it
+# became 2 micro-batches at 3.63 GiB, and 3.16 GiB once the loss's backward was an event of
+# its own (the head's FSDP buffer and gradient are not alive yet then, as MemTracker sees).
 
 
 @pytest.fixture(scope="module")
@@ -164,16 +181,14 @@ def test_gpt2_small_4gib_plan_charges_the_logits_and_fits(gpt2_4gib):
     plan, graph, cluster, prec, costs = gpt2_4gib
     assert plan.mesh.pp == 1
     mem = plan.prediction.memory
-    gib = 1024**3
     logits = lm_head(graph).loss_bytes / (plan.mesh.replicas * plan.gradient_accumulation)
     names = [la.name for la in graph.layers]
     m, ddp = plan.gradient_accumulation, runs_on_ddp(costs, prec, plan.mesh)
     walk = step_liveness(costs, names, microbatches=m, ddp=ddp).peak
     assert abs(walk.total_bytes - (mem.total_bytes - mem.margin_bytes)) <= 8
-    assert mem.peak_at.startswith("backward of lm_head")
+    assert mem.peak_at.startswith("backward of the loss")
     # The three float32 copies of one micro-batch's logits are in the plan's peak.
     assert walk.activations_bytes >= logits and walk.buffers_bytes >= 2 * logits
-    assert mem.total_bytes / gib > GPT2_REPORTED_BEFORE_GIB
     assert mem.total_bytes <= cluster.device.memory_bytes
     # With the terms the costs still lack (AdamW's temporaries, DDP's second copy) the
     # step still fits the device.

@@ -37,11 +37,33 @@ Memory per strategy, over the N ranks that shard it (P, G, K: the layer's parame
 gradient and optimizer bytes on one rank before sharding; m micro-batches per step):
 
     strategy   resident                          transient (largest over the layers)
-    replicate  P + G + K
+    replicate  P + G + K  (+ P gathered, float32)
+    tp         P + G + K  (+ P gathered, float32)
     zero1      P + P/N + (G if m > 1 else G/N) + K/N   G if m = 1 (one layer's unsharded grad)
     zero2      P + P/N + G/N + K/N               G
     fsdp/hsdp  (P + G + K)/N                     2P + G (gathered layer, next one prefetched)
     +offload   nothing on the device             2P + G + P/N (the staged shard)
+
+    pipelined (pp > 1), every strategy but replicate and tp:
+    zero1/2    P + P/N + G + K/N                 max(P, G + G/N), collectives only
+    fsdp/hsdp  P/N + G + K/N  (+ P gathered)     max(P, G + G/N), collectives only
+    +offload   G  (+ P gathered)                 max(P, G + G/N) + P/N
+
+Gathered (``LayerCost.gathered_bytes``): unsharded parameters FSDP2 holds beside the
+resident ones from the layer's forward to the end of its backward (the liveness walk keeps
+it for that long, autopar/planner/liveness.py). ``replicate`` and ``tp`` layers run on FSDP2
+with a shard group of one rank (runtime/data_parallel.py) and ``reshard_after_forward=False``;
+FSDP2 still copies each parameter into a separate unsharded tensor, in float32 a second P
+(in low precision that copy is the P above, and the resident float32 shard is the master
+copy inside K). A pure float32 DDP plan (runtime.data_parallel.uses_ddp) holds no such
+copy, but that is a property of the whole plan, so the cost charges it and the walk drops
+it under DDP. Under pipelining (runtime/pipeline.py) the schedule keeps every FSDP2 layer
+gathered from the step's first forward to its last backward and accumulates its gradient
+unsharded, reduced once after the last micro-batch (zero1 and zero2 already hold P). Its
+transient is then only the collectives' flat buffers (``LayerCost.collective_buffer_bytes``):
+the one all-gather's output (P; offloaded, with the shard staged on the device) in the
+layer's first forward, the one reduce-scatter's input and output (G + G/N) after its last
+backward.
 
 Recomputation (Korthikanti et al. 2022): ``selective`` keeps the layer's inputs and the
 outputs of runtime.plan.SELECTIVE_SAVE_OPS (weight matmuls, TP collectives) and runs the
@@ -96,6 +118,9 @@ Zero-bubble schedules run it as a separate W pass."""
 
 LOSS_SAVED_COPIES = 1
 """Float32 copies of the logits cross-entropy saves for backward (its log-probabilities)."""
+PIPELINE_OUTPUT_COPIES = 1
+"""More kept copies under pipelining: the last stage's ``PipelineStage`` holds its output (the
+logits) in its forward cache from the micro-batch's forward to the end of its backward."""
 LOSS_BACKWARD_COPIES = 2
 """More copies while the loss runs backward: the log-probabilities' and the logits' gradients."""
 
@@ -154,6 +179,14 @@ class LayerCost:
     loss_buffer_bytes: float = 0.0
     """Part of buffer_bytes that is the loss's backward (``_loss_bytes``), on the layer
     producing the model's output: alive in its backward only (planner/liveness.py)."""
+    gathered_bytes: float = 0.0
+    """FSDP2's unsharded copy of parameters that also stay resident, alive from the layer's
+    forward to the end of its backward (module docstring); in ``states_bytes``, so the
+    ILP charges it."""
+    collective_buffer_bytes: float = 0.0
+    """Under pipelining, the part of buffer_bytes that is FSDP2's one all-gather and one
+    reduce-scatter of the step: alive in the layer's first forward and last backward only
+    (planner/liveness.py). 0 at pp = 1, where FSDP2 gathers in every pass."""
 
     @property
     def time_s(self) -> float:
@@ -161,7 +194,8 @@ class LayerCost:
 
     @property
     def states_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        """Parameters (with FSDP2's gathered copy), gradients and optimizer states."""
+        return self.params_bytes + self.gathered_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def resident_bytes(self) -> float:
@@ -286,7 +320,7 @@ def layer_cost(
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     activations, rematerialized, recompute_s, recompute_comm = _activations(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
-    loss_kept, loss_transient = _loss_bytes(layer, dp * m)
+    loss_kept, loss_transient = _loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
     host = _offload_s(local_params, layer.param_tensors, prec, device) if offload else (
         0.0, 0.0, 0.0)
@@ -298,7 +332,8 @@ def layer_cost(
                                      device)
     engine_micro, engine_step = _engine_host_s(layer, is_tp, sp, cluster)
     optimizer += engine_step
-    states = _states_bytes(strategy, offload, tp_params, shards, m, prec)
+    states = _states_bytes(strategy, offload, tp_params, shards, m, prec,
+                           pipelined=mesh.pp > 1)
     hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm,
                             fwd_window=fwd_compute, bwd_window=bwd_compute + recompute_s)
     per_micro_comm = (tp_fwd + tp_bwd + recompute_comm + 2 * dp_comm.gather_per_micro
@@ -327,6 +362,8 @@ def layer_cost(
         hidden_comm_s=m * (hidden.fwd + hidden.bwd) + hidden.step,
         loss_buffer_bytes=loss_transient,
         fsdp_host_s=m * cluster.device.fsdp_overhead_s + engine_step,
+        gathered_bytes=states[4],
+        collective_buffer_bytes=states[3] if mesh.pp > 1 else 0.0,
     )
 
 
@@ -434,20 +471,25 @@ def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: in
     return min(checkpoint, kept), kept, matmul_s + alone_s, tp_fwd
 
 
-def _loss_bytes(layer: LayerInfo, batch_shards: int) -> tuple[float, float]:
+def _loss_bytes(layer: LayerInfo, batch_shards: int, *, pipelined: bool = False
+                ) -> tuple[float, float]:
     """(kept, transient) bytes of the loss on the layer producing the model's output, for
     one micro-batch (``LayerInfo.loss_bytes``: the float32 logits at the captured batch).
 
     Cross-entropy keeps its float32 log-probabilities, one copy of the logits, from its
     forward to its backward, which then holds their gradient and the logits' gradient too:
-    two more copies, a transient. Recomputation cannot free the kept copy (the loss runs
-    outside the layer's checkpoint). The logits split with the batch shards (dp · m · cp);
-    under TP they are whole on every rank: a lone Linear's ``colwise_gather`` gathers its
-    output (runtime/tensor_parallel.py), and a block's rowwise output is all-reduced, or
-    gathered at the model's end under SP.
+    two more copies, a transient (the loss's backward; the layer's own backward then holds
+    the logits' gradient, one copy, in the place of the log-probabilities). Under
+    pipelining the last stage also keeps the logits themselves until the micro-batch's
+    backward ends (PIPELINE_OUTPUT_COPIES). Recomputation cannot free the kept copies (the
+    loss runs outside the layer's checkpoint). The logits split with the batch shards
+    (dp · m · cp); under TP they are whole on every rank: a lone Linear's ``colwise_gather``
+    gathers its output (runtime/tensor_parallel.py), and a block's rowwise output is
+    all-reduced, or gathered at the model's end under SP.
     """
     per_micro = layer.loss_bytes / batch_shards
-    return LOSS_SAVED_COPIES * per_micro, LOSS_BACKWARD_COPIES * per_micro
+    kept = LOSS_SAVED_COPIES + (PIPELINE_OUTPUT_COPIES if pipelined else 0)
+    return kept * per_micro, LOSS_BACKWARD_COPIES * per_micro
 
 
 def _engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster
@@ -661,21 +703,30 @@ def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *
 
 
 def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m: int,
-                  prec: Precision) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, transient) bytes on the device; see the module table."""
+                  prec: Precision, *, pipelined: bool = False
+                  ) -> tuple[float, float, float, float, float]:
+    """(params, grads, optimizer, transient, gathered) bytes on the device; see the module
+    table. ``pipelined``: pp > 1."""
     p = tp_params * prec.param_bytes
     g = tp_params * prec.grad_bytes
     k = tp_params * prec.optimizer_bytes
     n = shards
     if strategy in ("replicate", "tp"):
-        return p, g, k, 0.0
+        return p, g, k, 0.0, (p if prec.name == "float32" else 0.0)
+    if pipelined:
+        collectives = max(p, g + g / n)
+        if strategy in ("zero1", "zero2"):
+            return p + p / n, g, k / n, collectives, 0.0
+        if offload:
+            return 0.0, g, 0.0, collectives + p / n, p
+        return p / n, g, k / n, collectives, p
     if strategy == "zero1":
-        return p + p / n, (g if m > 1 else g / n), k / n, (0.0 if m > 1 else g)
+        return p + p / n, (g if m > 1 else g / n), k / n, (0.0 if m > 1 else g), 0.0
     if strategy == "zero2":
-        return p + p / n, g / n, k / n, g
+        return p + p / n, g / n, k / n, g, 0.0
     if offload:
-        return 0.0, 0.0, 0.0, 2 * p + g + p / n
-    return p / n, g / n, k / n, 2 * p + g
+        return 0.0, 0.0, 0.0, 2 * p + g + p / n, 0.0
+    return p / n, g / n, k / n, 2 * p + g, 0.0
 
 
 def _offload_s(local_params: float, param_tensors: int, prec: Precision, device

@@ -13,51 +13,62 @@ runtime/pipeline.py):
 
 1. Parameters and optimizer states are alive throughout: parameters are resident between
    steps (sharded or not, per strategy), and AdamW keeps the states it makes on step one.
-2. Gradients are alive from the layer's first backward of the step (its weight-gradient
+2. FSDP2's gathered copy of parameters that also stay resident (``LayerCost.gathered_bytes``:
+   float32 replicate and tp layers; every fsdp-like layer under pipelining) is alive from
+   the layer's forward to the end of its backward of the same micro-batch (FSDP2 reshards
+   after backward and gathers again for the next micro-batch), under pipelining from its
+   first forward of the step to its last backward or W pass (runtime/pipeline.py keeps
+   them unsharded through the schedule). Not under DDP (rule 4), which holds one copy.
+3. Gradients are alive from the layer's first backward of the step (its weight-gradient
    pass W under a zero-bubble schedule) to the optimizer step: ``Trainer.step`` calls
    ``zero_grad(set_to_none=True)``, so a step's forward runs without gradients, and with
    gradient accumulation or pipeline micro-batches they accumulate from the first
    micro-batch's backward on.
-3. Except under DDP (``ddp``: a float32 plan whose layers are all replicate at pp = 1,
+4. Except under DDP (``ddp``: a float32 plan whose layers are all replicate at pp = 1,
    runtime.data_parallel.uses_ddp): ``gradient_as_bucket_view=True`` makes every gradient a
    view into DDP's all-reduce buckets, which are allocated once and never freed.
-4. A layer's saved activations of one micro-batch are alive from its forward to its
+5. A layer's saved activations of one micro-batch are alive from its forward to its
    backward (to its W pass under a zero-bubble schedule, which needs the saved inputs of
    the weight matmuls); a layer's backward still holds its own while its gradient appears.
    The layer producing the model's output counts the loss's among them: cross-entropy's
-   float32 log-probabilities, one copy of the logits (costs._loss_bytes), which the loss's
-   backward frees just before that layer's.
-5. A layer's transient buffer (``LayerCost.buffer_bytes``: FSDP's gathered layer with the
+   float32 log-probabilities, one copy of the logits (and under pipelining the logits the
+   last stage keeps, costs._loss_bytes).
+6. A layer's transient buffer (``LayerCost.buffer_bytes``: FSDP's gathered layer with the
    next one prefetched, an unsharded gradient before its reduce-scatter, the activations
    recomputation brings back, ring-attention blocks, the loss's two float32 gradient
    copies on the output layer) is alive only while that layer runs forward, backward or W.
    The cost model gives it as one number, so it is charged in every pass (in forward an
    upper bound: no gradient or recomputation is alive then), except the loss's part
-   (``LayerCost.loss_buffer_bytes``), which is charged in backward (B) only.
-6. The optimizer step runs after every backward, with every activation freed.
+   (``LayerCost.loss_buffer_bytes``). The loss's backward is an event of its own, before
+   the output layer's backward: the loss's part, not the layer's (FSDP2 gathers the layer
+   for backward, and its gradient appears, only once the logits' gradient reaches it);
+   the log-probabilities are freed after it, and the logits' gradient, one copy of the same
+   size, is alive through the layer's backward in their place. Under pipelining an FSDP2
+   layer's buffer is its one all-gather and one reduce-scatter of the step
+   (``LayerCost.collective_buffer_bytes``), charged in its first forward and its last
+   backward or W pass only.
+7. The optimizer step runs after every backward, with every activation freed.
 
-Every term above is one of the ILP's, alive for part of the step: parameters, gradients,
-optimizer states, activations of at most the in-flight micro-batches, one layer's buffer.
-So this peak never exceeds the ILP's sum, and a plan the ILP accepts fits by it. The
-plan's prediction (search.plan_memory, pipeline rank memory) is this peak.
+Every term above is one of the ILP's, alive for part of the step: parameters, gathered
+copies, gradients, optimizer states, activations of at most the in-flight micro-batches,
+one layer's buffer. So this peak never exceeds the ILP's sum, and a plan the ILP accepts
+fits by it. The plan's prediction (search.plan_memory, pipeline rank memory) is this peak.
 
 What the runtime also holds and LayerCost has no term for (``Uncosted``; measured in
 tests/test_liveness.py, where it closes the gap to MemTracker; off in the plan's
 prediction, since the ILP cannot charge it):
 
-7. AdamW's temporaries in ``step()``: torch's default takes the foreach kernels for CUDA
+8. AdamW's temporaries in ``step()``: torch's default takes the foreach kernels for CUDA
    tensors, whose ``_foreach_sqrt`` of the second moments is one float32 copy of every
    local parameter at once; on CPU it steps one parameter at a time, two float32 copies of
    it (sqrt, then its division by the bias correction), charged as the largest layer's.
-8. DDP under gradient accumulation: ``no_sync`` micro-batches accumulate into gradients
+9. DDP under gradient accumulation: ``no_sync`` micro-batches accumulate into gradients
    autograd allocates itself, next to the buckets, until the last micro-batch's backward
    copies each into its bucket view: a second copy of the gradients.
 
-Not modelled: activation gradients flowing between layers in backward, point-to-point
-buffers of pipeline stages. Under pipelining the runtime keeps FSDP2 layers gathered and
-their gradients unsharded from the first forward to the last backward
-(runtime/pipeline.py); the costs give sharded layers their sharded states, and so does
-this walk.
+Not modelled: activation gradients flowing between layers in backward (the logits' is,
+rule 6), point-to-point buffers of pipeline stages, and the output a non-last pipeline
+stage keeps until the micro-batch's backward (``PipelineStage``'s forward cache).
 """
 
 from __future__ import annotations
@@ -109,10 +120,10 @@ class RankLiveness:
 
 @dataclass(frozen=True, kw_only=True)
 class Uncosted:
-    """What the runtime holds that LayerCost has no term for (rules 7-8)."""
+    """What the runtime holds that LayerCost has no term for (rules 8-9)."""
 
     optimizer_temp_bytes: float = 0.0
-    """AdamW's temporaries during step() (rule 7; ``optimizer_temporary_bytes``)."""
+    """AdamW's temporaries during step() (rule 8; ``optimizer_temporary_bytes``)."""
 
 
 @dataclass(frozen=True)
@@ -126,11 +137,12 @@ def step_liveness(costs: Sequence[LayerCost], names: Sequence[str], *, microbatc
                   ddp: bool = False, uncosted: Uncosted | None = None) -> RankLiveness:
     """A pp = 1 rank: per micro-batch (gradient accumulation), every layer's forward in
     order, then every backward in reverse; then the optimizer step. ``costs`` and ``names``
-    are per layer in execution order; ``ddp`` is rule 3 (and 8)."""
+    are per layer in execution order; ``ddp`` is rule 4 (and 9)."""
     layers = [_Layer(n, c, 0) for n, c in zip(names, costs, strict=True)]
     actions = [(a, 0, mb) for mb in range(microbatches) for a in ("F", "B")]
     return _Walk(layers, split_backward=False, ddp=ddp, microbatches=microbatches,
-                 uncosted=uncosted, label_microbatch=microbatches > 1).run(actions)
+                 uncosted=uncosted, label_microbatch=microbatches > 1,
+                 pipelined=False).run(actions)
 
 
 def pipeline_liveness(costs: Sequence[LayerCost], names: Sequence[str],
@@ -148,7 +160,8 @@ def pipeline_liveness(costs: Sequence[LayerCost], names: Sequence[str],
                   if owner[s] == rank]
         mine = sorted((s for s in slots if s.rank == rank), key=lambda s: (s.start_s, s.end_s))
         walk = _Walk(layers, split_backward=split, ddp=False, microbatches=microbatches,
-                     uncosted=uncosted[rank] if uncosted else None, label_microbatch=True)
+                     uncosted=uncosted[rank] if uncosted else None, label_microbatch=True,
+                     pipelined=True)
         out.append(walk.run([(s.action, s.stage, s.microbatch) for s in mine]))
     return tuple(out)
 
@@ -159,23 +172,29 @@ class _Walk:
     VERBS = {"F": "forward", "B": "backward", "W": "weight gradients"}
 
     def __init__(self, layers: list[_Layer], *, split_backward: bool, ddp: bool,
-                 microbatches: int, uncosted: Uncosted | None, label_microbatch: bool) -> None:
+                 microbatches: int, uncosted: Uncosted | None, label_microbatch: bool,
+                 pipelined: bool) -> None:
         self.layers, self.split, self.ddp = layers, split_backward, ddp
-        self.microbatches, self.label = microbatches, label_microbatch
+        self.microbatches, self.label, self.pipelined = microbatches, label_microbatch, pipelined
         self.uncosted = uncosted or Uncosted()
-        self.ddp_copies = ddp and uncosted is not None  # rule 8
+        self.ddp_copies = ddp and uncosted is not None  # rule 9
         self.params = sum(la.cost.params_bytes for la in layers)  # rule 1
         self.optimizer = sum(la.cost.optimizer_bytes for la in layers)
-        self.grads: set[int] = set(range(len(layers))) if ddp else set()  # rules 2-3
-        self.second: set[int] = set()  # rule 8: autograd's own gradients beside DDP's buckets
-        self.saved: dict[tuple[int, int], float] = {}  # (layer, micro-batch) -> bytes, rule 4
+        self.gathered: set[int] = set()  # rule 2
+        self.forwarded: set[int] = set()  # rule 6: layers past their first forward
+        self.passes_left = {i: microbatches * (2 if split_backward else 1)
+                            for i in range(len(layers))}  # B and W passes to come, rules 2, 6
+        self.grads: set[int] = set(range(len(layers))) if ddp else set()  # rules 3-4
+        self.second: set[int] = set()  # rule 9: autograd's own gradients beside DDP's buckets
+        self.saved: dict[tuple[int, int], float] = {}  # (layer, micro-batch) -> bytes, rule 5
         self.timeline: list[Usage] = []
 
     def record(self, event: str, buffer: float) -> None:
         grads = sum(self.layers[i].cost.grads_bytes for i in self.grads)
         grads += sum(self.layers[i].cost.grads_bytes for i in self.second)
+        gathered = sum(self.layers[i].cost.gathered_bytes for i in self.gathered)
         self.timeline.append(Usage(
-            event=event, params_bytes=self.params, optimizer_bytes=self.optimizer,
+            event=event, params_bytes=self.params + gathered, optimizer_bytes=self.optimizer,
             grads_bytes=grads, activations_bytes=sum(self.saved.values()),
             buffers_bytes=buffer))
 
@@ -185,28 +204,42 @@ class _Walk:
             for i in members if action == "F" else members[::-1]:
                 self.event(action, i, mb)
         self.grads.update(range(len(self.layers)))
+        self.gathered.clear()
         self.second.clear()
         self.saved.clear()
-        self.record(OPTIMIZER_EVENT, self.uncosted.optimizer_temp_bytes)  # rules 6, 7
+        self.record(OPTIMIZER_EVENT, self.uncosted.optimizer_temp_bytes)  # rules 7, 8
         return RankLiveness(timeline=tuple(self.timeline))
 
     def event(self, action: str, i: int, mb: int) -> None:
         cost = self.layers[i].cost
-        buffer = cost.buffer_bytes  # rule 5; the loss's part only in its backward
-        if action != "B":
-            buffer -= cost.loss_buffer_bytes
+        suffix = f", micro-batch {mb}" if self.label else ""
+        # Rule 6: the layer's own buffer in every pass (the loss's part is charged below),
+        # its step's collectives only in its first forward and last backward pass.
+        buffer = cost.buffer_bytes - cost.loss_buffer_bytes
+        once = i not in self.forwarded if action == "F" else self.passes_left[i] == 1
+        if not once:
+            buffer -= cost.collective_buffer_bytes
         if action == "F":
-            self.saved[i, mb] = cost.activations_bytes  # rule 4
-        elif action == "W" or not self.split:
+            self.forwarded.add(i)
+            self.saved[i, mb] = cost.activations_bytes  # rule 5
+            if not self.ddp:
+                self.gathered.add(i)  # rule 2
+        if action == "B" and cost.loss_buffer_bytes:
+            # Rule 6: the loss's backward, before the layer's gradient or buffer.
+            self.record(f"backward of the loss{suffix}", cost.loss_buffer_bytes)
+        if action == "W" or (action == "B" and not self.split):
             self.grads.add(i)
             if self.ddp_copies and mb < self.microbatches - 1:
-                self.second.add(i)  # rule 8; the last micro-batch moves it into the bucket
-        suffix = f", micro-batch {mb}" if self.label else ""
+                self.second.add(i)  # rule 9; the last micro-batch moves it into the bucket
         self.record(f"{self.VERBS[action]} of {self.layers[i].name}{suffix}", buffer)
         if action != "F" and self.ddp_copies and mb == self.microbatches - 1:
             self.second.discard(i)
         if action == "W" or (action == "B" and not self.split):
             self.saved.pop((i, mb), None)
+        if action != "F":
+            self.passes_left[i] -= 1
+            if not self.pipelined or not self.passes_left[i]:
+                self.gathered.discard(i)  # rule 2
 
 
 def optimizer_temporary_bytes(costs: Sequence[LayerCost], optimizer_bytes_per_param: float,
