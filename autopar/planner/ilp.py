@@ -194,8 +194,23 @@ class StrategyILP:
                 "host_fits",
             )
 
+    def cannot_fit(self) -> bool:
+        """Whether the memory row fails even with every layer on its smallest option. With
+        the buffer fixed the row can lose all its variables (options with no resident
+        bytes), and HiGHS's presolve then accepts a constant row over by its slack."""
+        if self.minimise != "time":
+            return False
+        smallest = sum(c.count * min(x.resident_with(c.inflight) for x in c.costs.values())
+                       for c in self.classes) / GIB
+        base = smallest + (self.b if self.fixed_buffer is not None else 0.0)
+        return (1 + self.margin) * base > self.capacity_bytes / GIB - FEASIBILITY_SLACK_GIB
+
     def solve(self, time_limit_s: float = 10.0) -> ILPResult:
         solver = make_solver(time_limit_s)
+        if self.cannot_fit():
+            return ILPResult(status="infeasible", objective_s=float("inf"),
+                             lower_bound_s=float("inf"), choice={}, solver=solver.name,
+                             solve_time_s=0.0)
         start = time.perf_counter()
         self.prob.solve(solver)
         elapsed = time.perf_counter() - start
