@@ -1,12 +1,14 @@
 """``autopar calibrate``: measure this machine and write a cluster profile.
 
 One launch of ``nproc`` local ranks (gloo on CPU; NCCL with CUDA events on GPUs) measures,
-in order: GEMM throughput by size and dtype with *every rank running at once* (on a shared
-CPU that is what one rank gets during training), a mix of memory-bound kernels (memory
-bandwidth) and causal fused attention (its rate against the GEMMs'), both in windows like
-the GEMMs (``autopar.calibration_kernels``), the smallest op (kernel floor), then
-all_reduce / all_gather by message size and a
-send/recv ping-pong between ranks 0 and 1, then the overlap slowdown σ of each pattern of
+in order: GEMM throughput by size and dtype — an n → n Linear's forward and backward on n
+tokens, its three GEMMs as training runs them — with *every rank running at once* (on a
+shared CPU that is what one rank gets during training), a mix of memory-bound kernels
+(memory bandwidth) and causal fused attention (its rate against the GEMMs'), both in
+windows like the GEMMs (``autopar.calibration_kernels``); on CPU ranks the host time of
+FSDP2, TP and DTensor and the skew of a collective after compute; the smallest op (kernel
+floor), then all_reduce / all_gather by message size and a send/recv ping-pong between
+ranks 0 and 1, then the overlap slowdown σ of each pattern of
 ``cost_models.overlap`` (a GEMM window alone, and again beside that pattern's
 communication). Each number is the median of repeats after a warm-up; a rank's result is
 the slowest rank's median. GEMM windows are repeated and their spread recorded: on a shared
@@ -176,7 +178,8 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     lines = [
         f"# Calibrated by `autopar calibrate` on {host}, {when}.",
         f"# Backend {m.backend}, {m.nproc} ranks. GEMM throughput was measured with all {m.nproc}",
-        "# ranks multiplying at once (ranks share the machine, so that is what a rank gets).",
+        "# ranks multiplying at once (ranks share the machine, so that is what a rank gets), as",
+        "# an n -> n Linear's forward and backward on n tokens (three n x n x n GEMMs).",
         "# GEMM times fitted per dtype to t = floor + 2n^3 (n + d_half) / (n R_inf)",
         "# (cost_models/compute.py's efficiency curve): matmul_half_dim := d_half; float32:",
         "# peak_tflops := the larger of R_inf and the best rate measured, matmul_efficiency :=",

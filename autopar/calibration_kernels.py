@@ -1,4 +1,7 @@
-"""The kernels ``autopar calibrate`` times besides GEMMs and collectives.
+"""The kernels ``autopar calibrate`` times besides collectives.
+
+GEMMs (``linear_op``): a Linear's forward and backward, its three GEMMs as training runs
+them.
 
 Memory-bound kernels (``memory_kernels``): what a transformer's training step runs between
 its matmuls — residual adds, GELU, layer norm, softmax — and AdamW's element-wise updates,
@@ -34,6 +37,22 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 ROW = 1024
 """Elements per row of the memory-bound kernels' tensors (a hidden size)."""
+
+
+def linear_op(n: int, dtype: torch.dtype, device: torch.device | str
+              ) -> tuple[int, Callable[[], object]]:
+    """(GEMMs per call, the call): an n → n Linear's forward and backward on n tokens,
+    y = x·Wᵀ, dX = dY·W and dW = dYᵀ·x, each an n × n × n GEMM. Timed as training runs
+    them (transposed operands, fresh outputs and gradients, autograd between them): on a
+    CPU rank that is 15-25% below a bare square ``torch.mm`` of the same size."""
+    x = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
+    weight = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn(n, n, device=device, dtype=dtype)
+
+    def forward_backward() -> None:
+        torch.autograd.grad(F.linear(x, weight), (x, weight), grad)
+
+    return 3, forward_backward
 
 
 def memory_kernels(nbytes: int, device: torch.device | str

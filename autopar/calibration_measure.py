@@ -16,7 +16,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from autopar.calibration_kernels import HOST_STACK, attention_op, host_overhead_ops, memory_kernels
+from autopar.calibration_kernels import (
+    HOST_STACK,
+    attention_op,
+    host_overhead_ops,
+    linear_op,
+    memory_kernels,
+)
 from cost_models.calibrate import CalibrationError, fit_overlap_slowdown
 
 KiB, MiB = 1024, 1024**2
@@ -157,9 +163,8 @@ def measure_rank(settings: Settings, backend: str) -> Measurements:
             continue
         m.gemm_s[dtype] = {}
         for n in settings.gemm_sizes:
-            a = torch.randn(n, n, device=device).to(getattr(torch, dtype))
-            b = torch.randn(n, n, device=device).to(getattr(torch, dtype))
-            windows = _sustained(timer, lambda a=a, b=b: torch.mm(a, b), settings, device)
+            gemms, op = linear_op(n, getattr(torch, dtype), device)
+            windows = [t / gemms for t in _sustained(timer, op, settings, device)]
             m.gemm_windows_s.setdefault(dtype, {})[n] = windows
             m.gemm_s[dtype][n] = statistics.median(windows)
     kernel_bytes = settings.memory_kernel_bytes or (256 * MiB if backend == "nccl" else 4 * MiB)
@@ -213,8 +218,9 @@ def _measure_host(settings: Settings, device: torch.device | str, timer: Callabl
 
 def _measure_skew(settings: Settings, device: torch.device | str, timer: Callable) -> float:
     """Every rank runs ``skew_rounds`` GEMM windows of ``skew_window_s``, each followed by
-    a one-element all_reduce, then as many windows alone; the skew is the difference per
-    round less the all_reduce's own back-to-back time."""
+    a one-element all_reduce, then as many windows alone; the difference per round, less
+    the all_reduce's own time back to back (measured as the collectives are), is the skew.
+    The median of ``overlap_repeats`` such pairs."""
     n = settings.overlap_gemm_size
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     window, _, _ = _window(timer, lambda: torch.mm(a, b), settings, device,
@@ -232,11 +238,13 @@ def _measure_skew(settings: Settings, device: torch.device | str, timer: Callabl
         for _ in range(rounds):
             window()
 
-    dist.barrier()
-    with_collectives = timer(synced)
-    dist.barrier()
-    without = timer(alone)
-    return max(0.0, (with_collectives - without) / rounds - back_to_back)
+    excess = []
+    for _ in range(settings.overlap_repeats):
+        dist.barrier()
+        with_collectives = timer(synced)
+        dist.barrier()
+        excess.append((with_collectives - timer(alone)) / rounds)
+    return max(0.0, statistics.median(excess) - back_to_back)
 
 
 def _collective(kind: str, x: torch.Tensor, world: int) -> tuple[int, Callable[[], object]]:

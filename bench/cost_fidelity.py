@@ -52,6 +52,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.nn.parallel import DistributedDataParallel
 
 from autopar.calibrate import Settings, calibrate, write_profile
+from autopar.calibration_kernels import linear_op
 from autopar.lower import make_trainer
 from autopar.planner.costs import allowed_strategies, hsdp_shard_size, layer_cost
 from autopar.planner.ilp import ClassOptions
@@ -85,8 +86,8 @@ dimension, the DP gradient all_reduce is 16 MiB), which ``Settings.quick()`` doe
 Attention is timed at the model's shape on a DP rank: 4 samples × 8 heads, seq 128, head
 dim 32 (what a user calibrating for their model passes)."""
 SUSTAINED_GEMM = (1024, 2.0)
-"""(n, seconds): a cross-check of the calibrated GEMM rate, every rank multiplying n × n
-matrices back to back for that long at once (see ``sustained_gemm_flops``)."""
+"""(n, seconds): a cross-check of the calibrated GEMM rate, every rank running an n → n
+Linear's forward and backward back to back for that long at once (``sustained_gemm_flops``)."""
 
 
 def build_model(device: str = "cpu", seed: int = 0) -> GPT:
@@ -216,17 +217,18 @@ def measure_job(plan_jsons: list[str], steps: int, warmup: int) -> list:
 
 
 def sustained_gemm_flops(n: int, seconds: float) -> float:
-    """FLOP/s of this rank multiplying n × n float32 matrices back to back for ``seconds``
-    while every rank does the same: the share of the machine a rank gets when all compute,
-    which is what the calibration's per-rank GEMM rate stands for (measured)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
+    """FLOP/s of this rank running an n → n float32 Linear's forward and backward on n
+    tokens (the calibration's GEMM) back to back for ``seconds`` while every rank does the
+    same: the share of the machine a rank gets when all compute, which is what the
+    calibration's per-rank GEMM rate stands for (measured)."""
+    gemms, op = linear_op(n, torch.float32, "cpu")
+    op()
     dist.barrier()
     start, count = time.perf_counter(), 0
     while time.perf_counter() - start < seconds:
-        torch.mm(a, b)
+        op()
         count += 1
-    return 2 * n**3 * count / (time.perf_counter() - start)
+    return gemms * 2 * n**3 * count / (time.perf_counter() - start)
 
 
 def tracked_peak(trainer, inputs: tuple, targets: torch.Tensor) -> tuple[int, dict[str, int]]:
@@ -356,7 +358,10 @@ def main() -> None:
           f"kernel floor {d.kernel_floor_s * 1e6:.1f} us, attention at "
           f"{d.attention_efficiency:.2f}x the GEMM rate, link {link.bandwidth_GBps:.3f} GB/s "
           f"+ {link.latency_s * 1e6:.0f} us (all_reduce fit)")
-    print(f"  cross-check: float32 GEMM {SUSTAINED_GEMM[0]}, every rank multiplying for "
+    print(f"  host: FSDP2 {d.fsdp_overhead_s * 1e6:.0f} us and TP {d.tp_overhead_s * 1e6:.0f} us per "
+          f"module, DTensor {d.dtensor_op_overhead_s * 1e6:.0f} us per op; collective skew "
+          f"{d.collective_skew_s * 1e6:.0f} us")
+    print(f"  cross-check: float32 Linear {SUSTAINED_GEMM[0]} forward + backward, every rank for "
           f"{SUSTAINED_GEMM[1]:.0f} s at once: {sustained / 1e9:.1f} GFLOP/s per rank "
           "(slowest rank; measured)")
     for kind, fit in cluster.collective_links.items():

@@ -21,6 +21,7 @@ from autopar.calibrate import (
     write_profile,
 )
 from autopar.calibration_kernels import memory_kernels
+from autopar.calibration_measure import HostTiming
 from autopar.cli import main
 from cost_models.calibrate import (
     AlphaBeta,
@@ -173,6 +174,17 @@ def test_profile_writes_the_measured_slowdowns_and_the_gemm_spread_and_reads_the
     assert gemm["tflops_min"] == pytest.approx([0.036] * 3)
     assert gemm["tflops_max"] == pytest.approx([0.044] * 3)
     assert cluster.extra["overlap"]["fsdp"]["compute_beside_s"] == pytest.approx([0.475, 0.5, 0.55])
+
+
+def test_profile_writes_the_host_overheads_and_reads_them_back(tmp_path):
+    m = synthetic_measurements({})
+    m.host = HostTiming(fsdp_s=9e-4, tp_s=1.1e-3, dtensor_op_s=4e-5, skew_s=3e-3,
+                        skew_window_s=0.01)
+    cluster = write_profile(fit(m, Settings()), tmp_path / "p.toml")
+    d = cluster.device
+    assert (d.fsdp_overhead_s, d.tp_overhead_s, d.dtensor_op_overhead_s,
+            d.collective_skew_s) == pytest.approx((9e-4, 1.1e-3, 4e-5, 3e-3))
+    assert "after 10 ms" in (tmp_path / "p.toml").read_text()
 
 
 def test_a_slowdown_no_profile_accepts_is_left_at_the_default_with_a_note(tmp_path):

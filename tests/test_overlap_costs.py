@@ -14,6 +14,7 @@ import pytest
 from planner_cases import make_cluster, make_layer
 
 from autopar.planner.costs import layer_cost
+from cost_models.comm import Group, all_gather_s, reduce_scatter_s
 from cost_models.hardware import OVERLAP_PATTERNS, Overlap
 from cost_models.memory import precision
 from cost_models.schedule import StageTimes, simulate
@@ -59,12 +60,12 @@ def test_fsdp_gathers_and_reduce_scatter_hide_behind_forward_and_backward(params
     mesh, m = Mesh(dp=4), microbatches
     ref = layer_cost(layer(params, flops), "fsdp", mesh, EXPOSED, FP32, m)
     cost = layer_cost(layer(params, flops), "fsdp", mesh, OVERLAPPED, FP32, m)
-    # Exposed, an fsdp micro-batch is a replicate one plus a gather in forward and a gather
-    # and a reduce-scatter in backward (at pp = 1 nothing is per step).
-    one = layer_cost(layer(params, flops), "replicate", mesh, EXPOSED, FP32, m)
-    fwd_window, bwd_window = one.fwd_s, one.bwd_s + one.wgrad_s
-    gather = ref.fwd_s - fwd_window
-    scatter = ref.comm_s / m - 2 * gather
+    # Exposed, an fsdp micro-batch is its compute plus a gather in forward and a gather and
+    # a reduce-scatter in backward (at pp = 1 nothing is per step).
+    gather = all_gather_s(4 * params, Group(4), EXPOSED)
+    scatter = reduce_scatter_s(4 * params, Group(4), EXPOSED)
+    assert ref.comm_s == pytest.approx(m * (2 * gather + scatter))
+    fwd_window, bwd_window = ref.fwd_s - gather, ref.bwd_s + ref.wgrad_s - gather - scatter
     expected = m * (exposed(fwd_window, gather) + exposed(bwd_window, gather + scatter))
     assert cost.comm_s == pytest.approx(expected)
     assert cost.fwd_s == pytest.approx(fwd_window + exposed(fwd_window, gather))
@@ -75,8 +76,13 @@ def test_an_exposed_pattern_hides_nothing_and_the_others_still_overlap():
     shard = layer_cost(layer(*SHAPES[1]), "fsdp", Mesh(dp=4), cluster, FP32)
     assert shard.hidden_comm_s == 0
     assert shard.comm_s == layer_cost(layer(*SHAPES[1]), "fsdp", Mesh(dp=4), EXPOSED, FP32).comm_s
-    ddp = layer_cost(layer(*SHAPES[1]), "replicate", Mesh(dp=4), cluster, FP32)
-    assert ddp.hidden_comm_s > 0
+    # A replicated layer's all-reduce is FSDP2's ('fsdp', exposed here) unless the plan runs
+    # on DDP, whose buckets still overlap: that plan saves what DDP hides.
+    replicated = layer_cost(layer(*SHAPES[1]), "replicate", Mesh(dp=4), cluster, FP32)
+    on_ddp = replace(cluster, overlap=replace(cluster.overlap, exposed=()))
+    hidden_by_ddp = layer_cost(layer(*SHAPES[1]), "replicate", Mesh(dp=4), on_ddp, FP32)
+    assert replicated.hidden_comm_s == 0 and hidden_by_ddp.hidden_comm_s > 0
+    assert replicated.fsdp_wait_s == pytest.approx(hidden_by_ddp.hidden_comm_s)
 
 
 def test_pipelines_reduce_after_the_schedule_so_nothing_hides():
@@ -85,7 +91,7 @@ def test_pipelines_reduce_after_the_schedule_so_nothing_hides():
 
 
 def test_communication_shorter_than_compute_is_hidden_whole_at_no_slowdown():
-    cluster = replace(OVERLAPPED, overlap=Overlap(dp_slowdown=1.0))
+    cluster = replace(OVERLAPPED, overlap=Overlap(dp_slowdown=1.0, fsdp_slowdown=1.0))
     cost = layer_cost(layer(*SHAPES[1]), "replicate", Mesh(dp=4), cluster, FP32)
     assert cost.comm_s == 0 and cost.time_s == pytest.approx(cost.compute_s)
 

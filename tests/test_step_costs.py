@@ -13,12 +13,19 @@ from planner_cases import graph_of, make_cluster, make_layer
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from autopar.planner.costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES, LOSS_KERNELS, layer_cost
+from autopar.planner import search
+from autopar.planner.costs import (
+    LOSS_BWD_PASSES,
+    LOSS_FWD_PASSES,
+    LOSS_KERNELS,
+    layer_cost,
+    on_ddp,
+)
 from autopar.planner.ilp import ClassOptions
 from autopar.planner.search import Candidate, _make_plan
 from cost_models.comm import Group, all_gather_s, reduce_scatter_s
 from cost_models.errors import ConfigError
-from cost_models.hardware import Cluster
+from cost_models.hardware import Cluster, Overlap
 from cost_models.memory import precision
 from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
 from runtime.plan import Mesh, SolverReport, option_label
@@ -83,9 +90,8 @@ def test_layer_cost_charges_the_clusters_optimizer():
     torch_adam = make_cluster()  # the default: adamw-foreach
     a = layer_cost(layer, "replicate", Mesh(dp=4), torch_adam, FP32).step_s
     b = layer_cost(layer, "replicate", Mesh(dp=4), fused, FP32).step_s
-    comm = layer_cost(layer, "replicate", Mesh(dp=4), torch_adam, FP32).comm_s
-    assert a - comm == pytest.approx(20 * 4e7 / 2000e9 + 8 * 5e-6)
-    assert b - comm == pytest.approx(7 * 4e7 / 2000e9 + 5e-6)
+    # 4e7 bytes of float32 parameters: 20 passes in 8 launches against 7 passes in one.
+    assert a - b == pytest.approx((20 - 7) * 4e7 / 2000e9 + (8 - 1) * 5e-6)
 
 
 def test_a_cluster_file_names_an_optimizer_the_model_knows():
@@ -142,7 +148,8 @@ def test_fused_attention_runs_at_its_own_rate():
 # -- CPU ranks: host overheads and collective skew --------------------------------------------
 
 def _cpu_like() -> Cluster:
-    cluster = make_cluster()
+    """make_cluster() with the host overheads and FSDP2's exposure of CPU ranks."""
+    cluster = make_cluster(overlap=Overlap(exposed=("fsdp",)))
     return replace(cluster, optimizer="adamw-for-loop", device=replace(
         cluster.device, fsdp_overhead_s=1e-3, tp_overhead_s=2e-3, dtensor_op_overhead_s=5e-5,
         collective_skew_s=3e-3))
@@ -158,8 +165,29 @@ def test_fsdp2_host_time_per_micro_batch_and_per_optimizer_op():
     base = layer_cost(layer, "fsdp", Mesh(dp=4), plain, FP32, 3)
     hooks, optimizer_ops = 3 * 1e-3, 10 * 4 * 5e-5  # 10 ops on each of 4 DTensors
     assert cost.compute_s - base.compute_s == pytest.approx(hooks + optimizer_ops)
-    assert cost.fsdp_host_s == pytest.approx(hooks + optimizer_ops)
+    assert cost.fsdp_only_s == pytest.approx(hooks + optimizer_ops + 3 * fsdp_copies(4e6, 4))
     assert cost.fwd_s - base.fwd_s == pytest.approx(0.5e-3)
+
+
+def fsdp_copies(param_bytes: float, shards: int) -> float:
+    """One micro-batch of a float32 fsdp layer's FSDP2 copies on make_cluster()'s device,
+    by hand: two all-gathers (2P/N into the buffer, 2P out of it) and one reduce-scatter
+    (2G in, 2G/N out), each two kernels at 5 us."""
+    gather = (2 * param_bytes / shards + 2 * param_bytes) / 2000e9 + 2 * 5e-6
+    scatter = (2 * param_bytes + 2 * param_bytes / shards) / 2000e9 + 2 * 5e-6
+    return 2 * gather + scatter
+
+
+def test_fsdp2_copies_its_collectives_buffers_as_often_as_the_runtime_gathers():
+    layer = make_layer("h.0", "B", 0, params=10**6, fwd_flops=1e9, saved_bytes=0, act_bytes=0)
+    cluster = make_cluster()
+    for m in (1, 3):
+        cost = layer_cost(layer, "fsdp", Mesh(dp=4), cluster, FP32, m)
+        assert cost.fsdp_only_s == pytest.approx(m * fsdp_copies(4e6, 4))
+    # Pipelined, every layer stays gathered: one gather and one reduce-scatter a step.
+    piped = layer_cost(layer, "fsdp", Mesh(pp=2, dp=2), cluster, FP32, 4)
+    once = (2 * 4e6 / 2 + 2 * 4e6 + 2 * 4e6 + 2 * 4e6 / 2) / 2000e9 + 4 * 5e-6
+    assert piped.fsdp_only_s == pytest.approx(once)
 
 
 def test_tensor_parallel_modules_add_their_host_time():
@@ -189,12 +217,18 @@ def test_every_blocking_collective_waits_out_the_skew():
     fsdp = (layer_cost(layer, "fsdp", Mesh(dp=4), exposed, FP32, 2).comm_s
             - layer_cost(layer, "fsdp", Mesh(dp=4), exposed_no_skew, FP32, 2).comm_s)
     assert fsdp == pytest.approx(2 * 3 * 3e-3)
+    # A replicated layer's gradient all-reduce: once per step, whatever the micro-batches.
+    replicate = (layer_cost(layer, "replicate", Mesh(dp=4), cpu, FP32, 2).comm_s
+                 - layer_cost(layer, "replicate", Mesh(dp=4), no_skew, FP32, 2).comm_s)
+    assert replicate == pytest.approx(3e-3)
     assert all_gather_s(4e6, Group(4), cpu) == all_gather_s(4e6, Group(4), no_skew)
     assert reduce_scatter_s(4e6, Group(4), cpu) == reduce_scatter_s(4e6, Group(4), no_skew)
 
 
-def test_a_plan_that_runs_on_ddp_does_not_pay_fsdp2s_host_time():
-    cpu = _cpu_like()
+def test_a_plan_that_runs_on_ddp_does_not_pay_fsdp2s_host_time_and_waits():
+    # Both engines' all-reduce overlapping alike ('dp' and 'fsdp' at one slowdown), so
+    # what DDP saves is FSDP2's host time, copies and per-layer skew.
+    cpu = replace(_cpu_like(), overlap=Overlap())
     layers = [replace(make_layer(f"h.{i}", "B", i, params=10**6, fwd_flops=1e9, saved_bytes=0,
                                  act_bytes=0), param_tensors=2) for i in range(2)]
     graph = graph_of(layers, batch=8)
@@ -209,7 +243,14 @@ def test_a_plan_that_runs_on_ddp_does_not_pay_fsdp2s_host_time():
         return plan.prediction.step_time_s, 2 * cost.time_s
 
     ddp, layer_sum = predicted("replicate", FP32)  # float32, all replicate: DDP
-    assert ddp == pytest.approx(layer_sum - 2 * (1e-3 + 10 * 2 * 5e-5))
+    # Per layer: FSDP2's hooks and 10 DTensor ops on each of 2 tensors; and its all-reduce
+    # waits for the other ranks once per 25 MiB DDP bucket (4 MB of gradients: a share
+    # of one skew), not once per layer as under FSDP2.
+    # FSDP2's copies: one gather per micro-batch and one reduce-scatter, over one rank.
+    share = 4e6 / 25 / 2**20
+    copies = (2 * 4e6 + 2 * 4e6 + 2 * 4e6 + 2 * 4e6) / 2000e9 + 4 * 5e-6
+    assert ddp == pytest.approx(
+        layer_sum - 2 * (1e-3 + 10 * 2 * 5e-5 + (1 - share) * 3e-3 + copies))
     fsdp2, layer_sum = predicted("replicate", BF16)  # mixed precision runs on FSDP2
     assert fsdp2 == pytest.approx(layer_sum)
 
@@ -232,3 +273,25 @@ def _cluster_toml(top: str = "", device_extra: str = "") -> str:
             f"memory_bandwidth_GBps = 100\n{device_extra}\n[device.peak_tflops]\nfloat32 = 1\n"
             '[intra_node]\nkind = "pcie"\nbandwidth_GBps = 10\nlatency_us = 5\n'
             '[inter_node]\nkind = "network"\nbandwidth_GBps = 10\nlatency_us = 5\n')
+
+
+def test_the_search_prices_a_plan_of_replicate_layers_as_ddp_runs_it():
+    # CPU ranks: FSDP2's host time and per-layer waits make every FSDP2 plan slower than
+    # DDP, and a replicate layer under FSDP2 holds its parameters twice. With memory for
+    # DDP's one copy but not FSDP2's two, the plan is DDP's, priced and fitted as DDP runs.
+    cpu = _cpu_like()
+    layers = [replace(make_layer(f"h.{i}", "B", i, params=10**7, fwd_flops=1e12,
+                                 saved_bytes=10**6, act_bytes=10**5, tp=False), param_tensors=2)
+              for i in range(2)]
+    graph = graph_of(layers, batch=8)
+    ddp_cost = on_ddp(layer_cost(layers[0], "replicate", Mesh(dp=4), cpu, FP32))
+    fsdp2_cost = layer_cost(layers[0], "replicate", Mesh(dp=4), cpu, FP32)
+    need = 2 * ddp_cost.resident_bytes + ddp_cost.buffer_bytes
+    assert 2 * fsdp2_cost.resident_bytes + fsdp2_cost.buffer_bytes > 1.2 * need
+    cluster = replace(cpu, devices_per_node=4, device=replace(
+        cpu.device, memory_bytes=int(1.1 * need * (1 + cpu.memory_margin_fraction))))
+    plan = search(graph, cluster, mesh=Mesh(dp=4), pipeline=False).plan
+    assert {lp.strategy for lp in plan.layers} == {"replicate"}
+    assert plan.prediction.step_time_s == pytest.approx(plan.solver.objective_s)
+    assert plan.prediction.step_time_s == pytest.approx(2 * ddp_cost.time_s)
+    assert plan.prediction.memory.total_bytes <= cluster.device.memory_bytes

@@ -82,7 +82,7 @@ cluster's software runs (``Cluster.optimizer``, cost_models/optimizer.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from cost_models.comm import (
     Group,
@@ -173,9 +173,16 @@ class LayerCost:
     hidden_comm_s: float = 0.0
     """Per step, communication hidden behind compute (net of the slowdown): comm_s plus
     this is all the communication the layer issues."""
-    fsdp_host_s: float = 0.0
-    """Per step, the part of compute_s that is FSDP2's host time (``_engine_host_s``): a
-    plan the runtime runs on DDP (search.runs_on_ddp) does not pay it."""
+    fsdp_only_s: float = 0.0
+    """Per step, the part of compute_s that only FSDP2 does: its host time
+    (``_engine_host_s``) and its copies into and out of its collectives' buffers
+    (``_fsdp_copies_s``). A plan the runtime runs on DDP (search.runs_on_ddp) does neither."""
+    fsdp_wait_s: float = 0.0
+    """Per step, the part of comm_s a replicated layer's gradient all-reduce waits under
+    FSDP2 and would not under DDP: FSDP2 issues it per layer and blocks on it (a whole
+    skew each, ``_all_reduce_wait_s``; exposed where ``Overlap.exposed`` has 'fsdp'), DDP
+    waits once per bucket and overlaps its buckets by the 'dp' pattern. A plan run on DDP
+    does not pay it (negative where DDP would hide less)."""
     loss_buffer_bytes: float = 0.0
     """Part of buffer_bytes that is the loss's backward (``_loss_bytes``), on the layer
     producing the model's output: alive in its backward only (planner/liveness.py)."""
@@ -204,6 +211,16 @@ class LayerCost:
 
     def resident_with(self, inflight: int) -> float:
         return self.states_bytes + inflight * self.activations_bytes
+
+
+def on_ddp(cost: LayerCost) -> LayerCost:
+    """A ``replicate`` layer's cost in a plan the runtime runs on DDP (a float32 plan of
+    replicate layers at pp = 1, runtime.data_parallel.uses_ddp): none of FSDP2's host time,
+    copies and per-layer waits, and one copy of the parameters, not FSDP2's two."""
+    assert cost.strategy == "replicate", cost.option
+    return replace(cost, compute_s=cost.compute_s - cost.fsdp_only_s,
+                   comm_s=cost.comm_s - cost.fsdp_wait_s, gathered_bytes=0.0,
+                   fsdp_only_s=0.0, fsdp_wait_s=0.0)
 
 
 def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | None = None,
@@ -331,14 +348,23 @@ def layer_cost(
         optimizer = optimizer_step_s(local_params, layer.param_tensors, cluster.adam_kernels,
                                      device)
     engine_micro, engine_step = _engine_host_s(layer, is_tp, sp, cluster)
-    optimizer += engine_step
+    copies_micro, copies_step = _fsdp_copies_s(strategy, m, mesh.pp > 1, tp_params, shards,
+                                               prec, device)
+    engine_micro += copies_micro
+    optimizer += engine_step + copies_step
     states = _states_bytes(strategy, offload, tp_params, shards, m, prec,
                            pipelined=mesh.pp > 1)
-    hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm,
-                            fwd_window=fwd_compute, bwd_window=bwd_compute + recompute_s)
+    # FSDP2's copies and hooks run on the compute stream between the layer's kernels.
+    windows = dict(fwd_window=fwd_compute + engine_micro / 2,
+                   bwd_window=bwd_compute + recompute_s + engine_micro / 2)
+    hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, **windows)
     per_micro_comm = (tp_fwd + tp_bwd + recompute_comm + 2 * dp_comm.gather_per_micro
                       + dp_comm.reduce_per_micro + host_per_micro - hidden.fwd - hidden.bwd)
-    per_step_comm = dp_comm.per_step + host_per_step - hidden.step
+    wait, ddp_saving = _all_reduce_wait_s(strategy, mesh, cluster, prec, tp_params)
+    if strategy == "replicate":  # DDP's buckets may hide more than FSDP2's reduction
+        ddp_saving += _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, ddp=True,
+                                     **windows).step - hidden.step
+    per_step_comm = dp_comm.per_step + host_per_step - hidden.step + wait
     return LayerCost(
         option=option_label(strategy, recompute, offload, sp),
         strategy=strategy, recompute=recompute, offload=offload, sequence_parallel=sp,
@@ -361,7 +387,9 @@ def layer_cost(
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
         hidden_comm_s=m * (hidden.fwd + hidden.bwd) + hidden.step,
         loss_buffer_bytes=loss_transient,
-        fsdp_host_s=m * cluster.device.fsdp_overhead_s + engine_step,
+        fsdp_only_s=(m * (cluster.device.fsdp_overhead_s + copies_micro) + engine_step
+                     + copies_step),
+        fsdp_wait_s=ddp_saving,
         gathered_bytes=states[4],
         collective_buffer_bytes=states[3] if mesh.pp > 1 else 0.0,
     )
@@ -492,6 +520,55 @@ def _loss_bytes(layer: LayerInfo, batch_shards: int, *, pipelined: bool = False
     return kept * per_micro, LOSS_BACKWARD_COPIES * per_micro
 
 
+def _all_reduce_wait_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
+                       tp_params: float) -> tuple[float, float]:
+    """(Skew a replicated layer's gradient all-reduce waits per step, the part of it a plan
+    run on DDP does not wait). FSDP2 issues the all-reduce per layer and blocks on each;
+    DDP reduces gradients in buckets of ``Overlap.ddp_bucket_bytes`` and waits once per
+    bucket, so a layer waits its share of one skew. Exposed: a wait hides behind nothing."""
+    group = mesh.replicas if strategy == "tp" else mesh.replicas * mesh.tp
+    if strategy not in ("replicate", "tp") or group == 1 or not tp_params:
+        return 0.0, 0.0
+    skew = cluster.device.collective_skew_s
+    if strategy == "tp":  # TP layers never run on DDP
+        return skew, 0.0
+    share = min(1.0, tp_params * prec.grad_bytes / cluster.overlap.ddp_bucket_bytes)
+    return skew, (1 - share) * skew
+
+
+FSDP_COPY_KERNELS = 2
+"""Kernels of one FSDP2 collective's copies: into its buffer, and out of it."""
+
+
+def _fsdp_copies_s(strategy: str, m: int, pipelined: bool, tp_params: float, shards: int,
+                   prec: Precision, device: Device) -> tuple[float, float]:
+    """(Per micro-batch, per step) seconds of FSDP2's copies around its collectives
+    (torch.distributed.fsdp: ``foreach_all_gather`` copies this rank's shards into one
+    buffer, ``foreach_all_gather_copy_out`` the gathered buffer out into each unsharded
+    parameter; ``foreach_reduce`` copies the unsharded gradients into one buffer and the
+    reduced shard into each sharded gradient): 2P/N + 2P bytes read and written per
+    all-gather, 2G + 2G/N per reduce-scatter, at the memory-bound kernels' bandwidth. How
+    often each runs follows runtime/data_parallel.py: replicated layers (replicate, tp; a
+    one-rank shard) gather before each micro-batch's forward and reduce at the step's end,
+    zero1 gathers and reduces once, zero2 gathers once and reduces every micro-batch,
+    fsdp/hsdp/tp_fsdp gather for forward and again for backward; pipelines keep every
+    layer gathered and reduce once."""
+    if not tp_params:
+        return 0.0, 0.0  # FSDP2 groups no parameters: no collectives, no copies
+    p = tp_params * prec.param_bytes
+    g = tp_params * prec.grad_bytes
+    gather = roofline_s(0.0, 2 * p / shards + 2 * p, FSDP_COPY_KERNELS, device, prec.compute_dtype)
+    scatter = roofline_s(0.0, 2 * g + 2 * g / shards, FSDP_COPY_KERNELS, device,
+                         prec.compute_dtype)
+    if pipelined or strategy == "zero1":
+        return 0.0, gather + scatter
+    if strategy in ("replicate", "tp"):
+        return gather, scatter
+    if strategy == "zero2":
+        return scatter, gather
+    return 2 * gather + scatter, 0.0
+
+
 def _engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster
                    ) -> tuple[float, float]:
     """(Per micro-batch, per step) host time the parallel engines add to this layer on a
@@ -615,9 +692,9 @@ class _DPComm:
 
 def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
                tp_params: float, shards: int) -> _DPComm:
-    """Each collective with its skew (``Device.collective_skew_s``): the gathers and
-    reduce-scatters wait for every rank; the all-reduce of replicated gradients runs in
-    DDP's buckets, waited once per bucket, so a layer carries its share of one skew."""
+    """Each gather and reduce-scatter with its skew (``Device.collective_skew_s``): every
+    rank waits for the others at each. A replicated gradient's all-reduce waits once per
+    layer (``_all_reduce_wait_s``)."""
     dp, tp = mesh.replicas, mesh.tp
     group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
     params = tp_params * prec.param_bytes
@@ -633,9 +710,9 @@ def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
         return t + skew if t else 0.0
 
     if strategy in ("replicate", "tp"):
-        t = all_reduce_s(grads, group, cluster)
-        share = min(1.0, grads / cluster.overlap.ddp_bucket_bytes)
-        return _DPComm(0.0, 0.0, t + share * skew if t else 0.0)
+        # Overlapped with backward; its wait for the other ranks is layer_cost's (it
+        # cannot hide behind compute).
+        return _DPComm(0.0, 0.0, all_reduce_s(grads, group, cluster))
     if strategy == "zero1":
         return _DPComm(0.0, 0.0, gather(group) + scatter(group))
     if strategy == "zero2":
@@ -676,9 +753,13 @@ layer's compute (zero1 gathers and reduces once per step, around the optimizer).
 
 
 def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *,
-                   fwd_window: float, bwd_window: float) -> _Hidden:
+                   fwd_window: float, bwd_window: float, ddp: bool = False) -> _Hidden:
     """What of the layer's data-parallel communication hides behind one layer's compute
-    (the module docstring's linearisation; cost_models.overlap for one window)."""
+    (the module docstring's linearisation; cost_models.overlap for one window).
+
+    The all-reduce of a replicated layer's gradients overlaps as its engine runs it: DDP's
+    buckets (``ddp``: the 'dp' pattern), or FSDP2's per-layer reduction (the 'fsdp'
+    pattern: FSDP2 runs tp layers, and replicate ones in every plan but DDP's)."""
     def hidden(window: float, c: float, pattern: str, sigma: float) -> float:
         if c <= 0 or pattern in overlap.exposed:
             return 0.0
@@ -695,8 +776,8 @@ def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *
     # The once-per-step all-reduce (DDP's buckets; HSDP's across groups) runs beside the last
     # micro-batch's backward at pp = 1; pipelines reduce after their schedule ends.
     if mesh.pp == 1 and strategy in ("replicate", "tp", "hsdp") and comm.per_step > 0:
-        pattern = "fsdp" if strategy == "hsdp" else "dp"
-        sigma = overlap.fsdp_slowdown if strategy == "hsdp" else overlap.dp_slowdown
+        pattern = "dp" if ddp and strategy == "replicate" else "fsdp"
+        sigma = overlap.dp_slowdown if pattern == "dp" else overlap.fsdp_slowdown
         both = hidden(bwd_window, fsdp_bwd + comm.per_step, pattern, sigma)
         step = max(0.0, both - bwd)
     return _Hidden(fwd=fwd, bwd=bwd, step=step)

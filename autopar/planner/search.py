@@ -18,9 +18,10 @@ from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner.bounds import rank_bound
-from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options
+from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options, on_ddp
 from autopar.planner.ilp import (
     ClassOptions,
+    ILPResult,
     expand_counts,
     make_solver,
     min_memory,
@@ -188,10 +189,11 @@ def search(
         outclassed = float("inf")  # the least bound of accumulations the best plan beats
         for k in accumulation_steps(graph, m):
             options = class_options(graph, m, cluster, prec, k)
+            programs = [options, *ddp_programs(options, prec, m)]
             # The LP bound of the rank's knapsack (memory-aware, no solver): no plan with
             # these options is faster; inf when nothing fits.
-            bound = rank_bound(options, cluster.device.memory_bytes,
-                               cluster.memory_margin_fraction)
+            bound = min(rank_bound(p, cluster.device.memory_bytes,
+                                   cluster.memory_margin_fraction) for p in programs)
             if bound == float("inf"):
                 least_need = min(least_need, min_memory(options, cluster.memory_margin_fraction)[0])
                 continue
@@ -200,8 +202,7 @@ def search(
             if best is not None and best[0].objective_s < bound:
                 outclassed = min(outclassed, bound)
                 continue  # nothing here can beat the best plan found
-            result = solve_strategies(options, cluster.device.memory_bytes,
-                                      cluster.memory_margin_fraction, time_limit_s)
+            result, options = _solve_programs(programs, cluster, time_limit_s)
             solver_name = result.solver
             if result.status != "optimal":
                 least_need = min(least_need, min_memory(options, cluster.memory_margin_fraction)[0])
@@ -265,6 +266,36 @@ def search(
                         search_time_s=time.perf_counter() - start)
 
 
+def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh
+                 ) -> list[list[ClassOptions]]:
+    """The rank program of a plan the runtime runs on DDP (runtime.data_parallel.uses_ddp:
+    float32, pp = 1, every layer replicate), its costs as DDP pays them (``on_ddp``);
+    none where that plan cannot be. The layer costs price a replicate layer as FSDP2 runs
+    it, in every other plan: more host time and memory, so the all-replicate plan gets its
+    own program rather than the ILP's over-priced corner."""
+    if prec.name != "float32" or mesh.pp != 1:
+        return []
+    ddp = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
+                        costs={o: on_ddp(x) for o, x in c.costs.items()
+                               if x.strategy == "replicate"}) for c in options]
+    return [ddp] if all(c.costs for c in ddp) else []
+
+
+def _solve_programs(programs: list[list[ClassOptions]], cluster: Cluster, time_limit_s: float
+                    ) -> tuple[ILPResult, list[ClassOptions]]:
+    """The fastest answer of the rank programs (the later on a tie: DDP's), with its
+    options; the first program's answer when none is feasible."""
+    best = None
+    for options in programs:
+        result = solve_strategies(options, cluster.device.memory_bytes,
+                                  cluster.memory_margin_fraction, time_limit_s)
+        if best is None or (result.status == "optimal" and (
+                best[0].status != "optimal" or result.objective_s <= best[0].objective_s)):
+            best = (result, options)
+    assert best is not None
+    return best
+
+
 def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int) -> None:
     """Report the latest candidate and the best step time so far to the progress callback."""
     if progress is not None and candidates:
@@ -280,9 +311,10 @@ def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candi
     memory = plan_memory(costs, cluster.memory_margin_fraction,
                          names=[layer.name for layer in graph.layers], ddp=ddp)
     assert memory.total_bytes <= cluster.device.memory_bytes, "the ILP's memory row was violated"
-    # The layer costs price FSDP2's host time, which a plan run on DDP does not pay.
-    compute = sum(c.compute_s - (c.fsdp_host_s if ddp else 0.0) for c in costs)
-    comm = sum(c.comm_s for c in costs)
+    # The layer costs price FSDP2's host time, copies and per-layer waits, which a plan run
+    # on DDP does not pay.
+    compute = sum(c.compute_s - (c.fsdp_only_s if ddp else 0.0) for c in costs)
+    comm = sum(c.comm_s - (c.fsdp_wait_s if ddp else 0.0) for c in costs)
     prediction = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                             memory=memory, capacity_bytes=cluster.device.memory_bytes,
                             source=cluster.provenance)
