@@ -68,7 +68,7 @@ class Settings:
     skew_window_s: float = 0.01
     """Compute between two blocking collectives when measuring the collective skew: about a
     layer's forward on a CPU rank (ranks drift further apart over longer windows)."""
-    skew_rounds: int = 10
+    skew_rounds: int = 30
     """(window, collective) rounds timed together, against as many windows alone."""
     timeout_s: float = 120
 
@@ -407,16 +407,31 @@ def _sustained(timer: Callable, op: Callable[[], object], settings: Settings,
     """Per-op times of ``op`` run back to back for ``settings.gemm_window_s``, one per
     window (``settings.gemm_windows`` of them).
 
-    Every rank starts each window together and runs the same count of ops, so that a
-    window measures a rank's share of the machine with all ranks busy; windows of
-    different lengths let the last rank run alone and read up to 10x faster.
+    A window must measure a rank's share of the machine with every rank busy. On CPU
+    ranks every rank starts each window together and runs ops until the window's time is
+    up, so all stop within one op of each other: with the same count of ops instead, the
+    ranks that finish first leave the last one running alone, and it reads its window
+    8-10% faster than it sustains (bench/cost_fidelity.py's 2 s cross-check). GPUs share
+    nothing, and their ops are timed by CUDA events: the same count on every rank.
     """
-    window, count, _ = _window(timer, op, settings, device)
+    if timer is _cuda_timer:
+        window, count, _ = _window(timer, op, settings, device)
+        times = []
+        for _ in range(settings.gemm_windows):
+            dist.barrier()
+            times.append(timer(window) / count)
+        return times
+    for _ in range(settings.warmup):
+        op()
     times = []
     for _ in range(settings.gemm_windows):
         dist.barrier()
-        times.append(timer(window))
-    return [t / count for t in times]
+        start, count = time.perf_counter(), 0
+        while time.perf_counter() - start < settings.gemm_window_s:
+            op()
+            count += 1
+        times.append((time.perf_counter() - start) / count)
+    return times
 
 
 def _window(timer: Callable, op: Callable[[], object], settings: Settings,
