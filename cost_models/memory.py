@@ -23,6 +23,13 @@ class Precision:
     name: str
     param_bytes: int
     grad_bytes: int
+    """Bytes per gradient element as computed and reduced (the compute dtype's)."""
+    held_grad_bytes: int = 4
+    """Bytes per element of the gradient kept until the optimizer step: float32 in every
+    precision. FSDP2 casts each reduced gradient to its float32 sharded parameter's dtype
+    (torch.distributed.fsdp's ``foreach_reduce``); Megatron-LM accumulates fp16 gradients
+    into float32 ``main_grad`` buffers. So mixed precision holds 2 + 4 + 12 = 18 bytes a
+    parameter, not ZeRO's 16 (``zero_model_states`` keeps the paper's accounting)."""
     optimizer_bytes: int
     """Adam state per parameter, fp32 master copy included when params are low precision."""
     activation_bytes: int

@@ -418,6 +418,34 @@ def test_predicted_peak_matches_memtracker_on_one_process(one_rank, gpt_graph, s
         assert short < (1 - MEASURED_TOLERANCE) * measured
 
 
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+def test_mixed_precision_holds_float32_gradients(one_rank, gpt_graph, strategy):
+    # FSDP2 casts each reduced gradient to its float32 sharded parameter's dtype: a
+    # bfloat16 plan holds 4 bytes a parameter of gradient after backward, not 2.
+    from autopar.lower import make_trainer
+    from autopar.zoo import get_model
+    from runtime.plan import LayerPlan
+
+    plan = Plan(global_batch=BATCH, mesh=Mesh(dp=1), param_dtype="bfloat16",
+                layers=tuple(LayerPlan(module=la.name, strategy=strategy)
+                             for la in gpt_graph.layers))
+    spec = get_model("gpt-small")
+    warnings.filterwarnings("ignore", message=".*FSDP2-wrapped module.*")
+    trainer = make_trainer(spec.build(seed=0), plan, spec.loss_fn,
+                           spec.example_inputs(BATCH, SEQ))
+    trainer.forward_backward(*trainer.shard_batch(*spec.make_batch(BATCH, SEQ, seed=0)))
+    held = sum(_local(p.grad).nbytes for p in trainer.module.parameters() if p.grad is not None)
+    bf16 = precision("bfloat16")
+    costs = [layer_cost(la, strategy, plan.mesh, Cluster.local(1), bf16)
+             for la in gpt_graph.layers]
+    assert held == pytest.approx(sum(c.grads_bytes for c in costs), rel=1e-6)
+    assert held == 4 * gpt_graph.param_count
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 # -- measured on two ranks -----------------------------------------------------------------
 
 TWO_RANK_BATCH = 8

@@ -34,7 +34,10 @@ Conventions:
   in ``Overlap.exposed``. Ring attention overlaps its own steps (``_ring_attention``).
 
 Memory per strategy, over the N ranks that shard it (P, G, K: the layer's parameter,
-gradient and optimizer bytes on one rank before sharding; m micro-batches per step):
+gradient and optimizer bytes on one rank before sharding; m micro-batches per step). G is
+the gradient as backward computes it (the compute dtype); a reduced gradient held for the
+optimizer (G in the resident column, but for zero1's and pipelines' unsharded
+accumulation) is float32 in every precision (``Precision.held_grad_bytes``):
 
     strategy   resident                          transient (largest over the layers)
     replicate  P + G + K  (+ P gathered, float32)
@@ -789,11 +792,12 @@ def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m
     """(params, grads, optimizer, transient, gathered) bytes on the device; see the module
     table. ``pipelined``: pp > 1."""
     p = tp_params * prec.param_bytes
-    g = tp_params * prec.grad_bytes
+    g = tp_params * prec.grad_bytes  # an unsharded gradient, as backward computes it
+    held = tp_params * prec.held_grad_bytes  # the reduced gradient the optimizer steps
     k = tp_params * prec.optimizer_bytes
     n = shards
     if strategy in ("replicate", "tp"):
-        return p, g, k, 0.0, (p if prec.name == "float32" else 0.0)
+        return p, held, k, 0.0, (p if prec.name == "float32" else 0.0)
     if pipelined:
         collectives = max(p, g + g / n)
         if strategy in ("zero1", "zero2"):
@@ -802,12 +806,12 @@ def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m
             return 0.0, g, 0.0, collectives + p / n, p
         return p / n, g, k / n, collectives, p
     if strategy == "zero1":
-        return p + p / n, (g if m > 1 else g / n), k / n, (0.0 if m > 1 else g), 0.0
+        return p + p / n, (g if m > 1 else held / n), k / n, (0.0 if m > 1 else g), 0.0
     if strategy == "zero2":
-        return p + p / n, g / n, k / n, g, 0.0
+        return p + p / n, held / n, k / n, g, 0.0
     if offload:
         return 0.0, 0.0, 0.0, 2 * p + g + p / n, 0.0
-    return p / n, g / n, k / n, 2 * p + g, 0.0
+    return p / n, held / n, k / n, 2 * p + g, 0.0
 
 
 def _offload_s(local_params: float, param_tensors: int, prec: Precision, device
