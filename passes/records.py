@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+CAPTURE_ACTIVATION_BYTES = 4
+"""Capture runs in float32: recorded floating activation sizes are scaled by a plan's
+activation bytes / this."""
+
 
 @dataclass(frozen=True)
 class SavedSplit:

@@ -6,7 +6,7 @@ Measured: the zoo's gpt-small (4 blocks, h=128, vocab 512), batch 16, seq 64, Ad
 (torch.distributed._tools.mem_tracker), which counts every tensor storage alive and keeps
 the peak of their sum. Predicted: the liveness walk with the runtime's terms LayerCost lacks
 (``Uncosted``: AdamW's temporaries, DDP's second gradient copy under accumulation; the
-loss is in the output layer's costs, costs._loss_bytes). Seen on the 2-core VM, torch 2.13
+loss is in the output layer's costs, loss_costs.loss_bytes). Seen on the 2-core VM, torch 2.13
 (MiB, measured / full walk / costed terms only, the plan's own figure; 'mixed': sharded
 embeddings and head, replicated blocks, all on FSDP2):
 
@@ -129,7 +129,7 @@ def test_optimizer_step_is_the_peak_only_through_adamw_temporaries():
 
 
 def test_loss_holds_log_probabilities_and_two_gradients_at_the_last_backward():
-    # The output layer's costs carry the loss (costs._loss_bytes): 50 kept, 100 transient.
+    # The output layer's costs carry the loss (loss_costs.loss_bytes): 50 kept, 100 transient.
     peak = step_liveness([cost(), cost(), cost(a=100 + 50, b=100, loss_b=100)], NAMES).peak
     assert peak.event == "backward of the loss"
     assert peak.activations_bytes == 300 + 50 and peak.buffers_bytes == 100

@@ -1,5 +1,5 @@
 """The loss's memory in the layer costs (passes/layer_graph.py ``_loss_bytes``,
-autopar/planner/costs.py ``_loss_bytes``): hand-derived on a tiny GPT, in the liveness walk,
+autopar/planner/loss_costs.py ``loss_bytes``): hand-derived on a tiny GPT, in the liveness walk,
 and in the GPT-2 small plan whose 4 GiB devices it used to overflow.
 
 Cross-entropy on the logits [B, S, V] in float32 keeps its log-probabilities (4·B·S·V bytes

@@ -14,14 +14,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from autopar.planner import search
-from autopar.planner.costs import (
-    LOSS_BWD_PASSES,
-    LOSS_FWD_PASSES,
-    LOSS_KERNELS,
-    layer_cost,
-    on_ddp,
-)
+from autopar.planner.costs import layer_cost, on_ddp
 from autopar.planner.ilp import ClassOptions
+from autopar.planner.loss_costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES, LOSS_KERNELS
 from autopar.planner.search import Candidate, _make_plan
 from cost_models.comm import Group, all_gather_s, reduce_scatter_s
 from cost_models.errors import ConfigError

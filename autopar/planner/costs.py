@@ -76,8 +76,8 @@ Either way the freed activations come back, one layer at a time, during that lay
 backward: a transient.
 
 The loss is charged to the layer producing the model's output: one float32 copy of the
-logits kept per micro-batch, two more as a transient in its backward (``_loss_bytes``),
-and its memory-bound passes over them in forward and backward (``_loss_s``).
+logits kept per micro-batch, two more as a transient in its backward (``loss_costs.loss_bytes``),
+and its memory-bound passes over them in forward and backward (``loss_costs.loss_s``).
 
 The optimizer step is Adam's passes over the parameters a rank holds, in the kernels the
 cluster's software runs (``Cluster.optimizer``, cost_models/optimizer.py).
@@ -87,6 +87,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from autopar.planner.engine_costs import all_reduce_wait_s, engine_host_s, fsdp_copies_s
+from autopar.planner.loss_costs import loss_bytes, loss_s
 from cost_models.comm import (
     Group,
     all_gather_s,
@@ -101,7 +103,7 @@ from cost_models.hardware import Cluster, Device, Link, Overlap
 from cost_models.memory import Precision
 from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
 from cost_models.overlap import exposed_comm_s
-from passes.records import Collective, LayerInfo, SavedSplit, TPOption
+from passes.records import CAPTURE_ACTIVATION_BYTES, Collective, LayerInfo, SavedSplit, TPOption
 from runtime.plan import (
     OFFLOAD_STRATEGIES,
     RECOMPUTE,
@@ -111,21 +113,10 @@ from runtime.plan import (
     parse_option,
 )
 
-CAPTURE_ACTIVATION_BYTES = 4
-"""Capture runs in fp32: recorded floating activation sizes are scaled by precision / this."""
-
 WGRAD_FRACTION = 0.5
 """Share of backward compute that computes weight gradients: a matmul's backward is two
 matmuls of the forward's size, one for the input gradient and one for the weight gradient.
 Zero-bubble schedules run it as a separate W pass."""
-
-LOSS_SAVED_COPIES = 1
-"""Float32 copies of the logits cross-entropy saves for backward (its log-probabilities)."""
-PIPELINE_OUTPUT_COPIES = 1
-"""More kept copies under pipelining: the last stage's ``PipelineStage`` holds its output (the
-logits) in its forward cache from the micro-batch's forward to the end of its backward."""
-LOSS_BACKWARD_COPIES = 2
-"""More copies while the loss runs backward: the log-probabilities' and the logits' gradients."""
 
 HOST_LINK = Link(kind="pcie", bandwidth_GBps=25.0, latency_s=10e-6)
 """Device <-> host copies of offloaded layers: PCIe 4.0 x16, 32 GB/s per direction on
@@ -178,16 +169,16 @@ class LayerCost:
     this is all the communication the layer issues."""
     fsdp_only_s: float = 0.0
     """Per step, the part of compute_s that only FSDP2 does: its host time
-    (``_engine_host_s``) and its copies into and out of its collectives' buffers
-    (``_fsdp_copies_s``). A plan the runtime runs on DDP (search.runs_on_ddp) does neither."""
+    (``engine_costs.engine_host_s``) and its copies into and out of its collectives' buffers
+    (``engine_costs.fsdp_copies_s``). A plan the runtime runs on DDP (search.runs_on_ddp) does neither."""
     fsdp_wait_s: float = 0.0
     """Per step, the part of comm_s a replicated layer's gradient all-reduce waits under
     FSDP2 and would not under DDP: FSDP2 issues it per layer and blocks on it (a whole
-    skew each, ``_all_reduce_wait_s``; exposed where ``Overlap.exposed`` has 'fsdp'), DDP
+    skew each, ``engine_costs.all_reduce_wait_s``; exposed where ``Overlap.exposed`` has 'fsdp'), DDP
     waits once per bucket and overlaps its buckets by the 'dp' pattern. A plan run on DDP
     does not pay it (negative where DDP would hide less)."""
     loss_buffer_bytes: float = 0.0
-    """Part of buffer_bytes that is the loss's backward (``_loss_bytes``), on the layer
+    """Part of buffer_bytes that is the loss's backward (``loss_costs.loss_bytes``), on the layer
     producing the model's output: alive in its backward only (planner/liveness.py)."""
     gathered_bytes: float = 0.0
     """FSDP2's unsharded copy of parameters that also stay resident, alive from the layer's
@@ -329,7 +320,7 @@ def layer_cost(
     bwd_short = short * layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
     fwd_matmul = roofline_s(fwd_flops + short, mem, layer.num_ops, device, dtype)
     fwd_alone = roofline_s(0.0, alone, 0, device, dtype)
-    loss_fwd, loss_bwd = _loss_s(layer, dp * m, prec, device)
+    loss_fwd, loss_bwd = loss_s(layer, dp * m, prec, device)
     fwd_compute = fwd_matmul + fwd_alone + loss_fwd
     bwd_compute = (roofline_s(layer.bwd_flops * ratio + bwd_short, 2 * mem, 2 * layer.num_ops,
                               device, dtype)
@@ -340,7 +331,7 @@ def layer_cost(
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     activations, rematerialized, recompute_s, recompute_comm = _activations(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
-    loss_kept, loss_transient = _loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
+    loss_kept, loss_transient = loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
     host = _offload_s(local_params, layer.param_tensors, prec, device) if offload else (
         0.0, 0.0, 0.0)
@@ -350,8 +341,8 @@ def layer_cost(
     else:
         optimizer = optimizer_step_s(local_params, layer.param_tensors, cluster.adam_kernels,
                                      device)
-    engine_micro, engine_step = _engine_host_s(layer, is_tp, sp, cluster)
-    copies_micro, copies_step = _fsdp_copies_s(strategy, m, mesh.pp > 1, tp_params, shards,
+    engine_micro, engine_step = engine_host_s(layer, is_tp, sp, cluster)
+    copies_micro, copies_step = fsdp_copies_s(strategy, m, mesh.pp > 1, tp_params, shards,
                                                prec, device)
     engine_micro += copies_micro
     optimizer += engine_step + copies_step
@@ -363,7 +354,7 @@ def layer_cost(
     hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, **windows)
     per_micro_comm = (tp_fwd + tp_bwd + recompute_comm + 2 * dp_comm.gather_per_micro
                       + dp_comm.reduce_per_micro + host_per_micro - hidden.fwd - hidden.bwd)
-    wait, ddp_saving = _all_reduce_wait_s(strategy, mesh, cluster, prec, tp_params)
+    wait, ddp_saving = all_reduce_wait_s(strategy, mesh, cluster, prec, tp_params)
     if strategy == "replicate":  # DDP's buckets may hide more than FSDP2's reduction
         ddp_saving += _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, ddp=True,
                                      **windows).step - hidden.step
@@ -502,123 +493,6 @@ def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: in
     return min(checkpoint, kept), kept, matmul_s + alone_s, tp_fwd
 
 
-def _loss_bytes(layer: LayerInfo, batch_shards: int, *, pipelined: bool = False
-                ) -> tuple[float, float]:
-    """(kept, transient) bytes of the loss on the layer producing the model's output, for
-    one micro-batch (``LayerInfo.loss_bytes``: the float32 logits at the captured batch).
-
-    Cross-entropy keeps its float32 log-probabilities, one copy of the logits, from its
-    forward to its backward, which then holds their gradient and the logits' gradient too:
-    two more copies, a transient (the loss's backward; the layer's own backward then holds
-    the logits' gradient, one copy, in the place of the log-probabilities). Under
-    pipelining the last stage also keeps the logits themselves until the micro-batch's
-    backward ends (PIPELINE_OUTPUT_COPIES). Recomputation cannot free the kept copies (the
-    loss runs outside the layer's checkpoint). The logits split with the batch shards
-    (dp · m · cp); under TP they are whole on every rank: a lone Linear's ``colwise_gather``
-    gathers its output (runtime/tensor_parallel.py), and a block's rowwise output is
-    all-reduced, or gathered at the model's end under SP.
-    """
-    per_micro = layer.loss_bytes / batch_shards
-    kept = LOSS_SAVED_COPIES + (PIPELINE_OUTPUT_COPIES if pipelined else 0)
-    return kept * per_micro, LOSS_BACKWARD_COPIES * per_micro
-
-
-def _all_reduce_wait_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
-                       tp_params: float) -> tuple[float, float]:
-    """(Skew a replicated layer's gradient all-reduce waits per step, the part of it a plan
-    run on DDP does not wait). FSDP2 issues the all-reduce per layer and blocks on each;
-    DDP reduces gradients in buckets of ``Overlap.ddp_bucket_bytes`` and waits once per
-    bucket, so a layer waits its share of one skew. Exposed: a wait hides behind nothing."""
-    group = mesh.replicas if strategy == "tp" else mesh.replicas * mesh.tp
-    if strategy not in ("replicate", "tp") or group == 1 or not tp_params:
-        return 0.0, 0.0
-    skew = cluster.device.collective_skew_s
-    if strategy == "tp":  # TP layers never run on DDP
-        return skew, 0.0
-    share = min(1.0, tp_params * prec.grad_bytes / cluster.overlap.ddp_bucket_bytes)
-    return skew, (1 - share) * skew
-
-
-FSDP_COPY_KERNELS = 2
-"""Kernels of one FSDP2 collective's copies: into its buffer, and out of it."""
-
-
-def _fsdp_copies_s(strategy: str, m: int, pipelined: bool, tp_params: float, shards: int,
-                   prec: Precision, device: Device) -> tuple[float, float]:
-    """(Per micro-batch, per step) seconds of FSDP2's copies around its collectives
-    (torch.distributed.fsdp: ``foreach_all_gather`` copies this rank's shards into one
-    buffer, ``foreach_all_gather_copy_out`` the gathered buffer out into each unsharded
-    parameter; ``foreach_reduce`` copies the unsharded gradients into one buffer and the
-    reduced shard into each sharded gradient): 2P/N + 2P bytes read and written per
-    all-gather, 2G + 2G/N per reduce-scatter, at the memory-bound kernels' bandwidth. How
-    often each runs follows runtime/data_parallel.py: replicated layers (replicate, tp; a
-    one-rank shard) gather before each micro-batch's forward and reduce at the step's end,
-    zero1 gathers and reduces once, zero2 gathers once and reduces every micro-batch,
-    fsdp/hsdp/tp_fsdp gather for forward and again for backward; pipelines keep every
-    layer gathered and reduce once."""
-    if not tp_params:
-        return 0.0, 0.0  # FSDP2 groups no parameters: no collectives, no copies
-    p = tp_params * prec.param_bytes
-    g = tp_params * prec.grad_bytes
-    gather = roofline_s(0.0, 2 * p / shards + 2 * p, FSDP_COPY_KERNELS, device, prec.compute_dtype)
-    scatter = roofline_s(0.0, 2 * g + 2 * g / shards, FSDP_COPY_KERNELS, device,
-                         prec.compute_dtype)
-    if pipelined or strategy == "zero1":
-        return 0.0, gather + scatter
-    if strategy in ("replicate", "tp"):
-        return gather, scatter
-    if strategy == "zero2":
-        return scatter, gather
-    return 2 * gather + scatter, 0.0
-
-
-def _engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster
-                   ) -> tuple[float, float]:
-    """(Per micro-batch, per step) host time the parallel engines add to this layer on a
-    device whose host work does not hide behind its kernels (CPU ranks; ``Device``'s
-    overheads are 0 elsewhere). Every layer outside a DDP plan runs under FSDP2
-    (runtime/data_parallel.py): its hooks each micro-batch, and DTensor's dispatch of each
-    of the optimizer's ops on its parameters (FSDP2 keeps them as DTensors). A
-    tensor-parallel layer's modules add their DTensor hooks and dispatch."""
-    device, adam = cluster.device, cluster.adam_kernels
-    per_micro = device.fsdp_overhead_s
-    if is_tp:
-        assert layer.tp is not None
-        styles = layer.tp.sp_styles if sp and layer.tp.sp_styles else layer.tp.styles
-        per_micro += len(styles) * device.tp_overhead_s
-    ops = adam.kernels * (layer.param_tensors if adam.per_tensor else 1)
-    per_step = ops * device.dtensor_op_overhead_s if layer.param_tensors else 0.0
-    return per_micro, per_step
-
-
-LOSS_FWD_PASSES = 2
-"""Float32 logits-sized tensors cross-entropy's forward reads or writes: log-softmax reads
-the logits and writes the log-probabilities (the target gather is one element a row)."""
-LOSS_BWD_PASSES = 4
-"""And its backward: the log-probabilities' gradient is written (zeros, one element a row
-scattered), then log-softmax's backward reads it and the log-probabilities and writes the
-logits' gradient."""
-LOSS_KERNELS = 2
-"""Kernels each way: log-softmax and the target gather (forward), their backwards."""
-
-
-def _loss_s(layer: LayerInfo, batch_shards: int, prec: Precision, device: Device
-            ) -> tuple[float, float]:
-    """(forward, backward) seconds of the loss on the layer producing the model's output,
-    one micro-batch: memory-bound passes over the float32 logits (``_loss_bytes``), plus
-    the cast up to float32 and the gradient's cast back when the plan computes in lower
-    precision (runtime/precision.py): read the low-precision tensor, write the other."""
-    if not layer.loss_bytes:
-        return 0.0, 0.0
-    logits = layer.loss_bytes / batch_shards
-    low = prec.activation_bytes / CAPTURE_ACTIVATION_BYTES
-    cast = 0.0 if low >= 1 else (1 + low) * logits
-    dtype = prec.compute_dtype
-    fwd = roofline_s(0.0, LOSS_FWD_PASSES * logits + cast, LOSS_KERNELS, device, dtype)
-    bwd = roofline_s(0.0, LOSS_BWD_PASSES * logits + cast, LOSS_KERNELS, device, dtype)
-    return fwd, bwd
-
-
 def _sharded_saved(option: TPOption) -> SavedSplit:
     """The TP-sharded saved bytes by kind (all floating when the capture did not split them)."""
     return option.sharded_saved or SavedSplit(floating=option.sharded_saved_bytes)
@@ -697,7 +571,7 @@ def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
                tp_params: float, shards: int) -> _DPComm:
     """Each gather and reduce-scatter with its skew (``Device.collective_skew_s``): every
     rank waits for the others at each. A replicated gradient's all-reduce waits once per
-    layer (``_all_reduce_wait_s``)."""
+    layer (``engine_costs.all_reduce_wait_s``)."""
     dp, tp = mesh.replicas, mesh.tp
     group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
     params = tp_params * prec.param_bytes

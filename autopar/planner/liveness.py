@@ -32,7 +32,7 @@ runtime/pipeline.py):
    the weight matmuls); a layer's backward still holds its own while its gradient appears.
    The layer producing the model's output counts the loss's among them: cross-entropy's
    float32 log-probabilities, one copy of the logits (and under pipelining the logits the
-   last stage keeps, costs._loss_bytes).
+   last stage keeps, loss_costs.loss_bytes).
 6. A layer's transient buffer (``LayerCost.buffer_bytes``: FSDP's gathered layer with the
    next one prefetched, an unsharded gradient before its reduce-scatter, the activations
    recomputation brings back, ring-attention blocks, the loss's two float32 gradient
