@@ -14,7 +14,7 @@ from runtime.plan import Mesh
 
 
 def all_reduce_wait_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
-                       tp_params: float) -> tuple[float, float]:
+                      tp_params: float) -> tuple[float, float]:
     """(Skew a replicated layer's gradient all-reduce waits per step, the part of it a plan
     run on DDP does not wait). FSDP2 issues the all-reduce per layer and blocks on each;
     DDP reduces gradients in buckets of ``Overlap.ddp_bucket_bytes`` and waits once per
@@ -34,7 +34,7 @@ FSDP_COPY_KERNELS = 2
 
 
 def fsdp_copies_s(strategy: str, m: int, pipelined: bool, tp_params: float, shards: int,
-                   prec: Precision, device: Device) -> tuple[float, float]:
+                  prec: Precision, device: Device) -> tuple[float, float]:
     """(Per micro-batch, per step) seconds of FSDP2's copies around its collectives
     (torch.distributed.fsdp: ``foreach_all_gather`` copies this rank's shards into one
     buffer, ``foreach_all_gather_copy_out`` the gathered buffer out into each unsharded
@@ -63,7 +63,7 @@ def fsdp_copies_s(strategy: str, m: int, pipelined: bool, tp_params: float, shar
 
 
 def engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster
-                   ) -> tuple[float, float]:
+                  ) -> tuple[float, float]:
     """(Per micro-batch, per step) host time the parallel engines add to this layer on a
     device whose host work does not hide behind its kernels (CPU ranks; ``Device``'s
     overheads are 0 elsewhere). Every layer outside a DDP plan runs under FSDP2

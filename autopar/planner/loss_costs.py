@@ -20,7 +20,7 @@ LOSS_BACKWARD_COPIES = 2
 
 
 def loss_bytes(layer: LayerInfo, batch_shards: int, *, pipelined: bool = False
-                ) -> tuple[float, float]:
+               ) -> tuple[float, float]:
     """(kept, transient) bytes of the loss on the layer producing the model's output, for
     one micro-batch (``LayerInfo.loss_bytes``: the float32 logits at the captured batch).
 
@@ -52,7 +52,7 @@ LOSS_KERNELS = 2
 
 
 def loss_s(layer: LayerInfo, batch_shards: int, prec: Precision, device: Device
-            ) -> tuple[float, float]:
+           ) -> tuple[float, float]:
     """(forward, backward) seconds of the loss on the layer producing the model's output,
     one micro-batch: memory-bound passes over the float32 logits (``loss_bytes``), plus
     the cast up to float32 and the gradient's cast back when the plan computes in lower
