@@ -276,7 +276,7 @@ def test_quick_calibration_measures_the_work_beside_gemms_and_the_host_overheads
     # host time on the ranks' cores.
     assert cluster.optimizer == "adamw-for-loop"
     assert d.fsdp_overhead_s > 0 and d.tp_overhead_s > 0 and d.dtensor_op_overhead_s > 0
-    assert d.collective_skew_s >= 0
+    assert "collective_skew_us = " in path.read_text()  # measured (0 when no rank waits)
     assert "host overheads: FSDP2" in printed and "harmonic mean" in printed
     assert "causal attention float32 (batch x heads, seq, head dim) = (4, 64, 16)" in printed
 

@@ -193,6 +193,6 @@ def test_gpt2_small_4gib_plan_charges_the_logits_and_fits(gpt2_4gib):
     # With the terms the costs still lack (AdamW's temporaries, DDP's second copy) the
     # step still fits the device.
     full = step_liveness(costs, names, microbatches=m, ddp=ddp, uncosted=uncosted_terms(
-        costs, prec, foreach=uses_foreach(cluster.device.name))).peak
+        costs, prec, foreach=uses_foreach(cluster))).peak
     assert full.total_bytes <= cluster.device.memory_bytes
     assert walk.total_bytes <= ilp_sum(costs)

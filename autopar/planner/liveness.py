@@ -77,6 +77,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from autopar.planner.costs import LayerCost
+from cost_models.hardware import Cluster
 
 OPTIMIZER_EVENT = "optimizer step"
 FP32_BYTES = 4
@@ -251,11 +252,10 @@ def optimizer_temporary_bytes(costs: Sequence[LayerCost], optimizer_bytes_per_pa
     return sum(fp32) if foreach else 2 * max(fp32, default=0.0)
 
 
-def uses_foreach(device_name: str) -> bool:
-    """Whether torch's AdamW default takes the foreach kernels on this device: on CUDA, not
-    on the CPU processes of a local cluster (cost_models.hardware.Cluster.local and
-    ``autopar calibrate`` name those 'cpu-process')."""
-    return device_name != "cpu-process"
+def uses_foreach(cluster: Cluster) -> bool:
+    """Whether the cluster's optimizer takes torch's foreach kernels (``Cluster.optimizer``:
+    torch's AdamW does on CUDA tensors, and steps CPU tensors one at a time)."""
+    return cluster.optimizer == "adamw-foreach"
 
 
 def uncosted_terms(costs: Sequence[LayerCost], prec, *, foreach: bool) -> Uncosted:

@@ -308,13 +308,13 @@ def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candi
                options: list[ClassOptions], report: SolverReport) -> Plan:
     costs = assign_layers(graph, cand.choice, options)
     ddp = runs_on_ddp(costs, prec, cand.mesh)
+    if ddp:  # priced as FSDP2 runs replicate layers, unless they came from ddp_programs
+        costs = [on_ddp(c) for c in costs]
     memory = plan_memory(costs, cluster.memory_margin_fraction,
                          names=[layer.name for layer in graph.layers], ddp=ddp)
     assert memory.total_bytes <= cluster.device.memory_bytes, "the ILP's memory row was violated"
-    # The layer costs price FSDP2's host time, copies and per-layer waits, which a plan run
-    # on DDP does not pay.
-    compute = sum(c.compute_s - (c.fsdp_only_s if ddp else 0.0) for c in costs)
-    comm = sum(c.comm_s - (c.fsdp_wait_s if ddp else 0.0) for c in costs)
+    compute = sum(c.compute_s for c in costs)
+    comm = sum(c.comm_s for c in costs)
     prediction = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
                             memory=memory, capacity_bytes=cluster.device.memory_bytes,
                             source=cluster.provenance)
