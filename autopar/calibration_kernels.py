@@ -44,7 +44,8 @@ def linear_op(n: int, dtype: torch.dtype, device: torch.device | str
     """(GEMMs per call, the call): an n → n Linear's forward and backward on n tokens,
     y = x·Wᵀ, dX = dY·W and dW = dYᵀ·x, each an n × n × n GEMM. Timed as training runs
     them (transposed operands, fresh outputs and gradients, autograd between them): on a
-    CPU rank that is 15-25% below a bare square ``torch.mm`` of the same size."""
+    CPU rank 2-4% below a bare square ``torch.mm`` at n = 1024 and more at small n
+    (bench/cost_fidelity.py's cross-check; BENCHMARKS.md)."""
     x = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
     weight = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn(n, n, device=device, dtype=dtype)

@@ -411,7 +411,7 @@ def _sustained(timer: Callable, op: Callable[[], object], settings: Settings,
     ranks every rank starts each window together and runs ops until the window's time is
     up, so all stop within one op of each other: with the same count of ops instead, the
     ranks that finish first leave the last one running alone, and it reads its window
-    8-10% faster than it sustains (bench/cost_fidelity.py's 2 s cross-check). GPUs share
+    faster than it sustains (bench/cost_fidelity.py's 2 s cross-check). GPUs share
     nothing, and their ops are timed by CUDA events: the same count on every rank.
     """
     if timer is _cuda_timer:

@@ -205,7 +205,8 @@ def measure_job(plan_jsons: list[str], steps: int, warmup: int) -> list:
     tensor bytes over one step; the categories at that peak)."""
     torch.set_num_threads(THREADS)
     spec = get_model(MODEL).with_config(**CONFIG)
-    out: list[tuple] = [sustained_gemm_flops(*SUSTAINED_GEMM)]
+    out: list[tuple] = [(sustained_gemm_flops(*SUSTAINED_GEMM),
+                         sustained_gemm_flops(*SUSTAINED_GEMM, linear=False))]
     for text in plan_jsons:
         plan = Plan.from_json(text)
         trainer = make_trainer(build_model(seed=0), plan, spec.loss_fn,
@@ -218,12 +219,17 @@ def measure_job(plan_jsons: list[str], steps: int, warmup: int) -> list:
     return out
 
 
-def sustained_gemm_flops(n: int, seconds: float) -> float:
+def sustained_gemm_flops(n: int, seconds: float, *, linear: bool = True) -> float:
     """FLOP/s of this rank running an n → n float32 Linear's forward and backward on n
     tokens (the calibration's GEMM) back to back for ``seconds`` while every rank does the
     same: the share of the machine a rank gets when all compute, which is what the
-    calibration's per-rank GEMM rate stands for (measured)."""
-    gemms, op = linear_op(n, torch.float32, "cpu")
+    calibration's per-rank GEMM rate stands for (measured). ``linear`` False: a bare
+    n × n ``torch.mm`` instead, what the calibration timed before."""
+    if linear:
+        gemms, op = linear_op(n, torch.float32, "cpu")
+    else:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        gemms, op = 1, lambda: torch.mm(a, b)
     op()
     dist.barrier()
     start, count = time.perf_counter(), 0
@@ -343,7 +349,8 @@ def main() -> None:
     planned = [(case, *make_plan(graph, cluster, case)) for case in CASES]
     per_rank = spawn(measure_job, args.nproc, [p.to_json() for _, p, _ in planned],
                      args.steps, args.warmup, timeout_s=1200)
-    sustained = min(r[0] for r in per_rank)
+    sustained = min(r[0][0] for r in per_rank)
+    bare = min(r[0][1] for r in per_rank)
     rows = []
     for i, (case, plan, pred) in enumerate(planned):
         results = [r[i + 1] for r in per_rank]
@@ -365,7 +372,7 @@ def main() -> None:
           f"{d.collective_skew_s * 1e6:.0f} us")
     print(f"  cross-check: float32 Linear {SUSTAINED_GEMM[0]} forward + backward, every rank for "
           f"{SUSTAINED_GEMM[1]:.0f} s at once: {sustained / 1e9:.1f} GFLOP/s per rank "
-          "(slowest rank; measured)")
+          f"(slowest rank; measured); a bare torch.mm of that size: {bare / 1e9:.1f}")
     for kind, fit in cluster.collective_links.items():
         print(f"  {kind} link (its own fit, used for it): "
               f"{fit.bandwidth_GBps:.3f} GB/s + {fit.latency_s * 1e6:.0f} us")
