@@ -4,8 +4,8 @@ One launch of ``nproc`` local ranks (gloo on CPU; NCCL with CUDA events on GPUs)
 in order: GEMM throughput by size and dtype — an n → n Linear's forward and backward on n
 tokens, its three GEMMs as training runs them — with *every rank running at once* (on a
 shared CPU that is what one rank gets during training), a mix of memory-bound kernels
-(memory bandwidth) and causal fused attention (its rate against the GEMMs'), both in
-windows like the GEMMs (``autopar.calibration_kernels``); on CPU ranks the host time of
+(memory bandwidth), causal fused attention (its rate against the GEMMs') and cross-entropy
+over float32 logits (its rate against the memory-bound mix's), all in windows like the GEMMs (``autopar.calibration_kernels``); on CPU ranks the host time of
 FSDP2, TP and DTensor and the skew of a collective after compute; the smallest op (kernel
 floor), then all_reduce / all_gather by message size and a send/recv ping-pong between
 ranks 0 and 1, then the overlap slowdown σ of each pattern of
@@ -35,6 +35,7 @@ from autopar.calibration_measure import (
     OVERLAP_PATTERNS,
     AttentionTiming,
     HostTiming,
+    LossTiming,
     Measurements,
     OverlapSample,
     Settings,
@@ -160,6 +161,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     peaks = {d: c.asymptote_flops / eff for d, c in curves.items()}
     bandwidth = kernel_mix_bandwidth_GBps(*zip(*m.memory_kernels.values(), strict=True))
     attention = _attention_efficiency(m.attention, curves)
+    loss = _loss_efficiency(m.loss, bandwidth)
     link = fits["all_reduce"]
     gpu = m.backend == "nccl"
     memory = (torch.cuda.get_device_properties(0).total_memory if gpu
@@ -171,6 +173,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
               f"memory-bound kernel mix ({len(m.memory_kernels)}); "
               + (f"{m.attention.dtype} causal attention {_shape(m.attention.shape)}; "
                  if attention is not None else "")
+              + (f"cross-entropy {_loss_shape(m.loss.shape)}; " if loss is not None else "")
               + f"all_reduce/all_gather/send-recv "
               f"{_size(sizes[0])}..{_size(sizes[-1])}; link fitted on all_reduce"
               + (f"; overlap slowdown measured ({', '.join(overlap)}) on float32 GEMM "
@@ -189,7 +192,9 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         "# written over time ([extra.memory]: copy, add, GELU, layer norm, softmax, AdamW's",
         "# lerp_ and addcdiv_), all ranks at once. attention_efficiency: causal",
         "# F.scaled_dot_product_attention forward + backward ([extra.attention]), FLOPs counted",
-        "# as the planner does, over the same dtype's fitted large-GEMM rate.",
+        "# as the planner does, over the same dtype's fitted large-GEMM rate. loss_efficiency:",
+        "# F.cross_entropy forward + backward on float32 logits ([extra.loss]), bytes counted as",
+        "# the planner counts its passes over the logits, over memory_bandwidth_GBps.",
         "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
         "# inter_node repeats it (one machine: no network was measured). [collective_links]:",
         "# all_gather and send/recv on their own fits inside the node (gloo's all_gather is not",
@@ -212,6 +217,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"matmul_efficiency = {eff:.4f}",
         f"kernel_floor_us = {m.floor_s * 1e6:.3f}",
         *([f"attention_efficiency = {attention:.4g}"] if attention is not None else []),
+        *([f"loss_efficiency = {loss:.4g}"] if loss is not None else []),
         *_host_lines(m.host),
         "",
         "[device.peak_tflops]",
@@ -240,6 +246,9 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         a = m.attention
         lines += ["", "[extra.attention]", f'dtype = "{a.dtype}"', f"shape = {list(a.shape)}",
                   f"tflops = {a.flops / a.seconds / 1e12:.4g}"]
+    if loss is not None:
+        lines += ["", "[extra.loss]", f"shape = {list(m.loss.shape)}",
+                  f"GBps = {m.loss.bytes / m.loss.seconds / 1e9:.4g}"]
     for dtype, times in m.gemm_s.items():
         lines += ["", f"[extra.gemm.{dtype}]", f"sizes = {list(times)}",
                   f"tflops = [{', '.join(f'{2 * n**3 / t / 1e12:.4g}' for n, t in times.items())}]"]
@@ -320,6 +329,14 @@ def _attention_efficiency(timing: AttentionTiming | None, curves: dict[str, Gemm
     return timing.flops / timing.seconds / curves[timing.dtype].asymptote_flops
 
 
+def _loss_efficiency(timing: LossTiming | None, bandwidth_GBps: float) -> float | None:
+    """Cross-entropy's counted bytes per second over the memory-bound mix's bandwidth,
+    within the range a profile accepts (``Device.loss_efficiency``)."""
+    if timing is None:
+        return None
+    return min(10.0, timing.bytes / timing.seconds / (bandwidth_GBps * 1e9))
+
+
 def _efficiency(curve: GemmCurve | None, times: dict[int, float]) -> float:
     """R∞ over the peak, where peak := the larger of R∞ and the best rate measured."""
     if curve is None:
@@ -379,6 +396,9 @@ def format_table(cal: Calibration) -> str:
         a = m.attention
         lines.append(f"causal attention {a.dtype} {_shape(a.shape)}, forward + backward: "
                      f"{a.flops / a.seconds / 1e9:.1f} GFLOP/s counted")
+    if m.loss is not None:
+        lines.append(f"cross-entropy float32 {_loss_shape(m.loss.shape)}, forward + backward: "
+                     f"{m.loss.bytes / m.loss.seconds / 1e9:.2f} GB/s counted")
     if cal.overlap:
         lines += ["", f"{'overlap':<11} {'sigma':>6} {'pairs min..max':>15} "
                       f"{'compute alone ms':>17} {'beside ms':>10} {'comm ms':>8}"]
@@ -397,6 +417,10 @@ def _size(nbytes: int) -> str:
 
 def _shape(shape: tuple[int, int, int]) -> str:
     return "(batch x heads, seq, head dim) = ({}, {}, {})".format(*shape)
+
+
+def _loss_shape(shape: tuple[int, int]) -> str:
+    return "(tokens, vocabulary) = ({}, {})".format(*shape)
 
 
 def _bare(host: str) -> str:

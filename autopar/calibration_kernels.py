@@ -16,6 +16,12 @@ backward, with FLOPs counted as the planner counts them (FlopCounterMode: 4·b·
 forward whether causal or not, backward twice that), so the measured rate over the GEMM
 rate is ``Device.attention_efficiency`` as the cost model applies it.
 
+The loss (``loss_op``): cross-entropy over float32 logits, forward and backward, with bytes
+counted as the planner counts its passes (``autopar.planner.loss_costs``), so the measured
+rate over the memory-bound mix's is ``Device.loss_efficiency`` as the cost model applies it.
+On a CPU log-softmax's exp and row reductions run below the mix; the rate also depends on
+the vocabulary (a row's length).
+
 Host overheads (``host_overhead_ops``): on CPU ranks the parallel engines' own work —
 FSDP2's hooks, copies and allocations around each module, DTensor's dispatch of every op
 on a sharded tensor — runs on the same core as the kernels, so it adds to the step. (On a
@@ -34,6 +40,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from autopar.planner.loss_costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES
 
 ROW = 1024
 """Elements per row of the memory-bound kernels' tensors (a hidden size)."""
@@ -89,6 +97,20 @@ def attention_op(shape: tuple[int, int, int], dtype: torch.dtype, device: torch.
 
     forward = 4.0 * heads * seq * seq * dim
     return 3 * forward, forward_backward
+
+
+def loss_op(shape: tuple[int, int], device: torch.device | str
+            ) -> tuple[float, Callable[[], object]]:
+    """(Counted bytes of forward + backward, the call) of ``F.cross_entropy`` on float32
+    logits of ``shape`` = (tokens, vocabulary), as the zoo's models call it."""
+    tokens, vocab = shape
+    logits = torch.randn(tokens, vocab, device=device, requires_grad=True)
+    targets = torch.randint(0, vocab, (tokens,), device=device)
+
+    def forward_backward() -> None:
+        torch.autograd.backward(F.cross_entropy(logits, targets), inputs=[logits])
+
+    return (LOSS_FWD_PASSES + LOSS_BWD_PASSES) * float(logits.nbytes), forward_backward
 
 
 # -- host overheads of the parallel engines (CPU ranks) --------------------------------------

@@ -21,6 +21,7 @@ from autopar.calibration_kernels import (
     attention_op,
     host_overhead_ops,
     linear_op,
+    loss_op,
     memory_kernels,
 )
 from cost_models.calibrate import CalibrationError, fit_overlap_slowdown
@@ -52,6 +53,9 @@ class Settings:
     attention_shape: tuple[int, int, int] = (8, 512, 64)
     """Fused attention's (batch × heads, sequence, head dim): its rate depends on the shape
     (on CPU it doubles from head dim 32 to 128); pass the model's own for its planning."""
+    loss_shape: tuple[int, int] = (2048, 8192)
+    """Cross-entropy's (tokens, vocabulary) of float32 logits: on CPU its rate depends on
+    the vocabulary; pass the model's own (tokens per rank and micro-batch) for its planning."""
     message_bytes: tuple[int, ...] = tuple(4 * KiB * 4**i for i in range(7))  # 4 KiB … 16 MiB
     warmup: int = 2
     repeats: int = 7
@@ -75,7 +79,7 @@ class Settings:
     @classmethod
     def quick(cls) -> Settings:
         return cls(gemm_sizes=(128, 256, 512), dtypes=("float32",), attention_shape=(4, 128, 32),
-                   message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
+                   loss_shape=(256, 1024), message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
                    warmup=1, repeats=5, gemm_window_s=0.05, overlap_gemm_size=512,
                    timeout_s=60)
 
@@ -94,6 +98,7 @@ class Measurements:
     """Per memory-bound kernel (``calibration_kernels.memory_kernels``): (bytes read + written,
     seconds) per call."""
     attention: AttentionTiming | None = None
+    loss: LossTiming | None = None
     host: HostTiming | None = None
     """Host overheads, measured on CPU ranks only (GPUs hide them behind kernels)."""
     floor_s: float = 0.0
@@ -111,6 +116,16 @@ class AttentionTiming:
     shape: tuple[int, int, int]
     flops: float
     """Counted as the planner counts them (``calibration_kernels.attention_op``)."""
+    seconds: float
+
+
+@dataclass(frozen=True)
+class LossTiming:
+    """Cross-entropy over float32 logits, forward + backward, on the slowest rank."""
+
+    shape: tuple[int, int]
+    bytes: float
+    """Counted as the planner counts its passes (``calibration_kernels.loss_op``)."""
     seconds: float
 
 
@@ -172,6 +187,9 @@ def measure_rank(settings: Settings, backend: str) -> Measurements:
         m.memory_kernels[name] = (moved, statistics.median(_sustained(timer, op, settings,
                                                                       device)))
     m.attention = _measure_attention(settings, backend, device, timer, m)
+    moved, op = loss_op(settings.loss_shape, device)
+    m.loss = LossTiming(shape=settings.loss_shape, bytes=moved,
+                        seconds=statistics.median(_sustained(timer, op, settings, device)))
     if backend == "gloo":
         m.host = _measure_host(settings, device, timer)
     one = torch.ones(1, device=device)
@@ -495,6 +513,8 @@ def slowest(per_rank: list[Measurements], backend: str, nproc: int) -> Measureme
                           for k, (moved, _) in first.memory_kernels.items()}
     if first.attention is not None:
         out.attention = max((r.attention for r in per_rank), key=lambda a: a.seconds)
+    if first.loss is not None:
+        out.loss = max((r.loss for r in per_rank), key=lambda a: a.seconds)
     if first.host is not None:
         out.host = HostTiming(**{k: max(getattr(r.host, k) for r in per_rank)
                                  for k in ("fsdp_s", "tp_s", "dtensor_op_s", "skew_s")},

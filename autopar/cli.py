@@ -84,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--attention-shape", type=attention_shape, metavar="BH,SEQ,DIM",
                    help="fused attention's batch x heads, sequence and head dim to time "
                         "(default 8,512,64; give your model's: its rate depends on the shape)")
+    c.add_argument("--loss-shape", type=loss_shape, metavar="TOKENS,VOCAB",
+                   help="cross-entropy's tokens (per rank and micro-batch) and vocabulary to "
+                        "time (default 2048,8192; give your model's: on CPU its rate depends "
+                        "on the vocabulary)")
     c.set_defaults(handler=cmd_calibrate)
     return parser
 
@@ -106,6 +110,15 @@ def attention_shape(text: str) -> tuple[int, int, int]:
             f"got {text!r}")
     heads, seq, dim = (positive_int(p.strip()) for p in parts)
     return heads, seq, dim
+
+
+def loss_shape(text: str) -> tuple[int, int]:
+    parts = text.split(",")
+    if len(parts) != 2:
+        raise argparse.ArgumentTypeError(
+            f"expected tokens and vocabulary as two integers like 2048,8192; got {text!r}")
+    tokens, vocab = (positive_int(p.strip()) for p in parts)
+    return tokens, vocab
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -165,6 +178,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     settings = Settings.quick() if args.quick else Settings()
     if args.attention_shape:
         settings = replace(settings, attention_shape=args.attention_shape)
+    if args.loss_shape:
+        settings = replace(settings, loss_shape=args.loss_shape)
     cal = calibrate(args.nproc, backend=args.backend, settings=settings)
     print(format_table(cal))
     cluster = write_profile(cal, args.out, force=args.force)

@@ -8,7 +8,7 @@
    ``CALIBRATION``) on ``--nproc`` gloo ranks with one intra-op thread each, as the training runs
    below use; the profile goes to a temp file and ``Cluster.from_toml`` loads it, so the
    predictions use this machine's GEMM curve, memory-bound kernel bandwidth, fused
-   attention rate, kernel floor, host overheads of FSDP2/TP/DTensor, collective skew,
+   attention and cross-entropy rates, kernel floor, host overheads of FSDP2/TP/DTensor, collective skew,
    overlap slowdowns and per-collective α-β. ``--profile`` loads an existing profile
    instead.
 2. Plan: a small GPT (``MODEL`` with ``CONFIG``) is captured into the planner's layer graph;
@@ -80,13 +80,15 @@ KiB = 1024
 CALIBRATION = Settings(gemm_sizes=(256, 512, 1024), dtypes=("float32",),
                        attention_shape=(BATCH // 4 * CONFIG["n_head"], SEQ,
                                         CONFIG["n_embd"] // CONFIG["n_head"]),
+                       loss_shape=(BATCH // 4 * SEQ, CONFIG["vocab_size"]),
                        message_bytes=tuple(4 * KiB * 4**i for i in range(7)), warmup=2,
                        repeats=5, timeout_s=120)
 """``autopar calibrate``'s defaults less bfloat16 (not used here) and the 2048 GEMM (time);
 GEMMs up to 1024 and messages up to 16 MiB cover this model's (its MLP GEMMs have a 1024
 dimension, the DP gradient all_reduce is 16 MiB), which ``Settings.quick()`` does not.
 Attention is timed at the model's shape on a DP rank: 4 samples × 8 heads, seq 128, head
-dim 32 (what a user calibrating for their model passes)."""
+dim 32; cross-entropy too: 512 tokens × 2048 words (what a user calibrating for their model
+passes)."""
 SUSTAINED_GEMM = (1024, 2.0)
 """(n, seconds): a cross-check of the calibrated GEMM rate, every rank running an n → n
 Linear's forward and backward back to back for that long at once (``sustained_gemm_flops``)."""
@@ -365,7 +367,8 @@ def main() -> None:
     print(f"  float32 peak x eff {d.peak('float32') * d.matmul_efficiency / 1e9:.1f} GFLOP/s, "
           f"half_dim {d.half_dim('float32'):.0f}, memory {d.memory_bandwidth_GBps:.2f} GB/s, "
           f"kernel floor {d.kernel_floor_s * 1e6:.1f} us, attention at "
-          f"{d.attention_efficiency:.2f}x the GEMM rate, link {link.bandwidth_GBps:.3f} GB/s "
+          f"{d.attention_efficiency:.2f}x the GEMM rate, loss at {d.loss_efficiency:.2f}x the "
+          f"memory bandwidth, link {link.bandwidth_GBps:.3f} GB/s "
           f"+ {link.latency_s * 1e6:.0f} us (all_reduce fit)")
     print(f"  host: FSDP2 {d.fsdp_overhead_s * 1e6:.0f} us and TP {d.tp_overhead_s * 1e6:.0f} us per "
           f"module, DTensor {d.dtensor_op_overhead_s * 1e6:.0f} us per op; collective skew "

@@ -91,6 +91,12 @@ class Device:
     forward whether causal or not, backward twice that): below 1 where its kernels are
     slower than GEMMs (CPU flash attention at small head dims), above 1 where a causal kernel
     skips the masked half. ``autopar calibrate`` measures it; 1 until then."""
+    loss_efficiency: float = 1.0
+    """Cross-entropy's rate over the float32 logits (log-softmax and the target gather,
+    forward and backward, bytes counted as ``autopar.planner.loss_costs`` counts its passes)
+    as a fraction of ``memory_bandwidth_GBps``: below 1 where log-softmax's exp and row
+    reductions run slower than the memory-bound kernel mix (CPU ranks). ``autopar
+    calibrate`` measures it; 1 until then."""
 
     def peak(self, dtype: str) -> float:
         try:
@@ -340,10 +346,11 @@ def _device_from_dict(data: Any, where: str) -> Device:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
     d["memory_bytes"] = int(d["memory_bytes"])
-    attention = d.get("attention_efficiency", 1.0)
-    if isinstance(attention, bool) or not isinstance(attention, (int, float)) or not (
-            0 < attention <= 10):
-        raise ConfigError(f"{where}: attention_efficiency must be in (0, 10], got {attention!r}")
+    for key in ("attention_efficiency", "loss_efficiency"):
+        value = d.get(key, 1.0)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 < value <= 10):
+            raise ConfigError(f"{where}: {key} must be in (0, 10], got {value!r}")
     eff = d.get("matmul_efficiency", 0.7)
     if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
         raise ConfigError(f"{where}: matmul_efficiency must be in (0, 1], got {eff!r}")

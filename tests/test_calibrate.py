@@ -20,9 +20,10 @@ from autopar.calibrate import (
     fitted_gemm_curve,
     write_profile,
 )
-from autopar.calibration_kernels import memory_kernels
+from autopar.calibration_kernels import loss_op, memory_kernels
 from autopar.calibration_measure import HostTiming
 from autopar.cli import main
+from autopar.planner.loss_costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES
 from cost_models.calibrate import (
     AlphaBeta,
     CalibrationError,
@@ -230,7 +231,7 @@ def calibration_run(tmp_path_factory):
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
         assert main(["calibrate", "--quick", "--nproc", "2", "--out", str(path),
-                     "--attention-shape", "4,64,16"]) == 0
+                     "--attention-shape", "4,64,16", "--loss-shape", "64,512"]) == 0
     return path, out.getvalue()
 
 
@@ -272,6 +273,11 @@ def test_quick_calibration_measures_the_work_beside_gemms_and_the_host_overheads
     assert attention["shape"] == [4, 64, 16] and attention["dtype"] == "float32"
     assert d.attention_efficiency == pytest.approx(
         attention["tflops"] * 1e12 / (d.peak("float32") * d.matmul_efficiency), rel=1e-2)
+    # Cross-entropy at the shape asked for, over the memory-bound mix's bandwidth.
+    loss = cluster.extra["loss"]
+    assert loss["shape"] == [64, 512]
+    assert d.loss_efficiency == pytest.approx(min(10, loss["GBps"] / d.memory_bandwidth_GBps),
+                                              rel=1e-2)
     # gloo ranks: torch's AdamW steps one tensor at a time; FSDP2, TP and DTensor cost
     # host time on the ranks' cores.
     assert cluster.optimizer == "adamw-for-loop"
@@ -279,6 +285,7 @@ def test_quick_calibration_measures_the_work_beside_gemms_and_the_host_overheads
     assert "collective_skew_us = " in path.read_text()  # measured (0 when no rank waits)
     assert "host overheads: FSDP2" in printed and "harmonic mean" in printed
     assert "causal attention float32 (batch x heads, seq, head dim) = (4, 64, 16)" in printed
+    assert "cross-entropy float32 (tokens, vocabulary) = (64, 512)" in printed
 
 
 def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
@@ -353,6 +360,26 @@ def test_a_bad_attention_shape_exits_2_naming_it(shape, message, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "--attention-shape" in err and message in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("shape, message", [
+    ("2048", "two integers like 2048,8192; got '2048'"),
+    ("2048,-1", "expected a positive integer, got -1"),
+    ("a,8", "expected a positive integer, got 'a'"),
+])
+def test_a_bad_loss_shape_exits_2_naming_it(shape, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["calibrate", f"--loss-shape={shape}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--loss-shape" in err and message in err and "Traceback" not in err
+
+
+def test_the_loss_kernel_counts_the_passes_the_planner_charges():
+    """``loss_op`` counts (forward + backward passes) x the float32 logits: the bytes
+    ``loss_costs.loss_s`` divides by ``loss_efficiency`` x the bandwidth."""
+    moved, _ = loss_op((16, 100), "cpu")
+    assert moved == (LOSS_FWD_PASSES + LOSS_BWD_PASSES) * 16 * 100 * 4
 
 
 def test_existing_profile_is_kept_unless_forced(tmp_path, capsys):

@@ -119,6 +119,27 @@ def test_the_output_layer_pays_cross_entropys_passes_over_the_logits():
         (LOSS_FWD_PASSES + 1.5) * logits / 2000e9 + floor)
 
 
+def test_cross_entropy_runs_at_its_calibrated_share_of_the_bandwidth():
+    """``Device.loss_efficiency`` slows the passes over the float32 logits, not the casts
+    around them (those run as the memory-bound mix does)."""
+    cluster = make_cluster()
+    slow = replace(cluster, device=replace(cluster.device, loss_efficiency=0.25))
+    head = make_layer("lm_head", "H", 0, params=0, fwd_flops=0.0, saved_bytes=0, act_bytes=0,
+                      tp=False)
+    with_loss = replace(head, loss_bytes=8 * 2**30)
+    logits = 8 * 2**30 / 8
+    for prec, cast in ((FP32, 0.0), (BF16, 1.5 * logits)):
+        fast = layer_cost(with_loss, "replicate", Mesh(dp=4), cluster, prec, 2)
+        cost = layer_cost(with_loss, "replicate", Mesh(dp=4), slow, prec, 2)
+        # The passes take 4x as long; everything else in the layer is unchanged.
+        assert cost.fwd_s - fast.fwd_s == pytest.approx(3 * LOSS_FWD_PASSES * logits / 2000e9)
+        assert (cost.bwd_s + cost.wgrad_s) - (fast.bwd_s + fast.wgrad_s) == pytest.approx(
+            3 * LOSS_BWD_PASSES * logits / 2000e9)
+        base = layer_cost(head, "replicate", Mesh(dp=4), slow, prec, 2)
+        assert cost.fwd_s - base.fwd_s == pytest.approx(
+            (4 * LOSS_FWD_PASSES * logits + cast) / 2000e9 + LOSS_KERNELS * 5e-6)
+
+
 # -- fused attention's rate -------------------------------------------------------------------
 
 def test_fused_attention_runs_at_its_own_rate():
@@ -257,10 +278,11 @@ def test_a_negative_host_overhead_names_the_field(field):
         Cluster.from_toml_text(_cluster_toml(device_extra=f"{field} = -1\n"))
 
 
-@pytest.mark.parametrize("value", ["0", "-0.5", "11"])
-def test_attention_efficiency_out_of_range_is_refused(value):
-    with pytest.raises(ConfigError, match="attention_efficiency must be in"):
-        Cluster.from_toml_text(_cluster_toml(device_extra=f"attention_efficiency = {value}\n"))
+@pytest.mark.parametrize("field", ["attention_efficiency", "loss_efficiency"])
+@pytest.mark.parametrize("value", ["0", "-0.5", "11", "true"])
+def test_a_rate_efficiency_out_of_range_is_refused(field, value):
+    with pytest.raises(ConfigError, match=f"{field} must be in"):
+        Cluster.from_toml_text(_cluster_toml(device_extra=f"{field} = {value}\n"))
 
 
 def _cluster_toml(top: str = "", device_extra: str = "") -> str:

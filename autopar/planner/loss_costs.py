@@ -54,15 +54,17 @@ LOSS_KERNELS = 2
 def loss_s(layer: LayerInfo, batch_shards: int, prec: Precision, device: Device
            ) -> tuple[float, float]:
     """(forward, backward) seconds of the loss on the layer producing the model's output,
-    one micro-batch: memory-bound passes over the float32 logits (``loss_bytes``), plus
-    the cast up to float32 and the gradient's cast back when the plan computes in lower
-    precision (runtime/precision.py): read the low-precision tensor, write the other."""
+    one micro-batch: memory-bound passes over the float32 logits (``loss_bytes``) at
+    ``Device.loss_efficiency`` times the memory bandwidth, plus the cast up to float32 and
+    the gradient's cast back when the plan computes in lower precision
+    (runtime/precision.py): read the low-precision tensor, write the other, at the
+    bandwidth."""
     if not layer.loss_bytes:
         return 0.0, 0.0
     logits = layer.loss_bytes / batch_shards
     low = prec.activation_bytes / CAPTURE_ACTIVATION_BYTES
     cast = 0.0 if low >= 1 else (1 + low) * logits
-    dtype = prec.compute_dtype
-    fwd = roofline_s(0.0, LOSS_FWD_PASSES * logits + cast, LOSS_KERNELS, device, dtype)
-    bwd = roofline_s(0.0, LOSS_BWD_PASSES * logits + cast, LOSS_KERNELS, device, dtype)
+    dtype, slower = prec.compute_dtype, 1 / device.loss_efficiency
+    fwd = roofline_s(0.0, LOSS_FWD_PASSES * logits * slower + cast, LOSS_KERNELS, device, dtype)
+    bwd = roofline_s(0.0, LOSS_BWD_PASSES * logits * slower + cast, LOSS_KERNELS, device, dtype)
     return fwd, bwd
