@@ -56,7 +56,7 @@ from cost_models.calibrate import (
     relative_error,
     spread,
 )
-from cost_models.hardware import Cluster, GiB
+from cost_models.hardware import Cluster, GiB, Link
 
 __all__ = ["COLLECTIVES", "OVERLAP_PATTERNS", "Measurements", "OverlapSample", "Settings",
            "calibrate", "fit", "write_profile"]  # measured in autopar.calibration_measure
@@ -82,11 +82,18 @@ class Calibration:
 
 # -- the calibration that can run ----------------------------------------------------------
 
-def resolve_backend(backend: str, nproc: int) -> str:
-    """The backend to use, or a CalibrationError saying why this calibration cannot run."""
-    if nproc < 2:
+def resolve_backend(backend: str, nproc: int, *, topology: bool = False) -> str:
+    """The backend to use, or a CalibrationError saying why this calibration cannot run.
+    ``topology``: the links come from another cluster, and one rank measures the device."""
+    if nproc < 2 and not topology:
         raise CalibrationError(
-            f"--nproc {nproc}: collectives need a second rank; use --nproc 2 or more")
+            f"--nproc {nproc}: collectives need a second rank; use --nproc 2 or more, or "
+            "--topology PRESET|PROFILE to measure this one device and take the nodes, links "
+            "and overlap from that cluster")
+    if nproc > 1 and topology:
+        raise CalibrationError(
+            f"--topology is for a one-device calibration (--nproc 1); with --nproc {nproc} "
+            "the links are measured")
     if backend not in BACKENDS:
         raise CalibrationError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
     if backend == "auto":
@@ -105,18 +112,23 @@ def resolve_backend(backend: str, nproc: int) -> str:
 
 
 def calibrate(nproc: int = 2, *, backend: str = "auto", settings: Settings | None = None,
-              name: str | None = None) -> Calibration:
+              name: str | None = None, topology: Cluster | None = None) -> Calibration:
+    """Measure ``nproc`` local ranks and fit. With ``topology`` (one rank): measure this
+    device alone, and take the nodes, devices per node, links and overlap from that
+    cluster (a preset or profile): a GPU calibrated on its own, planned for a cluster of
+    them."""
     from runtime.launch import spawn
 
     settings = settings or Settings()
-    backend = resolve_backend(backend, nproc)
+    backend = resolve_backend(backend, nproc, topology=topology is not None)
     per_rank = spawn(measure_rank, nproc, settings, backend, backend=backend,
                      timeout_s=settings.timeout_s)
     m = slowest(per_rank, backend, nproc)
-    return fit(m, settings, name=name)
+    return fit(m, settings, name=name, topology=topology)
 
 
-def fit(m: Measurements, settings: Settings, *, name: str | None = None) -> Calibration:
+def fit(m: Measurements, settings: Settings, *, name: str | None = None,
+        topology: Cluster | None = None) -> Calibration:
     fits, notes = {}, []
     for kind, v in m.comm_s.items():
         try:
@@ -140,7 +152,8 @@ def fit(m: Measurements, settings: Settings, *, name: str | None = None) -> Cali
             overlap[pattern] = fitted
     gemm_spread = {d: {n: spread([2 * n**3 / t for t in w]) for n, w in v.items()}
                    for d, v in m.gemm_windows_s.items()}
-    text = profile_text(m, settings, fits, name=name, overlap=overlap, gemm_spread=gemm_spread)
+    text = profile_text(m, settings, fits, name=name, overlap=overlap, gemm_spread=gemm_spread,
+                        topology=topology)
     return Calibration(measurements=m, cluster_text=text, fits=fits, rows=rows, notes=notes,
                        overlap=overlap, gemm_spread=gemm_spread)
 
@@ -149,8 +162,10 @@ def fit(m: Measurements, settings: Settings, *, name: str | None = None) -> Cali
 
 def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta], *,
                  name: str | None = None, overlap: dict[str, Spread] | None = None,
-                 gemm_spread: dict[str, dict[int, Spread]] | None = None) -> str:
-    """The cluster profile as TOML (the format of cost_models/presets/)."""
+                 gemm_spread: dict[str, dict[int, Spread]] | None = None,
+                 topology: Cluster | None = None) -> str:
+    """The cluster profile as TOML (the format of cost_models/presets/). With ``topology``
+    its nodes, links and overlap, and this machine's measured device."""
     overlap, gemm_spread = overlap or {}, gemm_spread or {}
     host = platform.node() or "this-machine"
     when = datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z")
@@ -162,20 +177,19 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     bandwidth = kernel_mix_bandwidth_GBps(*zip(*m.memory_kernels.values(), strict=True))
     attention = _attention_efficiency(m.attention, curves)
     loss = _loss_efficiency(m.loss, bandwidth)
-    link = fits["all_reduce"]
     gpu = m.backend == "nccl"
     memory = (torch.cuda.get_device_properties(0).total_memory if gpu
               else _ram_bytes() // m.nproc)
-    sizes = sorted(next(iter(m.comm_s.values())))
+    gemm_sizes = sorted({n for t in m.gemm_s.values() for n in t})
     source = (f"autopar calibrate on {host}, {when}: {m.backend}, {m.nproc} local ranks, "
               f"{m.threads} threads each; GEMM {'/'.join(peaks)} "
-              f"{settings.gemm_sizes[0]}..{settings.gemm_sizes[-1]} on all ranks at once; "
+              f"{gemm_sizes[0]}..{gemm_sizes[-1]} on all ranks at once; "
               f"memory-bound kernel mix ({len(m.memory_kernels)}); "
               + (f"{m.attention.dtype} causal attention {_shape(m.attention.shape)}; "
                  if attention is not None else "")
               + (f"cross-entropy {_loss_shape(m.loss.shape)}; " if loss is not None else "")
-              + f"all_reduce/all_gather/send-recv "
-              f"{_size(sizes[0])}..{_size(sizes[-1])}; link fitted on all_reduce"
+              + (_measured_links_source(m) if topology is None else
+                 f"nodes, links and overlap from {topology.name} ({topology.source})")
               + (f"; overlap slowdown measured ({', '.join(overlap)}) on float32 GEMM "
                  f"{settings.overlap_gemm_size}" if overlap else ""))
     lines = [
@@ -195,18 +209,14 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         "# as the planner does, over the same dtype's fitted large-GEMM rate. loss_efficiency:",
         "# F.cross_entropy forward + backward on float32 logits ([extra.loss]), bytes counted as",
         "# the planner counts its passes over the logits, over memory_bandwidth_GBps.",
-        "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
-        "# inter_node repeats it (one machine: no network was measured). [collective_links]:",
-        "# all_gather and send/recv on their own fits inside the node (gloo's all_gather is not",
-        "# a ring: it costs more); reduce_scatter, not measured, uses intra_node.",
         f"# GEMM rates are the median of {settings.gemm_windows} windows of "
         f"{settings.gemm_window_s:g} s; [extra.gemm.<dtype>]",
         "# tflops_min/tflops_max give the windows' spread (the rate of a shared machine moves).",
         f'name = "calibrated-{_bare(host)}"',
         f'source = "{source}"',
         'provenance = "calibrated"',
-        "nodes = 1",
-        f"devices_per_node = {m.nproc}",
+        f"nodes = {1 if topology is None else topology.nodes}",
+        f"devices_per_node = {m.nproc if topology is None else topology.devices_per_node}",
         "# torch's AdamW steps CPU tensors one at a time and CUDA tensors with foreach kernels.",
         f'optimizer = "{"adamw-foreach" if gpu else "adamw-for-loop"}"',
         "",
@@ -226,16 +236,9 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         "[device.matmul_half_dim]",
         *(f"{d} = {c.half_dim:.4g}" for d, c in curves.items()),
     ]
-    kind = "pcie" if gpu else "loopback"
-    for table in ("intra_node", "inter_node"):
-        lines += ["", f"[{table}]", f'kind = "{kind}"', f"bandwidth_GBps = {link.bandwidth_GBps:.4g}",
-                  f"latency_us = {link.latency_s * 1e6:.4g}"]
-    for k, f in fits.items():  # each collective on its own fit inside the node
-        if k != "all_reduce":
-            lines += ["", f"[collective_links.{k}]", f'kind = "{kind}"',
-                      f"bandwidth_GBps = {f.bandwidth_GBps:.4g}",
-                      f"latency_us = {f.latency_s * 1e6:.4g}"]
-    lines += _overlap_lines(m, settings, overlap)
+    lines += (_measured_link_lines(fits, "pcie" if gpu else "loopback")
+              + _overlap_lines(m, settings, overlap) if topology is None
+              else _topology_lines(topology))
     for k, v in m.comm_s.items():  # what the fits were made from, S as in comm.py
         lines += ["", f"[extra.measured.{k}]", f"sizes_bytes = {list(v)}",
                   f"times_s = [{', '.join(f'{t:.4g}' for t in v.values())}]"]
@@ -260,6 +263,51 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     return "\n".join(lines) + "\n"
 
 
+def _measured_links_source(m: Measurements) -> str:
+    sizes = sorted(next(iter(m.comm_s.values())))
+    return (f"all_reduce/all_gather/send-recv {_size(sizes[0])}..{_size(sizes[-1])}; "
+            "link fitted on all_reduce")
+
+
+def _measured_link_lines(fits: dict[str, AlphaBeta], kind: str) -> list[str]:
+    """[intra_node] and [inter_node] from the all_reduce fit, [collective_links] from the
+    others'."""
+    link = fits["all_reduce"]
+    lines = ["",
+             "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
+             "# inter_node repeats it (one machine: no network was measured). [collective_links]:",
+             "# all_gather and send/recv on their own fits inside the node (gloo's all_gather is",
+             "# not a ring: it costs more); reduce_scatter, not measured, uses intra_node."]
+    for table in ("intra_node", "inter_node"):
+        lines += [*([""] if table == "inter_node" else []), f"[{table}]", f'kind = "{kind}"',
+                  f"bandwidth_GBps = {link.bandwidth_GBps:.4g}",
+                  f"latency_us = {link.latency_s * 1e6:.4g}"]
+    for k, f in fits.items():  # each collective on its own fit inside the node
+        if k != "all_reduce":
+            lines += ["", f"[collective_links.{k}]", f'kind = "{kind}"',
+                      f"bandwidth_GBps = {f.bandwidth_GBps:.4g}",
+                      f"latency_us = {f.latency_s * 1e6:.4g}"]
+    return lines
+
+
+def _topology_lines(topology: Cluster) -> list[str]:
+    """The links, per-collective links, overlap and memory margin of ``topology``, as its
+    own file gives them (nothing of them was measured here)."""
+    def link(table: str, k: Link) -> list[str]:
+        return ["", f"[{table}]", f'kind = "{k.kind}"', f"bandwidth_GBps = {k.bandwidth_GBps:.6g}",
+                f"latency_us = {k.latency_s * 1e6:.6g}"]
+
+    o = topology.overlap
+    lines = ["", f"# Links and overlap: {topology.name} ({topology.source}), not measured here."]
+    lines += link("intra_node", topology.intra_node)[1:] + link("inter_node", topology.inter_node)
+    for kind, k in topology.collective_links.items():
+        lines += link(f"collective_links.{kind}", k)
+    return lines + ["", "[overlap]", f"dp_slowdown = {o.dp_slowdown:.6g}",
+                    f"fsdp_slowdown = {o.fsdp_slowdown:.6g}", f"pp_slowdown = {o.pp_slowdown:.6g}",
+                    f"ddp_bucket_bytes = {o.ddp_bucket_bytes}",
+                    f"exposed = {list(o.exposed)}".replace("'", '"')]
+
+
 def _host_lines(host: HostTiming | None) -> list[str]:
     """[device] host overheads, measured on CPU ranks (GPUs keep the default 0)."""
     if host is None:
@@ -272,7 +320,8 @@ def _host_lines(host: HostTiming | None) -> list[str]:
             f"fsdp_overhead_us = {host.fsdp_s * 1e6:.4g}",
             f"tp_overhead_us = {host.tp_s * 1e6:.4g}",
             f"dtensor_op_overhead_us = {host.dtensor_op_s * 1e6:.4g}",
-            f"collective_skew_us = {host.skew_s * 1e6:.4g}"]
+            *([f"collective_skew_us = {host.skew_s * 1e6:.4g}"] if host.skew_s is not None
+              else [])]
 
 
 def _overlap_lines(m: Measurements, settings: Settings, overlap: dict[str, Spread]) -> list[str]:
@@ -362,8 +411,11 @@ def check_output(path: str | os.PathLike, *, force: bool = False) -> None:
 
 def format_table(cal: Calibration) -> str:
     m = cal.measurements
-    lines = [f"{'collective':<11} {'S':>8} {'measured ms':>12} {'fitted ms':>10} {'error':>7}"]
-    lines.append("-" * len(lines[0]))
+    lines = []
+    if cal.rows:
+        lines = [f"{'collective':<11} {'S':>8} {'measured ms':>12} {'fitted ms':>10} "
+                 f"{'error':>7}"]
+        lines.append("-" * len(lines[0]))
     for kind, s, t, p in cal.rows:
         lines.append(f"{kind:<11} {_size(s):>8} {t * 1e3:>12.3f} {p * 1e3:>10.3f} "
                      f"{relative_error(p, t):>+7.0%}")
@@ -390,8 +442,9 @@ def format_table(cal: Calibration) -> str:
         h = m.host
         lines.append(f"host overheads: FSDP2 {h.fsdp_s * 1e6:.0f} us and TP {h.tp_s * 1e6:.0f} us "
                      f"per module (forward + backward), DTensor {h.dtensor_op_s * 1e6:.1f} us "
-                     f"per op; collective skew {h.skew_s * 1e6:.0f} us after "
-                     f"{h.skew_window_s * 1e3:g} ms of compute")
+                     "per op" + (f"; collective skew {h.skew_s * 1e6:.0f} us after "
+                                 f"{h.skew_window_s * 1e3:g} ms of compute"
+                                 if h.skew_s is not None else ""))
     if m.attention is not None:
         a = m.attention
         lines.append(f"causal attention {a.dtype} {_shape(a.shape)}, forward + backward: "

@@ -43,7 +43,10 @@ outlasts the compute (then σ = compute beside / alone); when it ends first,
 class Settings:
     """What to measure; ``quick()`` keeps a run to a few seconds for tests and CI."""
 
-    gemm_sizes: tuple[int, ...] = (256, 512, 1024, 2048)
+    gemm_sizes: tuple[int, ...] | None = None
+    """n of the n → n Linears timed; None: 256 … 2048 on CPU, 256 … 8192 on GPUs (an H100's
+    bfloat16 GEMMs are still far from their asymptote at 2048, so a curve fitted below it
+    would guess R∞)."""
     dtypes: tuple[str, ...] = ("float32", "bfloat16")
     memory_kernel_bytes: int | None = None
     """Size of each memory-bound kernel's tensors; None: 4 MiB on CPU (an activation of the
@@ -139,8 +142,9 @@ class HostTiming:
     """Per tensor-parallel module, forward + backward."""
     dtensor_op_s: float
     """Per op on a DTensor."""
-    skew_s: float
-    """Per blocking collective after a compute window, beyond its back-to-back time."""
+    skew_s: float | None
+    """Per blocking collective after a compute window, beyond its back-to-back time (None on
+    one rank: nothing to wait for)."""
     skew_window_s: float
     """That window."""
 
@@ -171,13 +175,13 @@ def overlap_slowdowns(samples: list[OverlapSample]) -> list[float]:
 def measure_rank(settings: Settings, backend: str) -> Measurements:
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else "cpu"
     timer = _cuda_timer if backend == "nccl" else _cpu_timer
-    m = Measurements(backend=backend, nproc=dist.get_world_size(),
-                     threads=torch.get_num_threads())
+    world = dist.get_world_size()
+    m = Measurements(backend=backend, nproc=world, threads=torch.get_num_threads())
     for dtype in settings.dtypes:
         if not _supports(dtype, device):
             continue
         m.gemm_s[dtype] = {}
-        for n in settings.gemm_sizes:
+        for n in settings.gemm_sizes or gemm_sizes(backend):
             gemms, op = linear_op(n, getattr(torch, dtype), device)
             windows = [t / gemms for t in _sustained(timer, op, settings, device)]
             m.gemm_windows_s.setdefault(dtype, {})[n] = windows
@@ -194,7 +198,8 @@ def measure_rank(settings: Settings, backend: str) -> Measurements:
         m.host = _measure_host(settings, device, timer)
     one = torch.ones(1, device=device)
     m.floor_s = _median(timer, lambda: one.add_(1), settings)
-    world = dist.get_world_size()
+    if world == 1:  # one device (``autopar calibrate --topology``): no link to measure
+        return m
     for kind in COLLECTIVES:
         m.comm_s[kind] = {}
         for nbytes in settings.message_bytes:
@@ -204,6 +209,11 @@ def measure_rank(settings: Settings, backend: str) -> Measurements:
             m.comm_s[kind][size] = _median(timer, op, settings, small=nbytes < 256 * KiB)
     m.overlap = _measure_overlap(settings, device, timer)
     return m
+
+
+def gemm_sizes(backend: str) -> tuple[int, ...]:
+    """``Settings.gemm_sizes``' default on the backend's devices."""
+    return (256, 512, 1024, 2048) + ((4096, 8192) if backend == "nccl" else ())
 
 
 def _measure_attention(settings: Settings, backend: str, device: torch.device | str,
@@ -230,7 +240,8 @@ def _measure_host(settings: Settings, device: torch.device | str, timer: Callabl
     return HostTiming(fsdp_s=max(0.0, (t["fsdp"] - t["plain"]) / HOST_STACK),
                       tp_s=max(0.0, (t["tp"] - t["plain"]) / HOST_STACK),
                       dtensor_op_s=max(0.0, t["dtensor op"] - t["op"]),
-                      skew_s=_measure_skew(settings, device, timer),
+                      skew_s=(_measure_skew(settings, device, timer)
+                              if dist.get_world_size() > 1 else None),
                       skew_window_s=settings.skew_window_s)
 
 
@@ -517,7 +528,9 @@ def slowest(per_rank: list[Measurements], backend: str, nproc: int) -> Measureme
         out.loss = max((r.loss for r in per_rank), key=lambda a: a.seconds)
     if first.host is not None:
         out.host = HostTiming(**{k: max(getattr(r.host, k) for r in per_rank)
-                                 for k in ("fsdp_s", "tp_s", "dtensor_op_s", "skew_s")},
+                                 for k in ("fsdp_s", "tp_s", "dtensor_op_s")},
+                              skew_s=None if first.host.skew_s is None else max(
+                                  r.host.skew_s for r in per_rank),
                               skew_window_s=first.host.skew_window_s)
     for d, v in first.gemm_s.items():
         slowest = {n: max(per_rank, key=lambda r, d=d, n=n: r.gemm_s[d][n]) for n in v}

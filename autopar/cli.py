@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_reshard_command(sub)
 
     c = sub.add_parser("calibrate", help="measure this machine and write a cluster profile")
-    c.add_argument("--nproc", type=positive_int, default=2, help="local ranks (at least 2)")
+    c.add_argument("--nproc", type=positive_int, default=2,
+                   help="local ranks (at least 2; 1 with --topology)")
     c.add_argument("--out", default="calibrated.toml", help="profile to write (.toml)")
     c.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     c.add_argument("--quick", action="store_true", help="small sizes, few repeats (seconds)")
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="cross-entropy's tokens (per rank and micro-batch) and vocabulary to "
                         "time (default 2048,8192; give your model's: on CPU its rate depends "
                         "on the vocabulary)")
+    c.add_argument("--topology", metavar="PRESET|PROFILE",
+                   help="with --nproc 1: measure this one device, and take the nodes, devices "
+                        "per node, links and overlap from this cluster (e.g. dgx-h100)")
     c.set_defaults(handler=cmd_calibrate)
     return parser
 
@@ -180,7 +184,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         settings = replace(settings, attention_shape=args.attention_shape)
     if args.loss_shape:
         settings = replace(settings, loss_shape=args.loss_shape)
-    cal = calibrate(args.nproc, backend=args.backend, settings=settings)
+    topology = Cluster.load(args.topology) if args.topology else None
+    cal = calibrate(args.nproc, backend=args.backend, settings=settings, topology=topology)
     print(format_table(cal))
     cluster = write_profile(cal, args.out, force=args.force)
     print(f"\nwrote {args.out} ({cluster.name}, [{cluster.provenance}]); "

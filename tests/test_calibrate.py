@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from autopar.api import search_plans
 from autopar.calibrate import (
     OVERLAP_PATTERNS,
     Measurements,
@@ -24,6 +25,7 @@ from autopar.calibration_kernels import loss_op, memory_kernels
 from autopar.calibration_measure import HostTiming
 from autopar.cli import main
 from autopar.planner.loss_costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES
+from autopar.zoo import get_model
 from cost_models.calibrate import (
     AlphaBeta,
     CalibrationError,
@@ -334,12 +336,45 @@ def test_plan_with_the_profile_says_calibrated(profile, capsys):
     assert "predicted step time" in out and "[calibrated]" in out
 
 
+# -- one device, the links from another cluster --------------------------------------------
+
+def test_one_device_calibration_takes_the_links_from_its_topology_and_plans(tmp_path):
+    """``--nproc 1 --topology dgx-h100``: the device is this machine's, measured; nodes,
+    devices per node, links and overlap are the preset's, and the profile plans."""
+    path = tmp_path / "one.toml"
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["calibrate", "--quick", "--nproc", "1", "--topology", "dgx-h100",
+                     "--out", str(path)]) == 0
+    cluster, preset = Cluster.from_toml(path), Cluster.preset("dgx-h100")
+    assert cluster.provenance == "calibrated" and "from dgx-h100" in cluster.source
+    assert (cluster.nodes, cluster.devices_per_node) == (preset.nodes, preset.devices_per_node)
+    assert (cluster.intra_node, cluster.inter_node, cluster.collective_links, cluster.overlap) \
+        == (preset.intra_node, preset.inter_node, preset.collective_links, preset.overlap)
+    d = cluster.device
+    assert d.name == "cpu-process" and d.peak("float32") < preset.device.peak("float32")
+    assert d.memory_bandwidth_GBps == pytest.approx(
+        len(cluster.extra["memory"]["GBps"]) / sum(1 / r for r in cluster.extra["memory"]["GBps"]),
+        rel=1e-3)
+    assert d.attention_efficiency != 1.0 and d.loss_efficiency != 1.0  # both measured
+    text = path.read_text()
+    assert "collective_skew_us" not in text and "extra.measured" not in text  # one rank
+    assert "collective " not in out.getvalue()  # no collective rows in the table
+    spec = get_model("gpt-tiny")
+    plan = search_plans(spec.build("meta"), cluster, spec.example_inputs(8, 32, device="meta"),
+                        time_limit_s=5).plan
+    assert plan.mesh.world_size == cluster.world_size
+
+
 # -- a calibration that cannot run -------------------------------------------------------------
 
 @pytest.mark.parametrize("args, message", [
     (["--nproc", "1"], "collectives need a second rank"),
     (["--backend", "nccl"], "nccl needs CUDA GPUs"),
     (["--out", "no/such/dir/p.toml"], "output directory no/such/dir does not exist"),
+    (["--nproc", "2", "--topology", "dgx-h100"], "--topology is for a one-device calibration"),
+    (["--nproc", "1", "--topology", "nosuch"], "unknown cluster preset 'nosuch'"),
+    (["--nproc", "1", "--topology", "dgx-h100", "--backend", "nccl"], "nccl needs CUDA GPUs"),
 ])
 def test_calibration_that_cannot_run_exits_2_saying_why(args, message, tmp_path, capsys,
                                                         monkeypatch):
