@@ -31,6 +31,15 @@ def test_plan_prints_layers_step_time_and_memory_and_writes_json(tmp_path, capsy
     assert json.loads(path.read_text())["version"] == 1
 
 
+def test_plan_output_is_the_plan_alone():
+    """A fresh process (the solver prints its banner once per process, to the C stdout):
+    nothing of HiGHS's on stdout or stderr before or around the plan."""
+    result = run_cli("plan", "--model", "gpt-tiny", "--cluster", "local")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("model gpt-tiny on local")
+    assert "HiGHS 1" not in result.stdout + result.stderr  # "solver HiGHS optimal" is ours
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -26,7 +26,11 @@ relaxation (y, u continuous) gives the lower bound reported with the plan.
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import math
+import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -82,8 +86,33 @@ def expand_counts(counts: dict[str, int]) -> list[str]:
 def make_solver(time_limit_s: float) -> pulp.LpSolver:
     """HiGHS in-process when highspy is installed (no subprocess per solve), else CBC."""
     if pulp.HiGHS(msg=False).available():
+        _silence_highs_banner()
         return pulp.HiGHS(msg=False, timeLimit=time_limit_s)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
+
+
+@functools.cache
+def _silence_highs_banner() -> None:
+    """highspy (1.16) prints its banner to the C stdout when a process makes its first
+    ``Highs()``, before PuLP can turn ``output_flag`` off (ERGO-Code/HiGHS#2749), so
+    ``autopar plan``'s output began with two lines of it. Make that first instance here,
+    with file descriptor 1 pointed at /dev/null and C's stdout flushed before it comes
+    back (POSIX; elsewhere the banner stays)."""
+    import highspy
+
+    if os.name != "posix":
+        return
+    sys.stdout.flush()
+    libc = ctypes.CDLL(None)
+    saved = os.dup(1)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 1)
+            highspy.Highs()
+            libc.fflush(None)
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def ilp_relevant(c: ClassOptions) -> ClassOptions:
