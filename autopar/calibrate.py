@@ -219,6 +219,8 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"devices_per_node = {m.nproc if topology is None else topology.devices_per_node}",
         "# torch's AdamW steps CPU tensors one at a time and CUDA tensors with foreach kernels.",
         f'optimizer = "{"adamw-foreach" if gpu else "adamw-for-loop"}"',
+        *([] if gpu else ["# CPU processes: their memory is the host's, nothing to offload to.",
+                          "offload = false"]),
         "",
         "[device]",
         f'name = "{torch.cuda.get_device_name(0) if gpu else "cpu-process"}"',

@@ -175,6 +175,11 @@ class Cluster:
     """The Adam kernels the training runs (a key of ``cost_models.optimizer.ADAM_KERNELS``):
     torch's AdamW takes its foreach kernels on GPUs and steps one tensor at a time on CPU
     processes; Megatron-LM runs a fused kernel."""
+    offload: bool = True
+    """The devices have a memory apart from the host's, so a layer's states can be
+    offloaded to host memory (``autopar.planner.costs``: copies over PCIe, the optimizer
+    step on the host). False for CPU processes, whose memory is the host's: offloading
+    there moves nothing and saves nothing."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -272,6 +277,7 @@ class Cluster:
             # issues them synchronously. DDP's and the pipeline's are async here too.
             overlap=Overlap(exposed=("fsdp",)),
             optimizer="adamw-for-loop",
+            offload=False,
             source="uncalibrated defaults for local CPU processes",
         )
 
@@ -317,6 +323,8 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     if "optimizer" in top and top["optimizer"] not in ADAM_KERNELS:
         raise ConfigError(f"{source}: optimizer = {top['optimizer']!r} is not one of "
                           f"{', '.join(ADAM_KERNELS)}")
+    if not isinstance(top.get("offload", True), bool):
+        raise ConfigError(f"{source}: offload must be true or false, got {top['offload']!r}")
     margin = top.get("memory_margin_fraction", 0.1)
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")

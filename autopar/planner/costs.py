@@ -716,7 +716,8 @@ def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cl
     """Every option of one layer with its cost, dominated options removed."""
     hsdp = hsdp_shard_size(cluster, mesh.pp)
     labels = allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
-                             microbatches=microbatches, selective=selective)
+                             microbatches=microbatches, selective=selective,
+                             offload=cluster.offload)
     return prune_dominated({
         o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp)
         for o in labels})
