@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 from runtime.apply import _device, check_world
 from runtime.data_parallel import apply_fsdp
 from runtime.mesh import build_mesh, data_parallel_meshes
-from runtime.plan import Plan, PlanError, stage_rank
+from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
@@ -134,6 +134,21 @@ def _keep_unsharded_through_step(module: nn.Module) -> None:
             sub.set_reshard_after_forward(False, recurse=False)
 
 
+def _outputs_own_their_storage(module: nn.Module, args: tuple, output: object) -> object:
+    """A stage's outputs as tensors of their own, not views.
+
+    The split-backward schedules free a stage's graph by ``detach_()``-ing its outputs
+    after the input-gradient pass, which raises on a view (pytorch/pytorch#142229). A
+    tensor-parallel layer ending a stage returns one: ``DTensor.to_local`` is a view. A
+    copy of the stage's boundary activation per micro-batch, small beside the stage's work
+    (its base is freed with the view)."""
+    if isinstance(output, torch.Tensor):
+        return output.clone() if output._is_view() else output
+    if isinstance(output, tuple):
+        return tuple(_outputs_own_their_storage(module, args, o) for o in output)
+    return output
+
+
 def _schedule(plan: Plan, stages: list[PipelineStage], loss_fn: LossFn, scale_grads: bool):
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     m = plan.pipeline.num_microbatches
@@ -202,6 +217,8 @@ class PipelineTrainer(Trainer):
         apply_fsdp(module, layers, meshes, mp_policy=layer_policy,
                    root_mp_policy=root_policy if last else layer_policy)
         _keep_unsharded_through_step(module)
+        if plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
+            module.register_forward_hook(_outputs_own_their_storage)
         return PipelineStage(module, stage_id, plan.num_stages, self._device,
                              group=self.mesh.get_group("pp"))
 

@@ -40,8 +40,16 @@ from test_runtime_numerics import (
     reference,
 )
 from test_runtime_numerics import assert_matches_reference as matches_reference
+from test_sequence_parallel import BLOCK_SP
 
-from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, PlanError
+from runtime.plan import (
+    SPLIT_BACKWARD_SCHEDULES,
+    LayerPlan,
+    Mesh,
+    PipelineSpec,
+    Plan,
+    PlanError,
+)
 
 PARAM_TOL = dict(rtol=1e-5, atol=5e-5)
 # (model, config overrides, global batch, seq), as in test_runtime_numerics
@@ -53,6 +61,9 @@ SHARDED = {"h.0", "h.3", "h.5", "lm_head"}
 
 
 def _layer(name: str, stage: int, parallel: str) -> LayerPlan:
+    if parallel == "tp+sp" and name.startswith("h."):
+        return LayerPlan(module=name, stage=stage, strategy="tp", tp_styles=BLOCK_SP,
+                         sequence_parallel=True)
     if parallel == "tp" and name.startswith("h."):
         strategy = "tp_fsdp" if name in SHARDED else "tp"
         return LayerPlan(module=name, stage=stage, strategy=strategy, tp_styles=BLOCK_TP)
@@ -157,6 +168,15 @@ def test_pp2_dp2_trains_like_one_process(pool4, schedule):
 def test_pp2_tp2_trains_like_one_process(pool4, schedule):
     """Megatron TP blocks (tp and tp_fsdp), vocabulary-split embedding and head."""
     plan = pipeline_plan(schedule, pp=2, tp=2, m=2, parallel="tp")
+    assert_matches_reference(pool4.run(pipeline_job, GPT6, plan), GPT6)
+
+
+@pytest.mark.parametrize("schedule", SPLIT_BACKWARD_SCHEDULES)
+def test_pp2_tp2_sequence_parallel_under_split_backward(pool4, schedule):
+    """Sequence-parallel blocks end stages: their output is gathered back over the sequence
+    by ``DTensor.to_local``, a view, which the split-backward schedules cannot
+    ``detach_()`` (runtime.pipeline._outputs_own_their_storage)."""
+    plan = pipeline_plan(schedule, pp=2, tp=2, m=2, parallel="tp+sp")
     assert_matches_reference(pool4.run(pipeline_job, GPT6, plan), GPT6)
 
 
