@@ -56,7 +56,7 @@ from cost_models.calibrate import (
     relative_error,
     spread,
 )
-from cost_models.hardware import Cluster, GiB, Link
+from cost_models.hardware import Cluster, GiB, Host, Link
 
 __all__ = ["COLLECTIVES", "OVERLAP_PATTERNS", "Measurements", "OverlapSample", "Settings",
            "calibrate", "fit", "write_profile"]  # measured in autopar.calibration_measure
@@ -219,8 +219,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"devices_per_node = {m.nproc if topology is None else topology.devices_per_node}",
         "# torch's AdamW steps CPU tensors one at a time and CUDA tensors with foreach kernels.",
         f'optimizer = "{"adamw-foreach" if gpu else "adamw-for-loop"}"',
-        *([] if gpu else ["# CPU processes: their memory is the host's, nothing to offload to.",
-                          "offload = false"]),
+
         "",
         "[device]",
         f'name = "{torch.cuda.get_device_name(0) if gpu else "cpu-process"}"',
@@ -241,6 +240,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     lines += (_measured_link_lines(fits, "pcie" if gpu else "loopback")
               + _overlap_lines(m, settings, overlap) if topology is None
               else _topology_lines(topology))
+    lines += _host_table(topology.host if topology is not None else Host(), gpu)
     for k, v in m.comm_s.items():  # what the fits were made from, S as in comm.py
         lines += ["", f"[extra.measured.{k}]", f"sizes_bytes = {list(v)}",
                   f"times_s = [{', '.join(f'{t:.4g}' for t in v.values())}]"]
@@ -308,6 +308,20 @@ def _topology_lines(topology: Cluster) -> list[str]:
                     f"fsdp_slowdown = {o.fsdp_slowdown:.6g}", f"pp_slowdown = {o.pp_slowdown:.6g}",
                     f"ddp_bucket_bytes = {o.ddp_bucket_bytes}",
                     f"exposed = {list(o.exposed)}".replace("'", '"')]
+
+
+def _host_table(host: Host, gpu: bool) -> list[str]:
+    """[host]: CPU processes have no memory apart from the host's; a GPU keeps the host
+    of its topology, or the default (a DGX A100's share: nothing of it is measured)."""
+    if not gpu:
+        return ["", "# CPU processes: their memory is the host's, nothing to offload to.",
+                "[host]", "offload = false"]
+    link = host.link
+    return ["", "# Host memory for offloaded layers: not measured.", "[host]",
+            f"offload = {str(host.offload).lower()}",
+            f"memory_bandwidth_GBps = {host.memory_bandwidth_GBps:.6g}", "", "[host.link]",
+            f'kind = "{link.kind}"', f"bandwidth_GBps = {link.bandwidth_GBps:.6g}",
+            f"latency_us = {link.latency_s * 1e6:.6g}"]
 
 
 def _host_lines(host: HostTiming | None) -> list[str]:

@@ -154,6 +154,25 @@ class Link:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Host:
+    """The host memory beside one device, where offloaded layers keep their states
+    (``autopar.planner.costs``: parameter and gradient copies over ``link``, the optimizer
+    step at ``memory_bandwidth_GBps``). Defaults: a DGX A100's share per GPU."""
+
+    offload: bool = True
+    """The devices have a memory apart from the host's, so states can be offloaded. False
+    for CPU processes, whose memory is the host's: offloading there moves nothing and saves
+    nothing."""
+    link: Link = field(default_factory=lambda: Link(kind="pcie", bandwidth_GBps=25.0,
+                                                    latency_s=10e-6))
+    """Device <-> host copies: PCIe 4.0 x16, 32 GB/s per direction on paper, about 25
+    achieved (NVIDIA A100 datasheet; a DGX A100 has one x16 link per GPU)."""
+    memory_bandwidth_GBps: float = 50.0
+    """Host DRAM bandwidth one device's offloaded optimizer step gets: a DGX A100's two
+    EPYC 7742 sockets have 8 DDR4-3200 channels each (2 × 205 GB/s), shared by 8 GPUs."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class Cluster:
     """``nodes`` × ``devices_per_node`` identical devices, NVLink/PCIe inside, network between."""
 
@@ -175,11 +194,8 @@ class Cluster:
     """The Adam kernels the training runs (a key of ``cost_models.optimizer.ADAM_KERNELS``):
     torch's AdamW takes its foreach kernels on GPUs and steps one tensor at a time on CPU
     processes; Megatron-LM runs a fused kernel."""
-    offload: bool = True
-    """The devices have a memory apart from the host's, so a layer's states can be
-    offloaded to host memory (``autopar.planner.costs``: copies over PCIe, the optimizer
-    step on the host). False for CPU processes, whose memory is the host's: offloading
-    there moves nothing and saves nothing."""
+    host: Host = field(default_factory=Host)
+    """The host memory beside each device, for offloaded layers."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -277,7 +293,7 @@ class Cluster:
             # issues them synchronously. DDP's and the pipeline's are async here too.
             overlap=Overlap(exposed=("fsdp",)),
             optimizer="adamw-for-loop",
-            offload=False,
+            host=Host(offload=False),
             source="uncalibrated defaults for local CPU processes",
         )
 
@@ -323,8 +339,8 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     if "optimizer" in top and top["optimizer"] not in ADAM_KERNELS:
         raise ConfigError(f"{source}: optimizer = {top['optimizer']!r} is not one of "
                           f"{', '.join(ADAM_KERNELS)}")
-    if not isinstance(top.get("offload", True), bool):
-        raise ConfigError(f"{source}: offload must be true or false, got {top['offload']!r}")
+    if "host" in top:
+        top["host"] = _host_from_dict(top["host"], f"{source}: [host]")
     margin = top.get("memory_margin_fraction", 0.1)
     if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")
@@ -400,6 +416,17 @@ def _overlap_from_dict(data: Any, where: str) -> Overlap:
                 f"{', '.join(OVERLAP_PATTERNS)}, got {value!r}")
         d["exposed"] = tuple(value)
     return Overlap(**d)
+
+
+def _host_from_dict(data: Any, where: str) -> Host:
+    d = _known(_table(data, where), {f.name for f in fields(Host)}, where)
+    if not isinstance(d.get("offload", True), bool):
+        raise ConfigError(f"{where}: offload must be true or false, got {d['offload']!r}")
+    if "memory_bandwidth_GBps" in d:
+        _check_positive("memory_bandwidth_GBps", d["memory_bandwidth_GBps"], where)
+    if "link" in d:
+        d["link"] = _link_from_dict(d["link"], f"{where[:-1]}.link]")
+    return Host(**d)
 
 
 def _link_from_dict(data: Any, where: str) -> Link:

@@ -21,7 +21,7 @@ from autopar.planner.costs import (
 )
 from autopar.planner.ilp import min_memory
 from autopar.planner.search import accumulation_steps, candidate_meshes, class_options
-from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Link, Overlap
+from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Host, Link, Overlap
 from cost_models.memory import precision
 from passes.records import Collective, LayerGraph
 from runtime.plan import TP_STRATEGIES, Mesh, Plan
@@ -36,7 +36,7 @@ def every_option(layer, mesh, cluster, prec, m: int, *, prune: bool = True) -> l
     hsdp = hsdp_shard_size(cluster)
     return [layer_cost(layer, o, mesh, cluster, prec, m, hsdp_shard_size=hsdp)
             for o in allowed_options(layer, mesh, hsdp_shard_size=hsdp, microbatches=m,
-                                     offload=cluster.offload)]
+                                     offload=cluster.host.offload)]
 
 
 def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32", *,
@@ -228,7 +228,7 @@ def test_zero_stage_rises_as_memory_shrinks_and_offload_comes_last():
 
 
 def test_a_cluster_without_separate_host_memory_never_offloads():
-    """``Cluster.offload`` False (CPU processes: the device's memory is the host's): where
+    """``Cluster.host.offload`` False (CPU processes: the device's memory is the host's): where
     the same cluster with offload must offload to fit, it has no plan; with memory to
     spare, both plan alike; and no layer is offered an offload option."""
     graph = states_model()
@@ -239,26 +239,26 @@ def test_a_cluster_without_separate_host_memory_never_offloads():
     assert any(lp.offload for lp in search(graph, tight, pipeline=False).plan.layers)
     assert least_memory_without(graph, tight, "offload") > tight.device.memory_bytes
     with pytest.raises(InfeasibleError, match="smallest per-rank memory any plan needs"):
-        search(graph, replace(tight, offload=False), pipeline=False)
+        search(graph, replace(tight, host=Host(offload=False)), pipeline=False)
     ample = make_cluster(per_node=4, memory_bytes=int(need * 1.05), overlap=exposed)
-    assert search(graph, replace(ample, offload=False), pipeline=False).plan.layers == \
+    assert search(graph, replace(ample, host=Host(offload=False)), pipeline=False).plan.layers == \
         search(graph, ample, pipeline=False).plan.layers
     for layer in graph.layers:
-        labels = layer_options(layer, None, Mesh(dp=4), replace(tight, offload=False), FP32)
+        labels = layer_options(layer, None, Mesh(dp=4), replace(tight, host=Host(offload=False)), FP32)
         assert labels and not any("+offload" in o for o in labels)
         assert any("+offload" in o for o in layer_options(layer, None, Mesh(dp=4), tight, FP32))
 
 
 def test_local_cpu_processes_and_their_calibrated_profiles_do_not_offload():
-    assert Cluster.local(2).offload is False
-    with pytest.raises(ConfigError, match="offload must be true or false"):
-        Cluster.from_toml_text(_toml('offload = "no"\n'))
-    assert Cluster.from_toml_text(_toml("offload = false\n")).offload is False
-    assert Cluster.from_toml_text(_toml("")).offload is True
+    assert Cluster.local(2).host.offload is False
+    with pytest.raises(ConfigError, match=r"\[host\]: offload must be true or false"):
+        Cluster.from_toml_text(_toml('[host]\noffload = "no"\n'))
+    assert Cluster.from_toml_text(_toml("[host]\noffload = false\n")).host.offload is False
+    assert Cluster.from_toml_text(_toml("")).host == Host()
 
 
-def _toml(top: str) -> str:
-    return (f'name = "t"\n{top}[device]\nname = "d"\nmemory_gib = 8\n'
+def _toml(tables: str) -> str:
+    return (f'name = "t"\n{tables}[device]\nname = "d"\nmemory_gib = 8\n'
             "memory_bandwidth_GBps = 100\n[device.peak_tflops]\nfloat32 = 1\n"
             '[intra_node]\nkind = "pcie"\nbandwidth_GBps = 10\nlatency_us = 5\n'
             '[inter_node]\nkind = "network"\nbandwidth_GBps = 10\nlatency_us = 5\n')

@@ -20,7 +20,7 @@ from autopar.planner.loss_costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES, LOSS_KE
 from autopar.planner.search import Candidate, _make_plan
 from cost_models.comm import Group, all_gather_s, reduce_scatter_s
 from cost_models.errors import ConfigError
-from cost_models.hardware import Cluster, Overlap
+from cost_models.hardware import Cluster, Host, Link, Overlap
 from cost_models.memory import precision
 from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
 from runtime.plan import Mesh, SolverReport, option_label
@@ -138,6 +138,51 @@ def test_cross_entropy_runs_at_its_calibrated_share_of_the_bandwidth():
         base = layer_cost(head, "replicate", Mesh(dp=4), slow, prec, 2)
         assert cost.fwd_s - base.fwd_s == pytest.approx(
             (4 * LOSS_FWD_PASSES * logits + cast) / 2000e9 + LOSS_KERNELS * 5e-6)
+
+
+# -- offload: the cluster's host ---------------------------------------------------------------
+
+def test_offloaded_layers_copy_over_the_hosts_link_and_step_at_its_bandwidth():
+    """An offloaded fsdp layer (dp 4, 2 micro-batches): its float32 shard P/4 is copied to
+    the device before each of the two gathers per micro-batch and its gradient shard back
+    once per step, over ``Cluster.host.link``; AdamW steps the shard on the host, one tensor
+    at a time, at ``Cluster.host.memory_bandwidth_GBps``. Hand-derived for two hosts."""
+    params = 64 * 2**20
+    layer = make_layer("h.0", "B", 0, params=params, fwd_flops=1e12, saved_bytes=2**20,
+                       act_bytes=2**20)
+    shard = params / 4 * 4  # bytes of the float32 parameter (and gradient) shard
+
+    def host(bandwidth, latency, dram):
+        return Host(link=Link(kind="pcie", bandwidth_GBps=bandwidth, latency_s=latency),
+                    memory_bandwidth_GBps=dram)
+
+    def time_s(h):
+        cluster = replace(make_cluster(), host=h)
+        return layer_cost(layer, "fsdp+offload", Mesh(dp=4), cluster, FP32, 2).time_s
+
+    def by_hand(bandwidth, latency, dram):
+        copies = 2 * 2 * (shard / (bandwidth * 1e9) + latency) + shard / (bandwidth * 1e9)
+        adam = optimizer_step_s(params / 4, layer.param_tensors, ADAM_KERNELS["adamw-for-loop"],
+                                make_cluster().device, bandwidth_GBps=dram)
+        return copies + adam
+
+    a, b = (25.0, 10e-6, 50.0), (50.0, 10e-6, 77.0)  # a DGX A100's share, then an H100's
+    assert time_s(host(*a)) - time_s(host(*b)) == pytest.approx(by_hand(*a) - by_hand(*b),
+                                                                  rel=1e-9)
+    for preset, figures in (("dgx-h100", b), ("dgx-a100-80g", a)):
+        h = Cluster.preset(preset).host
+        assert h.offload and (h.link.bandwidth_GBps, h.link.latency_s,
+                              h.memory_bandwidth_GBps) == pytest.approx(figures)
+
+
+def test_a_malformed_host_table_names_the_field():
+    with pytest.raises(ConfigError, match=r"\[host.link\]: missing field 'latency_s'"):
+        Cluster.from_toml_text(_cluster_toml(tables='[host.link]\nkind = "pcie"\n'
+                                                    "bandwidth_GBps = 50\n"))
+    with pytest.raises(ConfigError, match=r"\[host\]: unknown field 'bandwidth_GBps'"):
+        Cluster.from_toml_text(_cluster_toml(tables="[host]\nbandwidth_GBps = 50\n"))
+    with pytest.raises(ConfigError, match=r"\[host\]: memory_bandwidth_GBps must be a positive"):
+        Cluster.from_toml_text(_cluster_toml(tables="[host]\nmemory_bandwidth_GBps = 0\n"))
 
 
 # -- fused attention's rate -------------------------------------------------------------------
@@ -285,11 +330,11 @@ def test_a_rate_efficiency_out_of_range_is_refused(field, value):
         Cluster.from_toml_text(_cluster_toml(device_extra=f"{field} = {value}\n"))
 
 
-def _cluster_toml(top: str = "", device_extra: str = "") -> str:
+def _cluster_toml(top: str = "", device_extra: str = "", tables: str = "") -> str:
     return (f'name = "t"\n{top}\n[device]\nname = "d"\nmemory_gib = 8\n'
             f"memory_bandwidth_GBps = 100\n{device_extra}\n[device.peak_tflops]\nfloat32 = 1\n"
             '[intra_node]\nkind = "pcie"\nbandwidth_GBps = 10\nlatency_us = 5\n'
-            '[inter_node]\nkind = "network"\nbandwidth_GBps = 10\nlatency_us = 5\n')
+            '[inter_node]\nkind = "network"\nbandwidth_GBps = 10\nlatency_us = 5\n' + tables)
 
 
 def test_the_search_prices_a_plan_of_replicate_layers_as_ddp_runs_it():

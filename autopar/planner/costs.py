@@ -99,7 +99,7 @@ from cost_models.comm import (
     reduce_scatter_s,
 )
 from cost_models.compute import gemm_shortfall_flops, roofline_s
-from cost_models.hardware import Cluster, Device, Link, Overlap
+from cost_models.hardware import Cluster, Device, Overlap
 from cost_models.memory import Precision
 from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
 from cost_models.overlap import exposed_comm_s
@@ -118,15 +118,10 @@ WGRAD_FRACTION = 0.5
 matmuls of the forward's size, one for the input gradient and one for the weight gradient.
 Zero-bubble schedules run it as a separate W pass."""
 
-HOST_LINK = Link(kind="pcie", bandwidth_GBps=25.0, latency_s=10e-6)
-"""Device <-> host copies of offloaded layers: PCIe 4.0 x16, 32 GB/s per direction on
-paper, about 25 GB/s achieved (NVIDIA A100 datasheet; DGX A100 has one x16 link per GPU)."""
 HOST_MEMORY_BYTES = 256 * 1024**3
-"""Host memory one device may fill with offloaded states: a DGX A100 has 2 TB of DRAM
-for 8 GPUs."""
-HOST_MEMORY_GBPS = 50.0
-"""Host DRAM bandwidth one device's offloaded optimizer step gets: a DGX A100's two EPYC
-7742 sockets have 8 DDR4-3200 channels each (2 × 205 GB/s), shared by 8 GPUs."""
+"""Host memory one device may fill with offloaded states: a DGX A100 or H100 has 2 TB of
+DRAM for 8 GPUs. (The copies' link and the host's bandwidth are the cluster's,
+``Cluster.host``.)"""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,7 +328,7 @@ def layer_cost(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
     loss_kept, loss_transient = loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
-    host = _offload_s(local_params, layer.param_tensors, prec, device) if offload else (
+    host = _offload_s(local_params, layer.param_tensors, prec, cluster) if offload else (
         0.0, 0.0, 0.0)
     host_per_micro, host_per_step, host_optimizer = host
     if offload:
@@ -688,17 +683,18 @@ def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m
     return p / n, held / n, k / n, 2 * p + g, 0.0
 
 
-def _offload_s(local_params: float, param_tensors: int, prec: Precision, device
+def _offload_s(local_params: float, param_tensors: int, prec: Precision, cluster: Cluster
                ) -> tuple[float, float, float]:
     """(host copies per micro-batch, per step, optimizer step on the host) of an offloaded
     layer: its parameter shard is copied to the device before each of the two gathers,
     its gradient shard back once per step, and Adam runs at host memory bandwidth, one
-    tensor at a time (torch's AdamW on CPU tensors)."""
-    shard = local_params * prec.param_bytes
-    per_micro = 2 * (shard / (HOST_LINK.bandwidth_GBps * 1e9) + HOST_LINK.latency_s)
-    per_step = local_params * prec.grad_bytes / (HOST_LINK.bandwidth_GBps * 1e9)
+    tensor at a time (torch's AdamW on CPU tensors); link and bandwidth: ``Cluster.host``."""
+    link, shard = cluster.host.link, local_params * prec.param_bytes
+    per_micro = 2 * (shard / (link.bandwidth_GBps * 1e9) + link.latency_s)
+    per_step = local_params * prec.grad_bytes / (link.bandwidth_GBps * 1e9)
     optimizer = optimizer_step_s(local_params, param_tensors, ADAM_KERNELS["adamw-for-loop"],
-                                 device, bandwidth_GBps=HOST_MEMORY_GBPS)
+                                 cluster.device,
+                                 bandwidth_GBps=cluster.host.memory_bandwidth_GBps)
     return per_micro, per_step, optimizer
 
 
@@ -717,7 +713,7 @@ def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cl
     hsdp = hsdp_shard_size(cluster, mesh.pp)
     labels = allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
                              microbatches=microbatches, selective=selective,
-                             offload=cluster.offload)
+                             offload=cluster.host.offload)
     return prune_dominated({
         o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp)
         for o in labels})

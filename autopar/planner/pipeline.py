@@ -619,7 +619,7 @@ def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) ->
             if option not in allowed_options(layer, config.mesh, seq_len=graph.seq_len,
                                              hsdp_shard_size=hsdp,
                                              microbatches=config.microbatches,
-                                             offload=cluster.offload):
+                                             offload=cluster.host.offload):
                 raise ValueError(f"layer {layer.name!r}: option {option!r} is not possible on "
                                  f"this mesh (options: {', '.join(options)})")
             options = {option: layer_cost(layer, option, config.mesh, cluster, prec,
