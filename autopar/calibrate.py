@@ -52,6 +52,7 @@ from cost_models.calibrate import (
     fit_gemm_curve,
     fit_matmul,
     kernel_mix_bandwidth_GBps,
+    nondecreasing_fit,
     predict_s,
     relative_error,
     spread,
@@ -328,16 +329,27 @@ def _host_lines(host: HostTiming | None) -> list[str]:
     """[device] host overheads, measured on CPU ranks (GPUs keep the default 0)."""
     if host is None:
         return []
-    return ["# Host overheads on CPU ranks (autopar/calibration_kernels.py): FSDP2 and TP "
-            "per module",
-            "# per forward + backward, DTensor per op, and a blocking collective's skew after "
-            f"{host.skew_window_s * 1e3:g} ms",
-            "# of compute.",
-            f"fsdp_overhead_us = {host.fsdp_s * 1e6:.4g}",
-            f"tp_overhead_us = {host.tp_s * 1e6:.4g}",
-            f"dtensor_op_overhead_us = {host.dtensor_op_s * 1e6:.4g}",
-            *([f"collective_skew_us = {host.skew_s * 1e6:.4g}"] if host.skew_s is not None
-              else [])]
+    lines = ["# Host overheads on CPU ranks (autopar/calibration_kernels.py): FSDP2 and TP "
+             "per module",
+             "# per forward + backward, DTensor per op, and a blocking collective's skew after "
+             f"{host.skew_window_s * 1e3:g} ms",
+             "# of compute.",
+             f"fsdp_overhead_us = {host.fsdp_s * 1e6:.4g}",
+             f"tp_overhead_us = {host.tp_s * 1e6:.4g}",
+             f"dtensor_op_overhead_us = {host.dtensor_op_s * 1e6:.4g}"]
+    if host.skew_s is None:
+        return lines
+    measured = [host.skew_s] + [t for _, t in host.skew_at]
+    skew, *at = nondecreasing_fit(measured)
+    lines.append(f"collective_skew_us = {skew * 1e6:.4g}")
+    if host.skew_at:
+        lines += ["# By message size: the nearest non-decreasing curve to the skews measured "
+                  "at one",
+                  "# element and at bytes = [...] (measured_us, in that order).",
+                  "[device.collective_skew_at]", f"bytes = {[n for n, _ in host.skew_at]}",
+                  "us = [" + ", ".join(f"{t * 1e6:.4g}" for t in at) + "]",
+                  "measured_us = [" + ", ".join(f"{t * 1e6:.4g}" for t in measured) + "]"]
+    return lines
 
 
 def _overlap_lines(m: Measurements, settings: Settings, overlap: dict[str, Spread]) -> list[str]:
@@ -460,7 +472,8 @@ def format_table(cal: Calibration) -> str:
                      f"per module (forward + backward), DTensor {h.dtensor_op_s * 1e6:.1f} us "
                      "per op" + (f"; collective skew {h.skew_s * 1e6:.0f} us after "
                                  f"{h.skew_window_s * 1e3:g} ms of compute"
-                                 if h.skew_s is not None else ""))
+                                 if h.skew_s is not None else "")
+                     + "".join(f", {t * 1e6:.0f} us at {_size(n)}" for n, t in h.skew_at))
     if m.attention is not None:
         a = m.attention
         lines.append(f"causal attention {a.dtype} {_shape(a.shape)}, forward + backward: "

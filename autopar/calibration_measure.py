@@ -77,12 +77,15 @@ class Settings:
     layer's forward on a CPU rank (ranks drift further apart over longer windows)."""
     skew_rounds: int = 30
     """(window, collective) rounds timed together, against as many windows alone."""
+    skew_bytes: tuple[int, ...] = (256 * KiB, MiB, 4 * MiB, 16 * MiB)
+    """Messages the skew is measured at besides one element (``Device.collective_skew_at``):
+    those up to the largest of ``message_bytes``."""
     timeout_s: float = 120
 
     @classmethod
     def quick(cls) -> Settings:
         return cls(gemm_sizes=(128, 256, 512), dtypes=("float32",), attention_shape=(4, 128, 32),
-                   loss_shape=(256, 1024), message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
+                   loss_shape=(256, 1024), skew_bytes=(MiB,), message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
                    warmup=1, repeats=5, gemm_window_s=0.05, overlap_gemm_size=512,
                    timeout_s=60)
 
@@ -145,6 +148,8 @@ class HostTiming:
     skew_s: float | None
     """Per blocking collective after a compute window, beyond its back-to-back time (None on
     one rank: nothing to wait for)."""
+    skew_at: tuple[tuple[int, float], ...]
+    """(message bytes, skew) at the larger messages of ``Settings.skew_bytes``."""
     skew_window_s: float
     """That window."""
 
@@ -237,25 +242,30 @@ def _measure_host(settings: Settings, device: torch.device | str, timer: Callabl
                            mesh_dim_names=("calibrate_ranks", "calibrate_alone"))
     ops = host_overhead_ops(one["calibrate_alone"], device)
     t = {k: statistics.median(_sustained(timer, op, settings, device)) for k, op in ops.items()}
+    many = dist.get_world_size() > 1
+    sizes = [n for n in settings.skew_bytes if n <= max(settings.message_bytes)] if many else []
     return HostTiming(fsdp_s=max(0.0, (t["fsdp"] - t["plain"]) / HOST_STACK),
                       tp_s=max(0.0, (t["tp"] - t["plain"]) / HOST_STACK),
                       dtensor_op_s=max(0.0, t["dtensor op"] - t["op"]),
-                      skew_s=(_measure_skew(settings, device, timer)
-                              if dist.get_world_size() > 1 else None),
+                      skew_s=_measure_skew(settings, device, timer) if many else None,
+                      skew_at=tuple((n, _measure_skew(settings, device, timer, n))
+                                    for n in sizes),
                       skew_window_s=settings.skew_window_s)
 
 
-def _measure_skew(settings: Settings, device: torch.device | str, timer: Callable) -> float:
+def _measure_skew(settings: Settings, device: torch.device | str, timer: Callable,
+                  nbytes: int = 4) -> float:
     """Every rank runs ``skew_rounds`` GEMM windows of ``skew_window_s``, each followed by
-    a one-element all_reduce, then as many windows alone; the difference per round, less
-    the all_reduce's own time back to back (measured as the collectives are), is the skew.
-    The median of ``overlap_repeats`` such pairs."""
+    an all_reduce of ``nbytes``, then as many windows alone; the difference per round,
+    less the all_reduce's own time back to back (measured as the collectives are), is the
+    skew. The median of ``overlap_repeats`` such pairs."""
     n = settings.overlap_gemm_size
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     window, _, _ = _window(timer, lambda: torch.mm(a, b), settings, device,
                            seconds=settings.skew_window_s)
-    one = torch.zeros(1, device=device)
-    back_to_back = _median(timer, lambda: dist.all_reduce(one), settings, small=True)
+    one = torch.zeros(max(1, nbytes // 4), device=device)
+    back_to_back = _median(timer, lambda: dist.all_reduce(one), settings,
+                           small=nbytes < 256 * KiB)
     rounds = settings.skew_rounds
 
     def synced() -> None:
@@ -531,6 +541,8 @@ def slowest(per_rank: list[Measurements], backend: str, nproc: int) -> Measureme
                                  for k in ("fsdp_s", "tp_s", "dtensor_op_s")},
                               skew_s=None if first.host.skew_s is None else max(
                                   r.host.skew_s for r in per_rank),
+                              skew_at=tuple((n, max(dict(r.host.skew_at)[n] for r in per_rank))
+                                            for n, _ in first.host.skew_at),
                               skew_window_s=first.host.skew_window_s)
     for d, v in first.gemm_s.items():
         slowest = {n: max(per_rank, key=lambda r, d=d, n=n: r.gemm_s[d][n]) for n in v}

@@ -372,7 +372,8 @@ def main() -> None:
           f"+ {link.latency_s * 1e6:.0f} us (all_reduce fit)")
     print(f"  host: FSDP2 {d.fsdp_overhead_s * 1e6:.0f} us and TP {d.tp_overhead_s * 1e6:.0f} us per "
           f"module, DTensor {d.dtensor_op_overhead_s * 1e6:.0f} us per op; collective skew "
-          f"{d.collective_skew_s * 1e6:.0f} us")
+          f"{d.collective_skew_s * 1e6:.0f} us"
+          + "".join(f", {t * 1e6:.0f} us at {n / MiB:g} MiB" for n, t in d.collective_skew_at))
     print(f"  cross-check: float32 Linear {SUSTAINED_GEMM[0]} forward + backward, every rank for "
           f"{SUSTAINED_GEMM[1]:.0f} s at once: {sustained / 1e9:.1f} GFLOP/s per rank "
           f"(slowest rank; measured); a bare torch.mm of that size: {bare / 1e9:.1f}")

@@ -208,6 +208,20 @@ class Spread:
         return (self.high - self.low) / self.median
 
 
+def nondecreasing_fit(values: Sequence[float]) -> list[float]:
+    """The non-decreasing sequence nearest ``values`` in least squares: pool adjacent
+    violators, each run that falls replaced by its mean. For a quantity that cannot fall
+    along the sequence but whose measurements scatter (a collective's skew by message
+    size). Ten lines here rather than a SciPy dependency."""
+    runs: list[tuple[float, int]] = []  # (sum, count) of each pooled run
+    for v in values:
+        runs.append((float(v), 1))
+        while len(runs) > 1 and runs[-2][0] / runs[-2][1] > runs[-1][0] / runs[-1][1]:
+            total, count = runs.pop()
+            runs[-1] = (runs[-1][0] + total, runs[-1][1] + count)
+    return [total / count for total, count in runs for _ in range(count)]
+
+
 def spread(values: Sequence[float]) -> Spread:
     v = np.asarray(values, dtype=float)
     if v.size == 0 or np.any(v <= 0) or not np.all(np.isfinite(v)):

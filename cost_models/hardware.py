@@ -73,7 +73,14 @@ class Device:
     computing: they arrive apart. CPU processes sharing cores drift apart by a share of a
     scheduler slice between collectives; GPUs queue kernels ahead and barely drift.
     ``autopar calibrate`` measures it on CPU ranks (a GEMM window, then a one-element
-    all_reduce, against the window alone); 0 until then."""
+    all_reduce, against the window alone); 0 until then. Larger messages wait longer:
+    ``collective_skew_at``."""
+    collective_skew_at: tuple[tuple[float, float], ...] = ()
+    """(message bytes S, skew seconds) at larger messages, S ascending: on CPU ranks each
+    step of a ring collective waits for a rank to be scheduled again, so the skew grows
+    with the message (4 ranks of 2 cores: 2 ms at one element, 4-5 at 1 MiB, 5-6 at
+    4 MiB). ``skew_s`` interpolates linearly in S from (0, ``collective_skew_s``), and
+    keeps the last point's past it. Measured by ``autopar calibrate`` with the skew."""
     fsdp_overhead_s: float = 0.0
     """Host time FSDP2 adds per wrapped module per micro-batch (its forward and backward
     hooks, with their allocations and bookkeeping), beyond the copies and collectives the
@@ -106,6 +113,15 @@ class Device:
                 f"device {self.name!r} has no peak FLOP/s for dtype {dtype!r}; it lists "
                 f"{', '.join(self.peak_flops) or 'none'}"
             ) from None
+
+    def skew_s(self, nbytes: float) -> float:
+        """A blocking collective's skew at message size ``nbytes`` (comm.py's S)."""
+        lo_bytes, lo_s = 0.0, self.collective_skew_s
+        for hi_bytes, hi_s in self.collective_skew_at:
+            if nbytes <= hi_bytes:
+                return lo_s + (hi_s - lo_s) * (nbytes - lo_bytes) / (hi_bytes - lo_bytes)
+            lo_bytes, lo_s = hi_bytes, hi_s
+        return lo_s
 
     def half_dim(self, dtype: str) -> float:
         return self.matmul_half_dim.get(dtype, DEFAULT_MATMUL_HALF_DIM)
@@ -370,6 +386,8 @@ def _device_from_dict(data: Any, where: str) -> Device:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
             raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
     d["memory_bytes"] = int(d["memory_bytes"])
+    if "collective_skew_at" in d:
+        d["collective_skew_at"] = _skew_points(d["collective_skew_at"], where)
     for key in ("attention_efficiency", "loss_efficiency"):
         value = d.get(key, 1.0)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
@@ -381,6 +399,21 @@ def _device_from_dict(data: Any, where: str) -> Device:
     if "matmul_half_dim" in d:
         d["matmul_half_dim"] = _half_dims(d["matmul_half_dim"], where)
     return Device(**d)
+
+
+def _skew_points(data: Any, where: str) -> tuple[tuple[float, float], ...]:
+    """``[device.collective_skew_at]``: ``bytes = [...]`` ascending and ``us = [...]``."""
+    table = _known(_table(data, f"{where} collective_skew_at"), {"bytes", "us", "measured_us"},
+                   f"{where} collective_skew_at")  # measured_us: what the curve was fitted to
+    sizes, times = table.get("bytes"), table.get("us")
+    if (not isinstance(sizes, list) or not isinstance(times, list) or len(sizes) != len(times)
+            or not sizes or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0
+                                for x in sizes + times)
+            or any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)) or sizes[0] <= 0):
+        raise ConfigError(f"{where} collective_skew_at: bytes and us must be lists of equal "
+                          f"length, bytes positive and ascending, us non-negative; got "
+                          f"bytes = {sizes!r}, us = {times!r}")
+    return tuple((float(b), float(t) * 1e-6) for b, t in zip(sizes, times, strict=True))
 
 
 def _half_dims(data: Any, where: str) -> dict[str, float]:

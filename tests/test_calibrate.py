@@ -33,6 +33,7 @@ from cost_models.calibrate import (
     fit_matmul,
     fit_overlap_slowdown,
     kernel_mix_bandwidth_GBps,
+    nondecreasing_fit,
     predict_s,
     spread,
 )
@@ -178,12 +179,41 @@ def test_profile_writes_the_measured_slowdowns_and_the_gemm_spread_and_reads_the
 def test_profile_writes_the_host_overheads_and_reads_them_back(tmp_path):
     m = synthetic_measurements({})
     m.host = HostTiming(fsdp_s=9e-4, tp_s=1.1e-3, dtensor_op_s=4e-5, skew_s=3e-3,
-                        skew_window_s=0.01)
+                        skew_at=((2**20, 4.5e-3), (2**22, 6e-3)), skew_window_s=0.01)
     cluster = write_profile(fit(m, Settings()), tmp_path / "p.toml")
     d = cluster.device
     assert (d.fsdp_overhead_s, d.tp_overhead_s, d.dtensor_op_overhead_s,
             d.collective_skew_s) == pytest.approx((9e-4, 1.1e-3, 4e-5, 3e-3))
+    assert [n for n, _ in d.collective_skew_at] == [2**20, 2**22]
+    assert [t for _, t in d.collective_skew_at] == pytest.approx([4.5e-3, 6e-3])
+    # A skew measured lower at a larger message than at one element (noise) is pooled:
+    # the file keeps the nearest non-decreasing curve, and what was measured beside it.
+    m.host = replace(m.host, skew_at=((2**20, 2e-3), (2**22, 6e-3)))
+    d = write_profile(fit(m, Settings()), tmp_path / "q.toml").device
+    assert d.collective_skew_s == pytest.approx(2.5e-3)
+    assert [t for _, t in d.collective_skew_at] == pytest.approx([2.5e-3, 6e-3])
+    assert "measured_us = [3000, 2000, 6000]" in (tmp_path / "q.toml").read_text()
     assert "after 10 ms" in (tmp_path / "p.toml").read_text()
+
+
+@pytest.mark.parametrize("values, fitted", [
+    ([1, 2, 3], [1, 2, 3]),
+    ([3, 1, 2], [2, 2, 2]),
+    ([2.5, 0, 1.3, 7.45, 7.7], [1.25, 1.25, 1.3, 7.45, 7.7]),
+    ([2.7, 0.9, 3.9, 8.1, 5.6], [1.8, 1.8, 3.9, 6.85, 6.85]),
+])
+def test_nondecreasing_fit_pools_adjacent_violators(values, fitted):
+    assert nondecreasing_fit(values) == pytest.approx(fitted)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.floats(0, 1e-2, allow_nan=False), min_size=1, max_size=8))
+def test_nondecreasing_fit_never_falls_and_keeps_the_total(values):
+    fitted = nondecreasing_fit(values)
+    assert all(a <= b + 1e-15 for a, b in zip(fitted, fitted[1:], strict=False))
+    assert sum(fitted) == pytest.approx(sum(values), abs=1e-12)
+    if values == sorted(values):
+        assert fitted == pytest.approx(values)
 
 
 def test_a_slowdown_no_profile_accepts_is_left_at_the_default_with_a_note(tmp_path):
@@ -281,6 +311,7 @@ def test_quick_calibration_measures_the_work_beside_gemms_and_the_host_overheads
     assert cluster.optimizer == "adamw-for-loop" and cluster.host.offload is False
     assert d.fsdp_overhead_s > 0 and d.tp_overhead_s > 0 and d.dtensor_op_overhead_s > 0
     assert "collective_skew_us = " in path.read_text()  # measured (0 when no rank waits)
+    assert [n for n, _ in d.collective_skew_at] == list(Settings.quick().skew_bytes)
     assert "host overheads: FSDP2" in printed and "harmonic mean" in printed
     assert "causal attention float32 (batch x heads, seq, head dim) = (4, 64, 16)" in printed
     assert "cross-entropy float32 (tokens, vocabulary) = (64, 512)" in printed

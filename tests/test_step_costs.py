@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_leaves
 
 from autopar.planner import search
 from autopar.planner.costs import layer_cost, on_ddp
+from autopar.planner.engine_costs import all_reduce_wait_s, back_to_back_skew_s
 from autopar.planner.ilp import ClassOptions
 from autopar.planner.loss_costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES, LOSS_KERNELS
 from autopar.planner.search import Candidate, _make_plan
@@ -284,6 +285,58 @@ def test_every_blocking_collective_waits_out_the_skew():
     assert replicate == pytest.approx(3e-3)
     assert all_gather_s(4e6, Group(4), cpu) == all_gather_s(4e6, Group(4), no_skew)
     assert reduce_scatter_s(4e6, Group(4), cpu) == reduce_scatter_s(4e6, Group(4), no_skew)
+
+
+def test_the_skew_grows_with_the_message_between_calibrated_points():
+    """``Device.collective_skew_at``: linear in the message size between points, from
+    (0, ``collective_skew_s``), flat past the last; each collective waits the skew of its
+    own size (TP: the activation per micro-batch; FSDP: the layer's parameters, gradients)."""
+    points = ((2.0**18, 5e-3), (2.0**22, 9e-3))
+    device = replace(_cpu_like().device, collective_skew_at=points)
+    assert device.skew_s(0) == pytest.approx(3e-3)
+    assert device.skew_s(2**17) == pytest.approx(4e-3)
+    assert device.skew_s(2**18) == pytest.approx(5e-3)
+    assert device.skew_s((2**18 + 2**22) / 2) == pytest.approx(7e-3)
+    assert device.skew_s(2**30) == pytest.approx(9e-3)
+
+    layer = make_layer("h.0", "B", 0, params=10**6, fwd_flops=1e9, saved_bytes=0,
+                       act_bytes=2**20)
+    cpu = replace(_cpu_like(), device=device)
+    no_skew = replace(cpu, device=replace(device, collective_skew_s=0.0, collective_skew_at=()))
+    tp = option_label("tp", "none", False, False)
+    # dp 2 x 2 micro-batches: each TP all-reduce moves 2^20 / 4 = 2^18 bytes.
+    skewed, base = (layer_cost(layer, tp, Mesh(dp=2, tp=2), c, FP32, 2) for c in (cpu, no_skew))
+    assert skewed.fwd_s - base.fwd_s == pytest.approx(5e-3)
+    exposed, exposed_no_skew = (replace(c, overlap=replace(c.overlap, exposed=("fsdp",)))
+                                for c in (cpu, no_skew))
+    fsdp = (layer_cost(layer, "fsdp", Mesh(dp=4), exposed, FP32, 2).comm_s
+            - layer_cost(layer, "fsdp", Mesh(dp=4), exposed_no_skew, FP32, 2).comm_s)
+    at_4e6 = 5e-3 + 4e-3 * (4e6 - 2**18) / (2**22 - 2**18)  # gathers and reduce-scatters
+    assert fsdp == pytest.approx(2 * 3 * at_4e6)
+    # Back to back, after the last micro-batch (a pipeline's reductions), the ranks come
+    # apart once: a layer waits its share of one 25 MiB bucket's skew (9 ms, past the last
+    # point), as under DDP.
+    share = 4e6 / cpu.overlap.ddp_bucket_bytes * 9e-3
+    assert back_to_back_skew_s(4e6, cpu) == pytest.approx(share)
+    assert all_reduce_wait_s("replicate", Mesh(pp=2, dp=2), cpu, FP32, 10**6) == \
+        pytest.approx((share, 0.0))
+    assert all_reduce_wait_s("replicate", Mesh(dp=4), cpu, FP32, 10**6) == \
+        pytest.approx((at_4e6, at_4e6 - share))
+
+
+@pytest.mark.parametrize("table, message", [
+    ("bytes = [1048576]\nus = [4000, 5000]\n", "lists of equal length"),
+    ("bytes = [4194304, 1048576]\nus = [4000, 5000]\n", "ascending"),
+    ("bytes = [1048576]\nus = [-1]\n", "us non-negative"),
+    ("sizes = [1048576]\n", "unknown field 'sizes'"),
+])
+def test_a_malformed_skew_curve_names_the_field(table, message):
+    text = _cluster_toml(device_extra="[device.collective_skew_at]\n" + table)
+    with pytest.raises(ConfigError, match=message):
+        Cluster.from_toml_text(text)
+    good = _cluster_toml(device_extra="collective_skew_us = 2000\n[device.collective_skew_at]\n"
+                                      "bytes = [1048576, 4194304]\nus = [4000, 5000]\n")
+    assert Cluster.from_toml_text(good).device.skew_s(2**21) == pytest.approx(4e-3 + 1e-3 / 3)
 
 
 def test_a_plan_that_runs_on_ddp_does_not_pay_fsdp2s_host_time_and_waits():

@@ -87,7 +87,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from autopar.planner.engine_costs import all_reduce_wait_s, engine_host_s, fsdp_copies_s
+from autopar.planner.engine_costs import (
+    all_reduce_wait_s,
+    back_to_back_skew_s,
+    engine_host_s,
+    fsdp_copies_s,
+)
 from autopar.planner.loss_costs import loss_bytes, loss_s
 from cost_models.comm import (
     Group,
@@ -509,9 +514,10 @@ def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Clu
         collectives = layer.tp.sp_collectives
     group = Group(mesh.tp, 1)
     times = {"fwd": 0.0, "bwd": 0.0}
-    skew = cluster.device.collective_skew_s  # each blocks the op after it
-    for c in collectives:
-        times[c.phase] += collective_s(c.kind, c.nbytes * scale, group, cluster) + skew
+    for c in collectives:  # each blocks the op after it, and waits its skew
+        nbytes = c.nbytes * scale
+        times[c.phase] += collective_s(c.kind, nbytes, group, cluster) + \
+            cluster.device.skew_s(nbytes)
     return times["fwd"], times["bwd"]
 
 
@@ -564,46 +570,50 @@ class _DPComm:
 
 def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
                tp_params: float, shards: int) -> _DPComm:
-    """Each gather and reduce-scatter with its skew (``Device.collective_skew_s``): every
+    """Each gather and reduce-scatter with its skew (``Device.skew_s`` of its size): every
     rank waits for the others at each. A replicated gradient's all-reduce waits once per
     layer (``engine_costs.all_reduce_wait_s``)."""
     dp, tp = mesh.replicas, mesh.tp
     group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
     params = tp_params * prec.param_bytes
     grads = tp_params * prec.grad_bytes
-    skew = cluster.device.collective_skew_s
+    def skew(nbytes: float, *, at_step: bool = False) -> float:
+        """Per micro-batch a collective sits between layers' compute; once per step, the
+        layers' run back to back (``engine_costs.back_to_back_skew_s``)."""
+        return back_to_back_skew_s(nbytes, cluster) if at_step else \
+            cluster.device.skew_s(nbytes)
 
-    def gather(group: Group) -> float:
+    def gather(group: Group, at_step: bool = False) -> float:
         t = all_gather_s(params, group, cluster)
-        return t + skew if t else 0.0
+        return t + skew(params, at_step=at_step) if t else 0.0
 
-    def scatter(group: Group) -> float:
+    def scatter(group: Group, at_step: bool = False) -> float:
         t = reduce_scatter_s(grads, group, cluster)
-        return t + skew if t else 0.0
+        return t + skew(grads, at_step=at_step) if t else 0.0
 
     if strategy in ("replicate", "tp"):
         # Overlapped with backward; its wait for the other ranks is layer_cost's (it
         # cannot hide behind compute).
         return _DPComm(0.0, 0.0, all_reduce_s(grads, group, cluster))
     if strategy == "zero1":
-        return _DPComm(0.0, 0.0, gather(group) + scatter(group))
+        return _DPComm(0.0, 0.0, gather(group, True) + scatter(group, True))
     if strategy == "zero2":
-        return _DPComm(0.0, scatter(group), gather(group))
+        return _DPComm(0.0, scatter(group), gather(group, True))
     if strategy == "hsdp":
         shard = Group(shards, 1)
         replicas = Group(dp * tp // shards, shards)
         # Reduce-scattered in the shard group every micro-batch (once in a pipeline, as
         # fsdp below), all-reduced across groups once (runtime/data_parallel.py).
         across = all_reduce_s(grads / shards, replicas, cluster)
-        across += skew if across else 0.0
+        across += skew(grads / shards, at_step=True) if across else 0.0
         if mesh.pp > 1:
-            return _DPComm(gather(shard), 0.0, scatter(shard) + across)
+            return _DPComm(gather(shard), 0.0, scatter(shard, True) + across)
         return _DPComm(gather(shard), scatter(shard), across)
     # fsdp / tp_fsdp (FSDP2 default): gather for forward, reshard, gather again for
     # backward; gradients are reduce-scattered every micro-batch and accumulated sharded.
     # Pipeline schedules reduce once, after the last micro-batch (their REDUCE_GRAD step).
     if mesh.pp > 1:
-        return _DPComm(gather(group), 0.0, scatter(group))
+        return _DPComm(gather(group), 0.0, scatter(group, True))
     return _DPComm(gather(group), scatter(group), 0.0)
 
 

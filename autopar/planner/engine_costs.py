@@ -18,15 +18,27 @@ def all_reduce_wait_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precisi
     """(Skew a replicated layer's gradient all-reduce waits per step, the part of it a plan
     run on DDP does not wait). FSDP2 issues the all-reduce per layer and blocks on each;
     DDP reduces gradients in buckets of ``Overlap.ddp_bucket_bytes`` and waits once per
-    bucket, so a layer waits its share of one skew. Exposed: a wait hides behind nothing."""
+    bucket, so a layer waits its share of one bucket's skew (``back_to_back_skew_s``), as
+    it does in a pipeline. Exposed: a wait hides behind nothing."""
     group = mesh.replicas if strategy == "tp" else mesh.replicas * mesh.tp
     if strategy not in ("replicate", "tp") or group == 1 or not tp_params:
         return 0.0, 0.0
-    skew = cluster.device.collective_skew_s
+    grads = tp_params * prec.grad_bytes
+    if mesh.pp > 1:  # reduced after the last micro-batch, back to back (never on DDP)
+        return back_to_back_skew_s(grads, cluster), 0.0
+    skew = cluster.device.skew_s(grads)
     if strategy == "tp":  # TP layers never run on DDP
         return skew, 0.0
-    share = min(1.0, tp_params * prec.grad_bytes / cluster.overlap.ddp_bucket_bytes)
-    return skew, (1 - share) * skew
+    return skew, skew - back_to_back_skew_s(grads, cluster)
+
+
+def back_to_back_skew_s(nbytes: float, cluster: Cluster) -> float:
+    """The skew of a collective issued right after others, with no compute between them
+    (DDP's buckets; the gradient reductions a pipeline runs after its last micro-batch;
+    ZeRO-1's around the optimizer step): the ranks come apart once, at the run's first
+    collective, so one of ``nbytes`` waits its share of one bucket's skew."""
+    bucket = cluster.overlap.ddp_bucket_bytes
+    return min(1.0, nbytes / bucket) * cluster.device.skew_s(bucket)
 
 
 FSDP_COPY_KERNELS = 2
