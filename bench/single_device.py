@@ -6,8 +6,8 @@
 
 1. Cluster: ``--profile`` (e.g. written by ``autopar calibrate --nproc 1 --topology
    dgx-h100``), cut to one device; without it, ``autopar calibrate``'s one-device
-   measurement runs first (``autopar.calibrate.calibrate(1, topology=...)``; the links do
-   not matter to one device).
+   measurement runs first (``autopar.calibrate.calibrate(1, topology=--topology)``: the
+   links do not matter to one device, the host memory for offloading does).
 2. Plan: ``autopar.plan`` for that one device, so the search decides recomputation (and
    what else one device allows) from the model's memory against the device's.
 3. Measure: one rank (NCCL on CUDA, gloo on CPU) trains with the plan
@@ -58,7 +58,7 @@ def one_device(args: argparse.Namespace, cuda: bool) -> Cluster:
     else:
         settings = Settings(loss_shape=(args.batch * args.seq, get_model(args.model).config.vocab_size))
         cal = calibrate(1, backend="nccl" if cuda else "gloo", settings=settings,
-                        topology=Cluster.local(1))
+                        topology=Cluster.load(args.topology))
         with tempfile.TemporaryDirectory() as tmp:
             cluster = write_profile(cal, Path(tmp) / "profile.toml")
     return replace(cluster, nodes=1, devices_per_node=1)
@@ -102,6 +102,8 @@ def main() -> None:
     model, batch, seq, dtype = DEFAULTS[cuda]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", help="a cluster profile (.toml) instead of calibrating")
+    parser.add_argument("--topology", default="dgx-h100" if cuda else "local",
+                        help="without --profile: the cluster whose host the device has")
     parser.add_argument("--model", default=model)
     parser.add_argument("--batch", type=int, default=batch)
     parser.add_argument("--seq", type=int, default=seq)
