@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -77,6 +78,8 @@ class Settings:
     layer's forward on a CPU rank (ranks drift further apart over longer windows)."""
     skew_rounds: int = 30
     """(window, collective) rounds timed together, against as many windows alone."""
+    skew_repeats: int = 5
+    """(with collectives, alone) pairs per message size; the skew is their median."""
     skew_bytes: tuple[int, ...] = (256 * KiB, MiB, 4 * MiB, 16 * MiB)
     """Messages the skew is measured at besides one element (``Device.collective_skew_at``):
     those up to the largest of ``message_bytes``."""
@@ -85,7 +88,7 @@ class Settings:
     @classmethod
     def quick(cls) -> Settings:
         return cls(gemm_sizes=(128, 256, 512), dtypes=("float32",), attention_shape=(4, 128, 32),
-                   loss_shape=(256, 1024), skew_bytes=(MiB,), message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
+                   loss_shape=(256, 1024), skew_bytes=(MiB,), skew_repeats=3, message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
                    warmup=1, repeats=5, gemm_window_s=0.05, overlap_gemm_size=512,
                    timeout_s=60)
 
@@ -185,16 +188,18 @@ def measure_rank(settings: Settings, backend: str) -> Measurements:
     for dtype in settings.dtypes:
         if not _supports(dtype, device):
             continue
-        m.gemm_s[dtype] = {}
-        for n in settings.gemm_sizes or gemm_sizes(backend):
-            gemms, op = linear_op(n, getattr(torch, dtype), device)
-            windows = [t / gemms for t in _sustained(timer, op, settings, device)]
-            m.gemm_windows_s.setdefault(dtype, {})[n] = windows
-            m.gemm_s[dtype][n] = statistics.median(windows)
+        linears = {n: linear_op(n, getattr(torch, dtype), device)
+                   for n in settings.gemm_sizes or gemm_sizes(backend)}
+        windows = _sustained_each(timer, {n: op for n, (_, op) in linears.items()}, settings,
+                                  device)
+        m.gemm_windows_s[dtype] = {n: [t / gemms for t in windows[n]]
+                                   for n, (gemms, _) in linears.items()}
+        m.gemm_s[dtype] = {n: statistics.median(w) for n, w in m.gemm_windows_s[dtype].items()}
     kernel_bytes = settings.memory_kernel_bytes or (256 * MiB if backend == "nccl" else 4 * MiB)
-    for name, (moved, op) in memory_kernels(kernel_bytes, device).items():
-        m.memory_kernels[name] = (moved, statistics.median(_sustained(timer, op, settings,
-                                                                      device)))
+    kernels = memory_kernels(kernel_bytes, device)
+    windows = _sustained_each(timer, {k: op for k, (_, op) in kernels.items()}, settings, device)
+    m.memory_kernels = {k: (moved, statistics.median(windows[k]))
+                        for k, (moved, _) in kernels.items()}
     m.attention = _measure_attention(settings, backend, device, timer, m)
     moved, op = loss_op(settings.loss_shape, device)
     m.loss = LossTiming(shape=settings.loss_shape, bytes=moved,
@@ -241,49 +246,53 @@ def _measure_host(settings: Settings, device: torch.device | str, timer: Callabl
     one = init_device_mesh("cpu", (dist.get_world_size(), 1),
                            mesh_dim_names=("calibrate_ranks", "calibrate_alone"))
     ops = host_overhead_ops(one["calibrate_alone"], device)
-    t = {k: statistics.median(_sustained(timer, op, settings, device)) for k, op in ops.items()}
+    t = {k: statistics.median(w) for k, w in _sustained_each(timer, ops, settings,
+                                                             device).items()}
     many = dist.get_world_size() > 1
     sizes = [n for n in settings.skew_bytes if n <= max(settings.message_bytes)] if many else []
+    skew = _measure_skew(settings, device, timer, [4, *sizes]) if many else {}
     return HostTiming(fsdp_s=max(0.0, (t["fsdp"] - t["plain"]) / HOST_STACK),
                       tp_s=max(0.0, (t["tp"] - t["plain"]) / HOST_STACK),
                       dtensor_op_s=max(0.0, t["dtensor op"] - t["op"]),
-                      skew_s=_measure_skew(settings, device, timer) if many else None,
-                      skew_at=tuple((n, _measure_skew(settings, device, timer, n))
-                                    for n in sizes),
+                      skew_s=skew.pop(4) if many else None,
+                      skew_at=tuple(skew.items()),
                       skew_window_s=settings.skew_window_s)
 
 
 def _measure_skew(settings: Settings, device: torch.device | str, timer: Callable,
-                  nbytes: int = 4) -> float:
-    """Every rank runs ``skew_rounds`` GEMM windows of ``skew_window_s``, each followed by
-    an all_reduce of ``nbytes``, then as many windows alone; the difference per round,
-    less the all_reduce's own time back to back (measured as the collectives are), is the
-    skew. The median of ``overlap_repeats`` such pairs."""
+                  sizes: list[int]) -> dict[int, float]:
+    """Message bytes -> skew. Every rank runs ``skew_rounds`` GEMM windows of
+    ``skew_window_s``, each followed by an all_reduce of that size, then as many windows
+    alone; the difference per round, less the all_reduce's own time back to back
+    (measured as the collectives are), is the skew: the median of ``skew_repeats`` such
+    pairs, the sizes taken in turn within each repeat (as ``_sustained_each``)."""
     n = settings.overlap_gemm_size
     a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
     window, _, _ = _window(timer, lambda: torch.mm(a, b), settings, device,
                            seconds=settings.skew_window_s)
-    one = torch.zeros(max(1, nbytes // 4), device=device)
-    back_to_back = _median(timer, lambda: dist.all_reduce(one), settings,
-                           small=nbytes < 256 * KiB)
     rounds = settings.skew_rounds
+    messages = {size: torch.zeros(max(1, size // 4), device=device) for size in sizes}
+    back_to_back = {size: _median(timer, lambda x=x: dist.all_reduce(x), settings,
+                                  small=size < 256 * KiB) for size, x in messages.items()}
 
-    def synced() -> None:
+    def synced(x: torch.Tensor) -> None:
         for _ in range(rounds):
             window()
-            dist.all_reduce(one)
+            dist.all_reduce(x)
 
     def alone() -> None:
         for _ in range(rounds):
             window()
 
-    excess = []
-    for _ in range(settings.overlap_repeats):
-        dist.barrier()
-        with_collectives = timer(synced)
-        dist.barrier()
-        excess.append((with_collectives - timer(alone)) / rounds)
-    return max(0.0, statistics.median(excess) - back_to_back)
+    excess: dict[int, list[float]] = {size: [] for size in sizes}
+    for _ in range(settings.skew_repeats):
+        for size, x in messages.items():
+            dist.barrier()
+            with_collectives = timer(lambda x=x: synced(x))
+            dist.barrier()
+            excess[size].append((with_collectives - timer(alone)) / rounds)
+    return {size: max(0.0, statistics.median(e) - back_to_back[size])
+            for size, e in excess.items()}
 
 
 def _collective(kind: str, x: torch.Tensor, world: int) -> tuple[int, Callable[[], object]]:
@@ -444,7 +453,16 @@ def _median(timer: Callable, op: Callable[[], object], settings: Settings, *,
 def _sustained(timer: Callable, op: Callable[[], object], settings: Settings,
                device: torch.device | str) -> list[float]:
     """Per-op times of ``op`` run back to back for ``settings.gemm_window_s``, one per
-    window (``settings.gemm_windows`` of them).
+    window (``settings.gemm_windows`` of them); see ``_sustained_each``."""
+    return _sustained_each(timer, {"": op}, settings, device)[""]
+
+
+def _sustained_each(timer: Callable, ops: dict[Any, Callable[[], object]], settings: Settings,
+                    device: torch.device | str) -> dict[Any, list[float]]:
+    """``_sustained`` of several ops, their windows taken in turn: the first window of
+    every op, then the second of every op, and so on. This VM slows every rank's
+    memory-bound kernels tenfold for up to a second at a time; one op's windows back to
+    back could all fall in one such burst, and then so would their median.
 
     A window must measure a rank's share of the machine with every rank busy. On CPU
     ranks every rank starts each window together and runs ops until the window's time is
@@ -453,23 +471,25 @@ def _sustained(timer: Callable, op: Callable[[], object], settings: Settings,
     faster than it sustains (bench/cost_fidelity.py's 2 s cross-check). GPUs share
     nothing, and their ops are timed by CUDA events: the same count on every rank.
     """
+    times: dict[Any, list[float]] = {name: [] for name in ops}
     if timer is _cuda_timer:
-        window, count, _ = _window(timer, op, settings, device)
-        times = []
+        windows = {name: _window(timer, op, settings, device)[:2] for name, op in ops.items()}
         for _ in range(settings.gemm_windows):
-            dist.barrier()
-            times.append(timer(window) / count)
+            for name, (window, count) in windows.items():
+                dist.barrier()
+                times[name].append(timer(window) / count)
         return times
-    for _ in range(settings.warmup):
-        op()
-    times = []
-    for _ in range(settings.gemm_windows):
-        dist.barrier()
-        start, count = time.perf_counter(), 0
-        while time.perf_counter() - start < settings.gemm_window_s:
+    for op in ops.values():
+        for _ in range(settings.warmup):
             op()
-            count += 1
-        times.append((time.perf_counter() - start) / count)
+    for _ in range(settings.gemm_windows):
+        for name, op in ops.items():
+            dist.barrier()
+            start, count = time.perf_counter(), 0
+            while time.perf_counter() - start < settings.gemm_window_s:
+                op()
+                count += 1
+            times[name].append((time.perf_counter() - start) / count)
     return times
 
 
