@@ -5,15 +5,16 @@ in order: GEMM throughput by size and dtype — an n → n Linear's forward and 
 tokens, its three GEMMs as training runs them — with *every rank running at once* (on a
 shared CPU that is what one rank gets during training), a mix of memory-bound kernels
 (memory bandwidth), causal fused attention (its rate against the GEMMs') and cross-entropy
-over float32 logits (its rate against the memory-bound mix's), all in windows like the GEMMs (``autopar.calibration_kernels``); on CPU ranks the host time of
-FSDP2, TP and DTensor and the skew of a collective after compute; the smallest op (kernel
-floor), then all_reduce / all_gather by message size and a send/recv ping-pong between
-ranks 0 and 1, then the overlap slowdown σ of each pattern of
+over float32 logits (its rate against the memory-bound mix's), all in windows like the
+GEMMs (``autopar.calibration_kernels``); on CPU ranks the host time of FSDP2, TP and
+DTensor and the skew of a collective after compute, by message size; the smallest op
+(kernel floor), then all_reduce / all_gather by message size and a send/recv ping-pong
+between ranks 0 and 1, then the overlap slowdown σ of each pattern of
 ``cost_models.overlap`` (a GEMM window alone, and again beside that pattern's
 communication). Each number is the median of repeats after a warm-up; a rank's result is
-the slowest rank's median. GEMM windows are repeated and their spread recorded: on a shared
-machine the rate moves by tens of percent between runs. ``cost_models.calibrate`` fits
-them; ``write_profile`` writes a TOML file that ``Cluster.from_toml`` loads. The
+the slowest rank's median. GEMM windows are repeated and their spread recorded: on a
+shared machine the rate moves by tens of percent between runs. ``cost_models.calibrate``
+fits them; ``write_profile`` writes a TOML file that ``Cluster.from_toml`` loads. The
 measuring itself is ``autopar.calibration_measure``'s; the kernels besides GEMMs and
 collectives are ``autopar.calibration_kernels``'.
 """

@@ -88,7 +88,8 @@ class Settings:
     @classmethod
     def quick(cls) -> Settings:
         return cls(gemm_sizes=(128, 256, 512), dtypes=("float32",), attention_shape=(4, 128, 32),
-                   loss_shape=(256, 1024), skew_bytes=(MiB,), skew_repeats=3, message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
+                   loss_shape=(256, 1024), skew_bytes=(MiB,), skew_repeats=3,
+                   message_bytes=tuple(4 * KiB * 4**i for i in range(6)),  # 4 KiB … 4 MiB
                    warmup=1, repeats=5, gemm_window_s=0.05, overlap_gemm_size=512,
                    timeout_s=60)
 

@@ -8,9 +8,9 @@
    ``CALIBRATION``) on ``--nproc`` gloo ranks with one intra-op thread each, as the training runs
    below use; the profile goes to a temp file and ``Cluster.from_toml`` loads it, so the
    predictions use this machine's GEMM curve, memory-bound kernel bandwidth, fused
-   attention and cross-entropy rates, kernel floor, host overheads of FSDP2/TP/DTensor, collective skew,
-   overlap slowdowns and per-collective α-β. ``--profile`` loads an existing profile
-   instead.
+   attention and cross-entropy rates, kernel floor, host overheads of FSDP2/TP/DTensor,
+   collective skew by message size, overlap slowdowns and per-collective α-β.
+   ``--profile`` loads an existing profile instead.
 2. Plan: a small GPT (``MODEL`` with ``CONFIG``) is captured into the planner's layer graph;
    for each case every layer is forced to one option on a fixed mesh (TP where the layer
    has a TP split, else ``replicate``). The numbers are the planner's own for exactly that

@@ -56,7 +56,8 @@ def one_device(args: argparse.Namespace, cuda: bool) -> Cluster:
     if args.profile:
         cluster = Cluster.from_toml(args.profile)
     else:
-        settings = Settings(loss_shape=(args.batch * args.seq, get_model(args.model).config.vocab_size))
+        vocab = get_model(args.model).config.vocab_size
+        settings = Settings(loss_shape=(args.batch * args.seq, vocab))
         cal = calibrate(1, backend="nccl" if cuda else "gloo", settings=settings,
                         topology=Cluster.load(args.topology))
         with tempfile.TemporaryDirectory() as tmp:

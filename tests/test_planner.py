@@ -244,7 +244,8 @@ def test_a_cluster_without_separate_host_memory_never_offloads():
     assert search(graph, replace(ample, host=Host(offload=False)), pipeline=False).plan.layers == \
         search(graph, ample, pipeline=False).plan.layers
     for layer in graph.layers:
-        labels = layer_options(layer, None, Mesh(dp=4), replace(tight, host=Host(offload=False)), FP32)
+        no_host = replace(tight, host=Host(offload=False))
+        labels = layer_options(layer, None, Mesh(dp=4), no_host, FP32)
         assert labels and not any("+offload" in o for o in labels)
         assert any("+offload" in o for o in layer_options(layer, None, Mesh(dp=4), tight, FP32))
 
