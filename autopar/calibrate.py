@@ -58,7 +58,7 @@ from cost_models.calibrate import (
     relative_error,
     spread,
 )
-from cost_models.hardware import Cluster, GiB, Host, Link
+from cost_models.hardware import Cluster, Device, GiB, Host, Link
 
 __all__ = ["COLLECTIVES", "OVERLAP_PATTERNS", "Measurements", "OverlapSample", "Settings",
            "calibrate", "fit", "write_profile"]  # measured in autopar.calibration_measure
@@ -80,6 +80,9 @@ class Calibration:
     """Per pattern: σ of the window pairs; the median is the profile's slowdown."""
     gemm_spread: dict[str, dict[int, Spread]] = field(default_factory=dict)
     """Per dtype and size: FLOP/s per rank over the GEMM windows; the median is fitted."""
+    reference: Device | None = None
+    """The ``--topology`` cluster's device: its datasheet peaks, beside which the table
+    puts the measured GEMM rates (the efficiency curve of the device at hand)."""
 
 
 # -- the calibration that can run ----------------------------------------------------------
@@ -157,7 +160,8 @@ def fit(m: Measurements, settings: Settings, *, name: str | None = None,
     text = profile_text(m, settings, fits, name=name, overlap=overlap, gemm_spread=gemm_spread,
                         topology=topology)
     return Calibration(measurements=m, cluster_text=text, fits=fits, rows=rows, notes=notes,
-                       overlap=overlap, gemm_spread=gemm_spread)
+                       overlap=overlap, gemm_spread=gemm_spread,
+                       reference=topology.device if topology is not None else None)
 
 
 # -- the profile -----------------------------------------------------------------------------
@@ -453,14 +457,22 @@ def format_table(cal: Calibration) -> str:
         lines.append(f"{k:<11} alpha {f.latency_s * 1e6:8.1f} us  B {f.bandwidth_GBps:7.3f} GB/s"
                      + ("   <- the profile's link" if k == "all_reduce" else ""))
     lines += [*cal.notes, ""]
+    ref = cal.reference
     lines.append(f"{'GEMM':<11} {'n':>8} {'GFLOP/s per rank, ' + str(m.nproc) + ' ranks at once':>40}"
-                 f"   {'windows min..max':>16} {'spread':>6}")
+                 f"   {'windows min..max':>16} {'spread':>6} {'fitted':>9}"
+                 + (f"   of {ref.name}'s peak" if ref is not None else ""))
     for dtype, times in m.gemm_s.items():
+        curve = fitted_gemm_curve(times, m.floor_s)
         for n, t in times.items():
-            row = f"{dtype:<11} {n:>8} {2 * n**3 / t / 1e9:>40.1f}"
+            rate = 2 * n**3 / t
+            row = f"{dtype:<11} {n:>8} {rate / 1e9:>40.1f}"
             s = cal.gemm_spread.get(dtype, {}).get(n)
             if s is not None:
                 row += f"   {f'{s.low / 1e9:.1f}..{s.high / 1e9:.1f}':>16} {s.relative:>6.0%}"
+            fitted = 2 * n**3 / (m.floor_s + 2 * n**3 / curve.rate(n))
+            row += f" {fitted / 1e9:>9.1f}"
+            if ref is not None and dtype in ref.peak_flops:
+                row += f"   {rate / ref.peak(dtype):>6.1%}"
             lines.append(row)
     rates = {k: b / t / 1e9 for k, (b, t) in m.memory_kernels.items()}
     mix = kernel_mix_bandwidth_GBps(*zip(*m.memory_kernels.values(), strict=True))

@@ -395,6 +395,14 @@ def test_one_device_calibration_takes_the_links_from_its_topology_and_plans(tmp_
     text = path.read_text()
     assert "collective_skew_us" not in text and "extra.measured" not in text  # one rank
     assert "collective " not in out.getvalue()  # no collective rows in the table
+    # The GEMM table puts each measured rate beside the topology's datasheet peak.
+    rows = [line.split() for line in out.getvalue().splitlines()
+            if line.startswith("float32 ")]
+    assert "of H100-SXM5-80GB's peak" in out.getvalue()
+    gemm = cluster.extra["gemm"]["float32"]
+    assert [int(r[1]) for r in rows] == gemm["sizes"]
+    for row, tflops in zip(rows, gemm["tflops"], strict=True):
+        assert float(row[-1].rstrip("%")) == pytest.approx(tflops / 67 * 100, abs=0.06)
     spec = get_model("gpt-tiny")
     plan = search_plans(spec.build("meta"), cluster, spec.example_inputs(8, 32, device="meta"),
                         time_limit_s=5).plan
