@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 from autopar.api import search_plans
@@ -106,23 +106,26 @@ def positive_int(text: str) -> int:
     return value
 
 
-def attention_shape(text: str) -> tuple[int, int, int]:
-    parts = text.split(",")
-    if len(parts) != 3:
-        raise argparse.ArgumentTypeError(
-            f"expected batch x heads, sequence and head dim as three integers like 8,512,64; "
-            f"got {text!r}")
-    heads, seq, dim = (positive_int(p.strip()) for p in parts)
-    return heads, seq, dim
+NUMBERS = {2: "two", 3: "three"}
 
 
-def loss_shape(text: str) -> tuple[int, int]:
-    parts = text.split(",")
-    if len(parts) != 2:
-        raise argparse.ArgumentTypeError(
-            f"expected tokens and vocabulary as two integers like 2048,8192; got {text!r}")
-    tokens, vocab = (positive_int(p.strip()) for p in parts)
-    return tokens, vocab
+def positive_ints(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
+    """An argparse type: as many comma-separated positive integers as ``example`` has."""
+    count = len(example.split(","))
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = text.split(",")
+        if len(parts) != count:
+            raise argparse.ArgumentTypeError(
+                f"expected {what} as {NUMBERS[count]} integers like {example}; "
+                f"got {text!r}")
+        return tuple(positive_int(p.strip()) for p in parts)
+
+    return parse
+
+
+attention_shape = positive_ints("batch x heads, sequence and head dim", "8,512,64")
+loss_shape = positive_ints("tokens and vocabulary", "2048,8192")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
