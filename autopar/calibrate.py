@@ -225,7 +225,6 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"devices_per_node = {m.nproc if topology is None else topology.devices_per_node}",
         "# torch's AdamW steps CPU tensors one at a time and CUDA tensors with foreach kernels.",
         f'optimizer = "{"adamw-foreach" if gpu else "adamw-for-loop"}"',
-
         "",
         "[device]",
         f'name = "{torch.cuda.get_device_name(0) if gpu else "cpu-process"}"',
@@ -280,36 +279,33 @@ def _measured_links_source(m: Measurements) -> str:
 def _measured_link_lines(fits: dict[str, AlphaBeta], kind: str) -> list[str]:
     """[intra_node] and [inter_node] from the all_reduce fit, [collective_links] from the
     others'."""
-    link = fits["all_reduce"]
-    lines = ["",
-             "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
-             "# inter_node repeats it (one machine: no network was measured). [collective_links]:",
-             "# all_gather and send/recv on their own fits inside the node (gloo's all_gather is",
-             "# not a ring: it costs more); reduce_scatter, not measured, uses intra_node."]
-    for table in ("intra_node", "inter_node"):
-        lines += [*([""] if table == "inter_node" else []), f"[{table}]", f'kind = "{kind}"',
-                  f"bandwidth_GBps = {link.bandwidth_GBps:.4g}",
-                  f"latency_us = {link.latency_s * 1e6:.4g}"]
-    for k, f in fits.items():  # each collective on its own fit inside the node
-        if k != "all_reduce":
-            lines += ["", f"[collective_links.{k}]", f'kind = "{kind}"',
-                      f"bandwidth_GBps = {f.bandwidth_GBps:.4g}",
-                      f"latency_us = {f.latency_s * 1e6:.4g}"]
-    return lines
+    links = {t: fits["all_reduce"] for t in ("intra_node", "inter_node")}
+    links |= {f"collective_links.{k}": f for k, f in fits.items() if k != "all_reduce"}
+    return ["",
+            "# intra_node: alpha-beta fitted on all_reduce to cost_models/comm.py's ring formula;",
+            "# inter_node repeats it (one machine: no network was measured). [collective_links]:",
+            "# all_gather and send/recv on their own fits inside the node (gloo's all_gather is",
+            "# not a ring: it costs more); reduce_scatter, not measured, uses intra_node.",
+            *(line for table, f in links.items()
+              for line in _link_table(table, Link(kind=kind, bandwidth_GBps=f.bandwidth_GBps,
+                                                  latency_s=f.latency_s)))]
+
+
+def _link_table(table: str, link: Link) -> list[str]:
+    """``[table]`` of one link, as ``Cluster.from_toml`` reads it."""
+    return ["", f"[{table}]", f'kind = "{link.kind}"',
+            f"bandwidth_GBps = {link.bandwidth_GBps:.6g}",
+            f"latency_us = {link.latency_s * 1e6:.6g}"]
 
 
 def _topology_lines(topology: Cluster) -> list[str]:
-    """The links, per-collective links, overlap and memory margin of ``topology``, as its
-    own file gives them (nothing of them was measured here)."""
-    def link(table: str, k: Link) -> list[str]:
-        return ["", f"[{table}]", f'kind = "{k.kind}"', f"bandwidth_GBps = {k.bandwidth_GBps:.6g}",
-                f"latency_us = {k.latency_s * 1e6:.6g}"]
-
+    """The links, per-collective links and overlap of ``topology``, as its own file gives
+    them (nothing of them was measured here)."""
     o = topology.overlap
+    links = {"intra_node": topology.intra_node, "inter_node": topology.inter_node,
+             **{f"collective_links.{k}": x for k, x in topology.collective_links.items()}}
     lines = ["", f"# Links and overlap: {topology.name} ({topology.source}), not measured here."]
-    lines += link("intra_node", topology.intra_node)[1:] + link("inter_node", topology.inter_node)
-    for kind, k in topology.collective_links.items():
-        lines += link(f"collective_links.{kind}", k)
+    lines += [line for table, x in links.items() for line in _link_table(table, x)]
     return lines + ["", "[overlap]", f"dp_slowdown = {o.dp_slowdown:.6g}",
                     f"fsdp_slowdown = {o.fsdp_slowdown:.6g}", f"pp_slowdown = {o.pp_slowdown:.6g}",
                     f"ddp_bucket_bytes = {o.ddp_bucket_bytes}",
@@ -322,12 +318,10 @@ def _host_table(host: Host, gpu: bool) -> list[str]:
     if not gpu:
         return ["", "# CPU processes: their memory is the host's, nothing to offload to.",
                 "[host]", "offload = false"]
-    link = host.link
     return ["", "# Host memory for offloaded layers: not measured.", "[host]",
             f"offload = {str(host.offload).lower()}",
-            f"memory_bandwidth_GBps = {host.memory_bandwidth_GBps:.6g}", "", "[host.link]",
-            f'kind = "{link.kind}"', f"bandwidth_GBps = {link.bandwidth_GBps:.6g}",
-            f"latency_us = {link.latency_s * 1e6:.6g}"]
+            f"memory_bandwidth_GBps = {host.memory_bandwidth_GBps:.6g}",
+            *_link_table("host.link", host.link)]
 
 
 def _host_lines(host: HostTiming | None) -> list[str]:
