@@ -17,6 +17,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from cost_models.errors import ConfigError
 from cost_models.optimizer import ADAM_KERNELS, DEFAULT_OPTIMIZER, AdamKernels
 
@@ -78,8 +80,8 @@ class Device:
     collective_skew_at: tuple[tuple[float, float], ...] = ()
     """(message bytes S, skew seconds) at larger messages, S ascending: on CPU ranks each
     step of a ring collective waits for a rank to be scheduled again, so the skew grows
-    with the message (4 ranks of 2 cores: 2 ms at one element, 4-5 at 1 MiB, 5-6 at
-    4 MiB). ``skew_s`` interpolates linearly in S from (0, ``collective_skew_s``), and
+    with the message (4 ranks of 2 cores: about 2 ms at one element, 5-7 at 1 MiB and
+    4 MiB; BENCHMARKS.md). ``skew_s`` interpolates linearly in S from (0, ``collective_skew_s``), and
     keeps the last point's past it. Measured by ``autopar calibrate`` with the skew."""
     fsdp_overhead_s: float = 0.0
     """Host time FSDP2 adds per wrapped module per micro-batch (its forward and backward
@@ -116,12 +118,10 @@ class Device:
 
     def skew_s(self, nbytes: float) -> float:
         """A blocking collective's skew at message size ``nbytes`` (comm.py's S)."""
-        lo_bytes, lo_s = 0.0, self.collective_skew_s
-        for hi_bytes, hi_s in self.collective_skew_at:
-            if nbytes <= hi_bytes:
-                return lo_s + (hi_s - lo_s) * (nbytes - lo_bytes) / (hi_bytes - lo_bytes)
-            lo_bytes, lo_s = hi_bytes, hi_s
-        return lo_s
+        if not self.collective_skew_at:
+            return self.collective_skew_s
+        sizes, skews = zip(*self.collective_skew_at, strict=True)
+        return float(np.interp(nbytes, (0.0, *sizes), (self.collective_skew_s, *skews)))
 
     def half_dim(self, dtype: str) -> float:
         return self.matmul_half_dim.get(dtype, DEFAULT_MATMUL_HALF_DIM)

@@ -57,6 +57,7 @@ from torch.distributed.pipelining.schedules import (
     ScheduleZBVZeroBubble,
 )
 from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
 
 from runtime.apply import _device, check_world
 from runtime.data_parallel import apply_fsdp
@@ -142,11 +143,7 @@ def _outputs_own_their_storage(module: nn.Module, args: tuple, output: object) -
     tensor-parallel layer ending a stage returns one: ``DTensor.to_local`` is a view. A
     copy of the stage's boundary activation per micro-batch, small beside the stage's work
     (its base is freed with the view)."""
-    if isinstance(output, torch.Tensor):
-        return output.clone() if output._is_view() else output
-    if isinstance(output, tuple):
-        return tuple(_outputs_own_their_storage(module, args, o) for o in output)
-    return output
+    return tree_map_only(torch.Tensor, lambda t: t.clone() if t._is_view() else t, output)
 
 
 def _schedule(plan: Plan, stages: list[PipelineStage], loss_fn: LossFn, scale_grads: bool):
