@@ -29,7 +29,6 @@ import argparse
 import datetime
 import os
 import platform
-import statistics
 import tempfile
 import time
 from dataclasses import replace
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import torch
 from cost_fidelity import tracked_peak
+from step_timing import median_step_s
 
 from autopar.api import search_plans
 from autopar.calibrate import Settings, calibrate, write_profile
@@ -73,25 +73,16 @@ def measure_job(model: str, plan_json: str, batch: int, seq: int, steps: int, wa
     trainer = make_trainer(spec.build(seed=0), Plan.from_json(plan_json), spec.loss_fn,
                            spec.example_inputs(batch, seq, device="meta"),
                            device_type="cuda" if cuda else "cpu")
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    times = []
-    for step in range(warmup + steps):
-        inputs, targets = spec.make_batch(batch, seq, seed=step)
-        sync()
-        start = time.perf_counter()
-        trainer.train_step(inputs, targets)
-        sync()
-        if step >= warmup:
-            times.append(time.perf_counter() - start)
+    step_s = median_step_s(trainer, lambda step: spec.make_batch(batch, seq, seed=step),
+                           warmup=warmup, steps=steps)
     inputs, targets = spec.make_batch(batch, seq, seed=warmup + steps)
     if not cuda:
         peak, parts = tracked_peak(trainer, inputs, targets)
-        return statistics.median(times), peak, None, parts
+        return step_s, peak, None, parts
     torch.cuda.reset_peak_memory_stats()
     trainer.train_step(inputs, targets)
-    sync()
-    return (statistics.median(times), torch.cuda.max_memory_allocated(),
-            torch.cuda.max_memory_reserved(), {})
+    torch.cuda.synchronize()
+    return step_s, torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved(), {}
 
 
 def error(predicted: float, measured: float) -> str:

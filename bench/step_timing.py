@@ -9,17 +9,24 @@ from collections.abc import Callable
 
 def step_times_s(trainer, make_batch: Callable[[int], tuple], *, warmup: int, steps: int
                  ) -> list[float]:
-    """Per measured step, the slowest rank's wall time (all ranks start together)."""
+    """Per measured step, the slowest rank's wall time (all ranks start together; on CUDA
+    from an idle device to the step's last kernel)."""
     import torch
     import torch.distributed as dist
 
+    cuda = trainer.device.type == "cuda"
     times = []
     for step in range(warmup + steps):
         inputs, targets = make_batch(step)
+        if cuda:
+            torch.cuda.synchronize()
         dist.barrier()
         start = time.perf_counter()
         trainer.train_step(inputs, targets)
-        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+        if cuda:
+            torch.cuda.synchronize()
+        elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64,
+                               device=trainer.device)  # NCCL reduces device tensors only
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
         if step >= warmup:
             times.append(elapsed.item())
