@@ -461,9 +461,9 @@ def _sustained(timer: Callable, op: Callable[[], object], settings: Settings,
 def _sustained_each(timer: Callable, ops: dict[Any, Callable[[], object]], settings: Settings,
                     device: torch.device | str) -> dict[Any, list[float]]:
     """``_sustained`` of several ops, their windows taken in turn: the first window of
-    every op, then the second of every op, and so on. This VM slows every rank's
-    memory-bound kernels tenfold for up to a second at a time; one op's windows back to
-    back could all fall in one such burst, and then so would their median.
+    every op, then the second of every op, and so on. A shared machine can slow every
+    rank's memory-bound kernels tenfold for up to a second at a time (BENCHMARKS.md); one
+    op's windows back to back could all fall in one such burst, and so would their median.
 
     A window must measure a rank's share of the machine with every rank busy. On CPU
     ranks every rank starts each window together and runs ops until the window's time is
