@@ -9,7 +9,7 @@ full recomputation, fp16, unsharded optimizer) priced by autopar's cost model
 (autopar.planner.published); TFLOP/s per GPU are counted with the paper's formula, so the
 error column compares like with like. 'autopar plan' is what `autopar plan` chooses for
 the same model, cluster and batch, priced by the same model (its own shape in brackets).
-The table is read from shared/validation/ beside the clone.
+The table ships with the package (autopar/data/megatron_sc21_table1.csv).
 """
 
 from __future__ import annotations
@@ -17,20 +17,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
 
 from autopar.planner.published import (
     evaluate,
     megatron_cluster,
     megatron_graph,
     megatron_plan,
+    megatron_rows,
     predicted_tflops,
-    read_rows,
 )
 from autopar.planner.search import search
 from cost_models.memory import precision
-
-TABLE = Path(__file__).resolve().parents[2] / "shared" / "validation" / "megatron_sc21_table1.csv"
 
 
 def main() -> None:
@@ -43,7 +40,7 @@ def main() -> None:
           f"{'predicted':>10} {'error':>7} {'peak GiB':>9} {'autopar plan':>13} "
           f"{'plan shape':<28} {'plan s':>6}")
     errors = []
-    for row in read_rows(TABLE.read_text()):
+    for row in megatron_rows():
         graph, cluster = megatron_graph(row), megatron_cluster(row)
         ev = evaluate(graph, cluster, fp16, megatron_plan(graph, row))
         predicted = predicted_tflops(row, ev.step_time_s)

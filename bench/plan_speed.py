@@ -10,8 +10,8 @@ Each row builds the model on the meta device, captures it, and searches every me
 cluster, pipeline configurations (pp, schedule, micro-batches, stage cuts) included. The layer graph is rebuilt per row (nothing is cached between rows), so 'total'
 is what `autopar plan` spends.
 
-The Megatron rows (Narayanan et al., SC'21, Table 1; the table is read from
-shared/validation/ beside the clone) are built as notebooks/03_megatron_table1.ipynb
+The Megatron rows (Narayanan et al., SC'21, Table 1, as shipped in
+autopar/data/megatron_sc21_table1.csv) are built as notebooks/03_megatron_table1.ipynb
 builds them: two blocks captured, repeated to the paper's depth, fp16, time limit 5 s.
 'digest' is a hash of the plan without its solver report (which holds timings), so two
 runs agree on the plan when it matches. 'search cpu s' is the process's CPU time, which
@@ -21,14 +21,13 @@ other jobs on a shared machine disturb less than the wall-clock 'search s'.
 from __future__ import annotations
 
 import argparse
-import csv
 import hashlib
 import json
 import time
-from pathlib import Path
 
 from autopar.errors import InfeasibleError
 from autopar.planner import search
+from autopar.planner.published import MegatronRow, megatron_rows
 from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
@@ -68,31 +67,23 @@ def plan_once(model_name: str, batch: int, dtype: str, gpus: int) -> dict:
 
 
 SEQ, VOCAB = 2048, 51200
-MEGATRON_TABLE = (Path(__file__).resolve().parents[2] / "shared" / "validation"
-                  / "megatron_sc21_table1.csv")
 
 
-def megatron_rows() -> list[dict[str, str]]:
-    lines = [line for line in MEGATRON_TABLE.read_text().splitlines()
-             if not line.startswith("#")]
-    return list(csv.DictReader(lines))
-
-
-def plan_megatron(row: dict[str, str]) -> dict:
+def plan_megatron(row: MegatronRow) -> dict:
     import torch
 
     from autopar.whatif import repeat_blocks
     from autopar.zoo import GPT, GPTConfig
 
-    batch, gpus = int(row["global_batch"]), int(row["gpus"])
-    cfg = GPTConfig(n_layer=2, n_head=int(row["heads"]), n_embd=int(row["hidden"]),
+    batch, gpus = row.global_batch, row.gpus
+    cfg = GPTConfig(n_layer=2, n_head=row.heads, n_embd=row.hidden,
                     vocab_size=VOCAB, block_size=SEQ, bias=False)
     t0 = time.perf_counter()
     with torch.device("meta"):
         model = GPT(cfg)
     graph = build_layer_graph(model, (torch.zeros(batch, SEQ, dtype=torch.long, device="meta"),),
-                              model_name=f"gpt-{row['params_b']}b", seq_len=SEQ)
-    graph = repeat_blocks(graph, int(row["layers"]))
+                              model_name=f"gpt-{row.params_b}b", seq_len=SEQ)
+    graph = repeat_blocks(graph, row.layers)
     t1, c1 = time.perf_counter(), time.process_time()
     plan = search(graph, Cluster.preset("dgx-a100-80g", nodes=gpus // 8),
                   precision_name="float16", time_limit_s=5).plan
@@ -103,7 +94,7 @@ def plan_megatron(row: dict[str, str]) -> dict:
     document = json.loads(plan.to_json())
     document.pop("solver")
     digest = hashlib.sha256(json.dumps(document, sort_keys=True).encode()).hexdigest()[:10]
-    return dict(params=row["params_b"], gpus=gpus, graph=t1 - t0, search=t2 - t1, cpu=c2 - c1,
+    return dict(params=row.params_b, gpus=gpus, graph=t1 - t0, search=t2 - t1, cpu=c2 - c1,
                 outcome=f"{shape}, {plan.prediction.step_time_s:.3f} s/step", digest=digest)
 
 
@@ -113,7 +104,7 @@ def print_megatron(only: list[str]) -> None:
     print(header)
     print("-" * len(header))
     for row in megatron_rows():
-        if only and row["params_b"] not in only:
+        if only and f"{row.params_b}" not in only:
             continue
         r = plan_megatron(row)
         print(f"{r['params']:>6}B {r['gpus']:>5} {r['graph']:>7.2f} {r['search']:>8.2f} "

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import csv
 import itertools
 import random
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -23,6 +21,7 @@ from autopar.planner.pipeline import (
     pipeline_configs,
     search_pipeline,
 )
+from autopar.planner.published import MegatronRow, megatron_rows
 from autopar.zoo import GPTConfig, ModelSpec, get_model
 from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Overlap
 from cost_models.memory import precision
@@ -186,27 +185,22 @@ def test_balanced_cut_is_the_lightest_heaviest_stage_over_the_allowed_cuts(weigh
     assert heaviest(bounds) == pytest.approx(best)
 
 
-def megatron_rows(min_params_b: float):
-    path = Path(__file__).resolve().parents[2] / "shared" / "validation" / \
-        "megatron_sc21_table1.csv"
-    if not path.exists():
-        pytest.fail(f"published table missing: {path} (shared/ must sit beside the repo)")
-    lines = [line for line in path.read_text().splitlines() if not line.startswith("#")]
-    return [r for r in csv.DictReader(lines) if float(r["params_b"]) >= min_params_b]
+def large_rows(min_params_b: float) -> list[MegatronRow]:
+    return [r for r in megatron_rows() if r.params_b >= min_params_b]
 
 
-@pytest.mark.parametrize("row", megatron_rows(39)[:2], ids=lambda r: f"{r['params_b']}B")
+@pytest.mark.parametrize("row", large_rows(39)[:2], ids=lambda r: f"{r.params_b}B")
 def test_larger_megatron_rows_are_fastest_with_pipeline_parallelism_and_tp_inside_a_node(row):
     # Same model, cluster and batch as the published run (fp16, DGX A100 80GB).
-    cfg = GPTConfig(n_layer=int(row["layers"]), n_head=int(row["heads"]),
-                    n_embd=int(row["hidden"]), vocab_size=51200, block_size=2048)
-    spec = ModelSpec(name=f"gpt-{row['params_b']}b", kind="gpt", config=cfg,
-                     default_batch=int(row["global_batch"]), default_seq=2048, description="")
+    cfg = GPTConfig(n_layer=row.layers, n_head=row.heads,
+                    n_embd=row.hidden, vocab_size=51200, block_size=2048)
+    spec = ModelSpec(name=f"gpt-{row.params_b}b", kind="gpt", config=cfg,
+                     default_batch=row.global_batch, default_seq=2048, description="")
     graph = build_layer_graph(spec.build("meta"),
                               spec.example_inputs(spec.default_batch, device="meta"))
     # Communication exposed, as the 2021 software ran it. With FSDP's gathers overlapped
     # (8 network rails per node make them cheap), pp = 1 FSDP wins instead.
-    cluster = Cluster.preset("dgx-a100-80g", nodes=int(row["gpus"]) // 8)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8)
     cluster = replace(cluster, overlap=Overlap(exposed=OVERLAP_PATTERNS))
     plan = search(graph, cluster, precision_name="float16").plan
     assert plan.mesh.pp > 1

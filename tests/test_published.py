@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import statistics
-from pathlib import Path
 
 import pytest
 
@@ -15,22 +14,15 @@ from autopar.planner.published import (
     megatron_cluster,
     megatron_graph,
     megatron_plan,
+    megatron_rows,
     paper_flops,
     predicted_tflops,
-    read_rows,
 )
 from autopar.planner.search import search
 from cost_models.memory import precision
 from passes.records import LayerGraph
 
-TABLE = Path(__file__).resolve().parents[2] / "shared" / "validation" / "megatron_sc21_table1.csv"
 FP16 = precision("float16")
-
-
-def rows() -> list[MegatronRow]:
-    if not TABLE.exists():
-        pytest.fail(f"published table missing: {TABLE} (shared/ must sit beside the repo)")
-    return read_rows(TABLE.read_text())
 
 
 @functools.cache
@@ -46,7 +38,7 @@ def evaluation(row: MegatronRow) -> Evaluation:
 
 def test_every_row_within_10_percent_and_the_median_within_5():
     table = [(r.params_b, predicted_tflops(r, evaluation(r).step_time_s), r.tflops_per_gpu)
-             for r in rows()]
+             for r in megatron_rows()]
     errors = [abs(pred / published - 1) for _, pred, published in table]
     report = "\n".join(f"{b:7.1f}B  predicted {p:6.1f}  published {q:5.0f}  {p / q - 1:+.1%}"
                        for b, p, q in table)
@@ -55,7 +47,7 @@ def test_every_row_within_10_percent_and_the_median_within_5():
 
 
 def test_published_configurations_fit_in_80_gb_by_the_memory_model():
-    for row in rows():
+    for row in megatron_rows():
         peak = evaluation(row).peak_memory_bytes
         assert peak <= megatron_cluster(row).device.memory_bytes, \
             f"{row.params_b}B: {peak / 2**30:.1f} GiB"
@@ -65,7 +57,7 @@ def test_published_configurations_fit_in_80_gb_by_the_memory_model():
 def test_paper_flops_count_the_captured_graph(index):
     """The paper's 96·B·s·l·h²(1 + s/6h + V/16lh) is forward, backward (2×) and the
     recomputed forward of every block, plus forward and backward of the LM head."""
-    row = rows()[index]
+    row = megatron_rows()[index]
     graph = graph_of(row)
     blocks = next(m for m in graph.classes.values() if len(m) == row.layers)
     head = graph.layers[-1]
@@ -77,7 +69,7 @@ def test_paper_flops_count_the_captured_graph(index):
 def test_autopar_plans_at_least_as_fast_as_the_published_configuration(index):
     """Same model, cluster and batch: the planner's plan, priced by the same model, is no
     slower than the published one (which is in its search space or beaten)."""
-    row = rows()[index]
+    row = megatron_rows()[index]
     graph = graph_of(row)
     plan = search(graph, megatron_cluster(row), precision_name="float16").plan
     assert plan.prediction.step_time_s <= evaluation(row).step_time_s * (1 + 1e-9)

@@ -13,6 +13,7 @@ costs, and for pipelines the schedule simulator. TFLOP/s per GPU are counted the
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from importlib import resources
 
 import torch
 
@@ -28,11 +29,13 @@ from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
 
 VOCAB = 51200
 SEQ_LEN = 2048
+TABLE_PATH = resources.files("autopar") / "data" / "megatron_sc21_table1.csv"
+"""The published table, shipped with the package (its header cites the paper)."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class MegatronRow:
-    """One row of the published table (shared/validation/megatron_sc21_table1.csv)."""
+    """One row of the published table (``TABLE_PATH``)."""
 
     params_b: float
     heads: int
@@ -54,6 +57,11 @@ class MegatronRow:
     def microbatches(self) -> int:
         """Micro-batches per step on each data-parallel replica."""
         return self.global_batch // (self.dp * self.microbatch)
+
+
+def megatron_rows() -> list[MegatronRow]:
+    """The ten rows of the published table, in its order."""
+    return read_rows(TABLE_PATH.read_text())
 
 
 def read_rows(text: str) -> list[MegatronRow]:
