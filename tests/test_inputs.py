@@ -43,12 +43,17 @@ def _hf(name: str) -> nn.Module:
     logging.getLogger("transformers").setLevel(logging.ERROR)
     torch.manual_seed(0)
     if name == "bert":
-        # Untied head: tied parameters under fsdp are another part of the runtime's work.
+        # The head's weight untied from the word embeddings (a tie across layers is the
+        # runtime's tied-parameter work, not this file's). Untying in transformers 5 also
+        # unties the decoder's bias from `cls.predictions.bias`, leaving that unused, which
+        # DDP refuses; tie it back as the default config does (both inside layer `cls`).
         cfg = transformers.BertConfig(
             vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
             intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
             attention_probs_dropout_prob=0.0, tie_word_embeddings=False)
-        return transformers.BertForMaskedLM(cfg)
+        model = transformers.BertForMaskedLM(cfg)
+        model.cls.predictions.decoder.bias = model.cls.predictions.bias
+        return model
     cfg = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
