@@ -15,7 +15,7 @@ import torch.nn as nn
 from passes.split_stages import split_stages
 from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.pipeline import PipelineTrainer
-from runtime.plan import Plan
+from runtime.plan import Plan, PlanError
 from runtime.train import LossFn, OptimizerFactory, Trainer
 
 
@@ -43,6 +43,12 @@ def make_trainer(
     a pipeline is traced on one micro-batch of it). ``model`` is parallelized in place.
     Raises PlanError before any collective when the plan does not fit.
     """
+    if loss_fn is None and plan.mesh.pp > 1:
+        raise PlanError(
+            f"mesh.pp={plan.mesh.pp}: a pipeline computes the loss on its last stage from "
+            "the stage's output and the targets, so it needs loss_fn=...; a model that "
+            "computes its own loss (labels=) trains under plans with pp=1"
+        )
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)

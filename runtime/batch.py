@@ -10,8 +10,8 @@ reads each form users pass as ``example_inputs`` or as a training batch:
 - ``Inputs(args, kwargs)``: both (also for a model whose one positional argument is a dict).
 
 Which tensors carry the batch: the global batch size is dim 0 of the targets when there
-are any, else of the first tensor input with a dim 0 (positional first, then keywords in
-order). Every tensor leaf (nested dicts, tuples and lists included) whose dim 0 equals it
+are any, else of the first tensor input with a dim 0 other than 1 (positional first, then
+keywords in order; 1 when every dim 0 is 1). Every tensor leaf (nested dicts, tuples and lists included) whose dim 0 equals it
 is sliced; tensors whose dim 0 is 1 (one row for every sample, as a position-ids
 ``[1, seq]`` broadcasts), 0-dim tensors and non-tensors go to every rank unchanged. Any
 other dim 0 is an error naming the input, because slicing it, or not, would silently give
@@ -79,33 +79,34 @@ def like(original: object, inputs: Inputs) -> object:
 def leaves_with_names(inputs: Inputs) -> list[tuple[str, Any]]:
     """Every leaf of the inputs with the name a user knows it by: ``inputs[0]``,
     ``attention_mask``, ``batch['pixel_values']``."""
-    out = [(f"inputs{pytree.keystr(path)}", leaf)
-           for path, leaf in pytree.tree_flatten_with_path(inputs.args)[0]]
+    out = _named("inputs", inputs.args)
     for key, value in inputs.kwargs.items():
-        out += [(f"{key}{pytree.keystr(path)}", leaf)
-                for path, leaf in pytree.tree_flatten_with_path(value)[0]]
+        out += _named(key, value)
     return out
 
 
+def _named(prefix: str, tree: object) -> list[tuple[str, Any]]:
+    return [(f"{prefix}{pytree.keystr(path)}", leaf)
+            for path, leaf in pytree.tree_flatten_with_path(tree)[0]]
+
+
 def batch_size(inputs: Inputs, targets: object = None) -> int:
-    """The global batch: dim 0 of the targets, else of the first tensor input with a dim 0.
-    Raises PlanError naming an input whose dim 0 is neither the batch nor 1."""
-    named = leaves_with_names(inputs)
-    if targets is not None:
-        named = [(f"targets{name.removeprefix('inputs[0]')}", leaf)
-                 for name, leaf in leaves_with_names(Inputs((targets,)))] + named
+    """The global batch: dim 0 of the targets, else of the first tensor input with a dim 0
+    (one that is not 1, which may be a row every sample shares). Raises PlanError naming
+    an input whose dim 0 is neither the batch nor 1."""
+    named = _named("targets", targets) + leaves_with_names(inputs)
     tensors = [(name, leaf) for name, leaf in named
                if isinstance(leaf, torch.Tensor) and leaf.dim() > 0]
-    if tensors:
-        batch = int(tensors[0][1].shape[0])
-        for name, leaf in tensors:
-            _check_rows(name, leaf, batch)
-        return batch
-    names = ", ".join(name for name, _ in named) or "none"
-    raise PlanError(
-        f"no input has a batch dimension (inputs: {names}); the batch is dim 0 of a tensor "
-        "input: pass the samples stacked along dim 0 (a single sample as shape [1, ...])"
-    )
+    if not tensors:
+        names = ", ".join(name for name, _ in named) or "none"
+        raise PlanError(
+            f"no input has a batch dimension (inputs: {names}); the batch is dim 0 of a "
+            "tensor input: pass the samples stacked along dim 0 (one sample as [1, ...])"
+        )
+    batch = next((int(t.shape[0]) for _, t in tensors if t.shape[0] != 1), 1)
+    for name, leaf in tensors:
+        _check_rows(name, leaf, batch)
+    return batch
 
 
 def _check_rows(name: str, leaf: torch.Tensor, batch: int) -> bool:

@@ -258,6 +258,16 @@ def test_training_batch_without_a_batch_dimension_is_named(pool2):
         assert "input_ids, attention_mask, labels" in scalar
 
 
+def test_pipeline_without_loss_fn_is_refused_before_any_collective():
+    from autopar.lower import make_trainer
+    from runtime.plan import PipelineSpec
+
+    plan = Plan(global_batch=8, mesh=Mesh(pp=2), pipeline=PipelineSpec(schedule="GPipe"),
+                layers=tuple(LayerPlan(module=n, stage=int(n) // 2) for n in ("0", "1", "2")))
+    with pytest.raises(PlanError, match="mesh.pp=2: .* needs loss_fn=.*pp=1"):
+        make_trainer(_mlp(), plan, None, _tensor_batches()[0][0])
+
+
 # -- planning: layer graph and errors --------------------------------------------------------
 
 
@@ -325,6 +335,9 @@ def test_rows_are_sliced_nested_and_shared_tensors_broadcast():
 
 def test_batch_size_comes_from_targets_then_first_input():
     assert batch_size(Inputs((torch.ones(()), torch.ones(5, 2)))) == 5
+    assert batch_size(Inputs((torch.ones(1, 3),), {"ids": torch.ones(5, 3)})) == 5
+    assert batch_size(Inputs((torch.ones(1, 3),))) == 1
+    assert batch_size(Inputs((torch.ones(1, 3),)), targets=torch.ones(4)) == 4
     with pytest.raises(PlanError, match=r"input 'inputs\[0\]' has 5 rows .* 3 samples"):
         batch_size(Inputs((torch.ones(5, 2),)), torch.ones(3))
     with pytest.raises(PlanError, match=r"'w\[1\]' has 2 rows"):
