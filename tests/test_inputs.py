@@ -286,6 +286,53 @@ def test_layer_graph_of_keyword_inputs(prefer):
     assert (graph.batch_size, graph.seq_len) == (BATCH, SEQ)
 
 
+class OptionalArgs(nn.Module):
+    """Optional arguments between the ones given: capture must keep the others at their
+    defaults and bind the given ones by name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x, mask=None, scale=None, labels=None):
+        h = self.a(x)
+        if mask is not None:
+            h = h * mask
+        if scale is not None:
+            h = h * scale
+        out = self.b(h)
+        return out if labels is None else F.cross_entropy(out, labels)
+
+
+class NestedBatch(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, batch):
+        return self.b(self.a(batch["x"]) * batch["m"]["w"])
+
+
+@pytest.mark.parametrize("prefer", ["symbolic_trace", "export"])
+def test_captures_keyword_positional_and_nested_inputs(prefer):
+    """Each form plans at batch 6, and the head's float32 logits [6, 3] = 72 bytes are the
+    loss's input whether the model returns them or its loss computed from them."""
+    x, labels = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    cases = [
+        (OptionalArgs(), {"x": x, "labels": labels}),
+        (OptionalArgs(), Inputs((x,), {"scale": torch.tensor(2.0), "labels": labels})),
+        (OptionalArgs(), x),
+        (NestedBatch(), Inputs(({"x": x, "m": {"w": torch.ones(1, 4)}},))),
+    ]
+    for model, inputs in cases:
+        graph = build_layer_graph(model, inputs, prefer=prefer)
+        assert graph.extra["capture_method"] == prefer
+        assert graph.batch_size == 6
+        assert [(la.name, la.loss_bytes) for la in graph.layers] == [("a", 0), ("b", 72)]
+
+
 @pytest.mark.parametrize("return_logits", [True, False])
 def test_loss_computed_by_the_model_is_costed_on_its_logits(return_logits):
     """The head's float32 logits [4, 4 classes] = 64 bytes, counted once whether the model
