@@ -29,7 +29,7 @@ import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from cost_models.errors import AutoparError
+from cost_models.errors import AutoparError, ConfigError
 from passes import meta_keys
 from runtime.batch import Inputs, as_inputs
 
@@ -58,6 +58,7 @@ def trace_module(
         raise ValueError(f"prefer={prefer!r}; valid: {', '.join(METHODS)}")
     opaque = tuple(opaque)
     _check_opaque(model, opaque)
+    _check_arguments(model, as_inputs(example_inputs))
     order = (prefer,) + tuple(m for m in METHODS if m != prefer)
     errors: dict[str, BaseException] = {}
     for method in order:
@@ -269,6 +270,22 @@ def _module_at(model: nn.Module, errors: dict[str, BaseException]) -> str:
         if name and any(f == src and start <= ln < start + len(lines) for f, ln in spots):
             return name
     return ""
+
+
+def _check_arguments(model: nn.Module, inputs: Inputs) -> None:
+    """Inputs forward cannot take are the user's to fix: name them before capture fails."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: capture will tell
+        return
+    try:
+        signature.bind(*inputs.args, **inputs.kwargs)
+    except TypeError as e:
+        raise ConfigError(
+            f"example inputs do not fit {type(model).__name__}.forward{signature}: {e}; pass "
+            "a tuple of positional arguments, a dict of keyword arguments named as forward's "
+            "parameters, or Inputs(args, kwargs)"
+        ) from e
 
 
 def _check_opaque(model: nn.Module, opaque: tuple[str, ...]) -> None:

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from dict_batch_model import DictBatchClassifier, make_batch
 
 import autopar
+from cost_models.errors import ConfigError
 from passes.layer_graph import build_layer_graph
 from runtime.batch import Inputs, as_inputs, batch_size, model_loss, shard_rows, split_rows
 from runtime.plan import LayerPlan, Mesh, Plan, PlanError
@@ -331,6 +332,15 @@ def test_captures_keyword_positional_and_nested_inputs(prefer):
         assert graph.extra["capture_method"] == prefer
         assert graph.batch_size == 6
         assert [(la.name, la.loss_bytes) for la in graph.layers] == [("a", 0), ("b", 72)]
+
+
+def test_inputs_forward_cannot_take_are_named_before_capture():
+    x = torch.randn(6, 4)
+    with pytest.raises(ConfigError, match="forward\\(x, mask=None.*unexpected keyword "
+                                          "argument 'label'"):
+        build_layer_graph(OptionalArgs(), {"x": x, "label": x})
+    with pytest.raises(ConfigError, match="too many positional arguments"):
+        autopar.plan(OptionalArgs(), autopar.Cluster.local(2), (x,) * 5)
 
 
 @pytest.mark.parametrize("return_logits", [True, False])
