@@ -54,9 +54,9 @@ def search_plans(
     of positional arguments, a dict of keyword arguments (Hugging Face's ``model(**batch)``)
     or ``autopar.Inputs(args, kwargs)``. Its batch dimension (dim 0 of the tensors that
     carry the samples, found as ``runtime.batch`` says) is the global batch the plan is
-    made for. ``progress`` is called after each candidate the
-    search evaluates (see ``autopar.progress``). The plan carries its rationale: every
-    option's cost per layer class and the best alternatives (``autopar.explain``).
+    made for. ``progress`` is called after each candidate the search evaluates (see
+    ``autopar.progress``). The plan carries its rationale: every option's cost per layer
+    class and the best alternatives (``autopar.explain``).
     """
     cluster = as_cluster(cluster)
     graph = build_layer_graph(model, as_inputs(example_inputs), model_name=model_name,

@@ -28,6 +28,7 @@ import torch
 import torch.fx
 import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch.export._tree_utils import reorder_kwargs
 
 from cost_models.errors import AutoparError, ConfigError
 from passes import meta_keys
@@ -112,10 +113,28 @@ def placeholder_values(gm: torch.fx.GraphModule, example_inputs: object) -> tupl
     inputs = as_inputs(example_inputs)
     codegen = gm.graph._codegen
     if isinstance(codegen, torch.fx.graph._PyTreeCodeGen):
-        return tuple(pytree.tree_leaves((inputs.args, dict(inputs.kwargs))))
+        # Export's own reordering, so keyword inputs given in another order still match.
+        kwargs = reorder_kwargs(dict(inputs.kwargs), codegen.pytree_info.in_spec)
+        return tuple(pytree.tree_leaves((inputs.args, kwargs)))
     bound = _bind(gm, inputs)
     return tuple(bound.get(n.target, n.args[0] if n.args else None)
                  for n in gm.graph.find_nodes(op="placeholder"))
+
+
+def _check_arguments(model: nn.Module, inputs: Inputs) -> None:
+    """Inputs forward cannot take are the user's to fix: name them before capture fails."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: capture will tell
+        return
+    try:
+        signature.bind(*inputs.args, **inputs.kwargs)
+    except TypeError as e:
+        raise ConfigError(
+            f"example inputs do not fit {type(model).__name__}.forward{signature}: {e}; pass "
+            "a tuple of positional arguments, a dict of keyword arguments named as forward's "
+            "parameters, or Inputs(args, kwargs)"
+        ) from e
 
 
 # -- the two methods --------------------------------------------------------------------------
@@ -270,22 +289,6 @@ def _module_at(model: nn.Module, errors: dict[str, BaseException]) -> str:
         if name and any(f == src and start <= ln < start + len(lines) for f, ln in spots):
             return name
     return ""
-
-
-def _check_arguments(model: nn.Module, inputs: Inputs) -> None:
-    """Inputs forward cannot take are the user's to fix: name them before capture fails."""
-    try:
-        signature = inspect.signature(model.forward)
-    except (TypeError, ValueError):  # a builtin or C forward: capture will tell
-        return
-    try:
-        signature.bind(*inputs.args, **inputs.kwargs)
-    except TypeError as e:
-        raise ConfigError(
-            f"example inputs do not fit {type(model).__name__}.forward{signature}: {e}; pass "
-            "a tuple of positional arguments, a dict of keyword arguments named as forward's "
-            "parameters, or Inputs(args, kwargs)"
-        ) from e
 
 
 def _check_opaque(model: nn.Module, opaque: tuple[str, ...]) -> None:

@@ -334,6 +334,17 @@ def test_captures_keyword_positional_and_nested_inputs(prefer):
         assert [(la.name, la.loss_bytes) for la in graph.layers] == [("a", 0), ("b", 72)]
 
 
+def test_exported_placeholders_take_keyword_inputs_in_any_order():
+    from autopar.capture import capture
+    from passes.trace import placeholder_values
+
+    x, labels = torch.randn(6, 4), torch.randint(0, 3, (6,))
+    gm = capture(OptionalArgs(), {"x": x, "labels": labels})
+    names = [n.target for n in gm.graph.find_nodes(op="placeholder")]
+    values = dict(zip(names, placeholder_values(gm, {"labels": labels, "x": x}), strict=True))
+    assert values["x"] is x and values["labels"] is labels
+
+
 def test_inputs_forward_cannot_take_are_named_before_capture():
     x = torch.randn(6, 4)
     with pytest.raises(ConfigError, match="forward\\(x, mask=None.*unexpected keyword "
