@@ -10,6 +10,7 @@ from autopar.api import compile, plan, search_plans
 from autopar.errors import AutoparError, CaptureError, ConfigError, InfeasibleError, PlanError
 from autopar.report import format_plan
 from cost_models.hardware import Cluster
+from runtime.batch import Inputs
 from runtime.plan import LayerPlan, Mesh, Plan
 
 __all__ = [
@@ -18,6 +19,7 @@ __all__ = [
     "Cluster",
     "ConfigError",
     "InfeasibleError",
+    "Inputs",
     "LayerPlan",
     "Mesh",
     "Plan",

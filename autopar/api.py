@@ -21,6 +21,7 @@ from autopar.planner import SearchResult, search
 from autopar.planner.search import ProgressFn
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
+from runtime.batch import as_inputs
 from runtime.plan import Mesh, Plan
 from runtime.train import LossFn, OptimizerFactory, Trainer
 
@@ -37,7 +38,7 @@ def as_cluster(cluster: Cluster | str, world_size: int | None = None) -> Cluster
 def search_plans(
     model: nn.Module,
     cluster: Cluster | str,
-    example_inputs: tuple,
+    example_inputs: object,
     *,
     precision: str = "float32",
     mesh: Mesh | None = None,
@@ -49,20 +50,23 @@ def search_plans(
 ) -> SearchResult:
     """The best plan and every candidate the search considered.
 
-    ``example_inputs`` is one global batch (real, meta or fake tensors): its dim 0 is the
-    global batch the plan is made for. ``progress`` is called after each candidate the
-    search evaluates (see ``autopar.progress``). The plan carries its rationale: every
-    option's cost per layer class and the best alternatives (``autopar.explain``).
+    ``example_inputs`` is one global batch (real, meta or fake tensors): a tensor, a tuple
+    of positional arguments, a dict of keyword arguments (Hugging Face's ``model(**batch)``)
+    or ``autopar.Inputs(args, kwargs)``. Its batch dimension (dim 0 of the tensors that
+    carry the samples, found as ``runtime.batch`` says) is the global batch the plan is
+    made for. ``progress`` is called after each candidate the search evaluates (see
+    ``autopar.progress``). The plan carries its rationale: every option's cost per layer
+    class and the best alternatives (``autopar.explain``).
     """
     cluster = as_cluster(cluster)
-    graph = build_layer_graph(model, tuple(example_inputs), model_name=model_name,
+    graph = build_layer_graph(model, as_inputs(example_inputs), model_name=model_name,
                               opaque=tuple(opaque), seq_len=seq_len)
     result = search(graph, cluster, precision_name=precision, mesh=mesh,
                     time_limit_s=time_limit_s, progress=progress)
     return attach_rationale(result, graph, cluster, precision)
 
 
-def plan(model: nn.Module, cluster: Cluster | str, example_inputs: tuple, **kwargs) -> Plan:
+def plan(model: nn.Module, cluster: Cluster | str, example_inputs: object, **kwargs) -> Plan:
     """Plan ``model`` for ``cluster``; see ``search_plans`` for the options."""
     return search_plans(model, cluster, example_inputs, **kwargs).plan
 
@@ -70,9 +74,9 @@ def plan(model: nn.Module, cluster: Cluster | str, example_inputs: tuple, **kwar
 def compile(  # noqa: A001 - the public name the architecture promises
     model: nn.Module,
     cluster: Cluster | str,
-    example_inputs: tuple,
+    example_inputs: object,
     *,
-    loss_fn: LossFn,
+    loss_fn: LossFn | None = None,
     optimizer_factory: OptimizerFactory | None = None,
     plan: Plan | None = None,
     device_type: str = "cpu",
@@ -83,6 +87,9 @@ def compile(  # noqa: A001 - the public name the architecture promises
     Call on every rank after the process group is initialised (``autopar run``, torchrun
     or ``runtime.launch.spawn``). Returns a Trainer: ``trainer.train_step(inputs, targets)``
     (a ``runtime.pipeline.PipelineTrainer`` for pipeline plans, split by ``autopar.lower``).
+    ``loss_fn(output, targets)`` gets the model's output as it is; without one the model's
+    own loss (``output.loss``, as Hugging Face models return with ``labels=``) is trained
+    and ``train_step(inputs)`` needs no targets.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(
@@ -106,5 +113,5 @@ def compile(  # noqa: A001 - the public name the architecture promises
             raise payload[0]
         assert isinstance(payload[0], str)
         plan = Plan.from_json(payload[0], source="plan from rank 0")
-    return make_trainer(model, plan, loss_fn, tuple(example_inputs), optimizer_factory,
+    return make_trainer(model, plan, loss_fn, example_inputs, optimizer_factory,
                         device_type=device_type)

@@ -24,20 +24,20 @@ from passes.trace import trace_module
 
 def capture(
     model: nn.Module,
-    example_inputs: tuple,
+    example_inputs: object,
     *,
     opaque: Iterable[str] = (),
     prefer: str = "export",
 ) -> torch.fx.GraphModule:
-    """Capture ``model`` called on ``example_inputs`` (a tuple of positional arguments).
+    """Capture ``model`` called on ``example_inputs``: a tensor, a tuple of positional
+    arguments, a dict of keyword arguments or ``autopar.Inputs(args, kwargs)``. The
+    graph's placeholders take ``passes.trace.placeholder_values(gm, example_inputs)``.
 
     ``opaque``: module paths to keep as single call_module nodes (planned as one unit).
     ``prefer``: 'export' (default) or 'symbolic_trace' to try first; the other is the
     fallback. Raises ``CaptureError`` naming the construct, the source line and the
     ``opaque=[...]`` remedy when both fail.
     """
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
     return trace_module(model, example_inputs, opaque=opaque, prefer=prefer)
 
 

@@ -10,28 +10,30 @@ the same methods (``train_step``, ``forward_backward``, ``step``, ``shard_batch`
 
 from __future__ import annotations
 
-import torch
 import torch.nn as nn
 
 from passes.split_stages import split_stages
+from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.pipeline import PipelineTrainer
-from runtime.plan import Plan
+from runtime.plan import Plan, PlanError
 from runtime.train import LossFn, OptimizerFactory, Trainer
 
 
-def microbatch_inputs(plan: Plan, example_inputs: tuple) -> tuple:
-    """One micro-batch's worth of ``example_inputs`` (a global batch), for tracing."""
+def microbatch_inputs(plan: Plan, example_inputs: object) -> tuple | Inputs:
+    """One micro-batch's worth of ``example_inputs`` (a global batch, in any form
+    ``runtime.batch.as_inputs`` reads), for tracing: the positional arguments as a tuple,
+    or ``Inputs`` when there are keyword arguments."""
     m = plan.pipeline.num_microbatches if plan.pipeline else 1
     per = max(1, plan.global_batch // (plan.mesh.dp * m))
-    return tuple(x[:per] if isinstance(x, torch.Tensor) and x.dim() else x
-                 for x in example_inputs)
+    part = first_rows(as_inputs(example_inputs), per)
+    return part if part.kwargs else part.args
 
 
 def make_trainer(
     model: nn.Module,
     plan: Plan,
-    loss_fn: LossFn,
-    example_inputs: tuple,
+    loss_fn: LossFn | None,
+    example_inputs: object,
     optimizer_factory: OptimizerFactory | None = None,
     device_type: str = "cpu",
 ) -> Trainer:
@@ -41,6 +43,12 @@ def make_trainer(
     a pipeline is traced on one micro-batch of it). ``model`` is parallelized in place.
     Raises PlanError before any collective when the plan does not fit.
     """
+    if loss_fn is None and plan.mesh.pp > 1:
+        raise PlanError(
+            f"mesh.pp={plan.mesh.pp}: a pipeline computes the loss on its last stage from "
+            "the stage's output and the targets, so it needs loss_fn=...; a model that "
+            "computes its own loss (labels=) trains under plans with pp=1"
+        )
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)

@@ -43,6 +43,7 @@ from dataclasses import replace
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.fx import GraphModule, Node
 
 from passes import meta_keys as K
@@ -55,11 +56,12 @@ from passes.annotate import (
     propagate_shapes,
 )
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
-from passes.group_layers import LayerGroup, group_layers
+from passes.group_layers import LayerGroup, group_layers, owning_layer
 from passes.memory_bound import memory_bound_bytes
 from passes.records import GemmShape, LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
-from passes.trace import inputs_to_meta, to_meta, trace_module
+from passes.trace import inputs_to_meta, placeholder_values, to_meta, trace_module
+from runtime.batch import Inputs, as_inputs, batch_size
 
 BWD_FLOPS_PER_FWD = 2.0
 LOSS_DTYPE_BYTES = 4
@@ -68,7 +70,7 @@ LOSS_DTYPE_BYTES = 4
 
 def build_layer_graph(
     model: nn.Module,
-    example_inputs: tuple,
+    example_inputs: object,
     *,
     model_name: str = "",
     opaque: Iterable[str] = (),
@@ -77,18 +79,20 @@ def build_layer_graph(
 ) -> LayerGraph:
     """Layers of ``model`` in execution order, with costs at the example inputs' batch.
 
+    ``example_inputs``: one global batch as ``runtime.batch.as_inputs`` reads it (a
+    tensor, a tuple, a dict of keyword arguments, or ``Inputs``); its batch is found as
+    the runtime finds it (``runtime.batch.batch_size``).
     ``prefer``: capture method to try first ('symbolic_trace' or 'export'; see above).
     """
     start = time.perf_counter()
     opaque = tuple(opaque)
-    if not isinstance(example_inputs, tuple):
-        example_inputs = (example_inputs,)
     meta_model = to_meta(model)
-    inputs = inputs_to_meta(example_inputs)
+    inputs = inputs_to_meta(as_inputs(example_inputs))
+    batch = batch_size(inputs)  # first: an input without the batch dim is named, not traced
     gm = trace_module(meta_model, inputs, opaque=opaque, prefer=prefer)
     captured = time.perf_counter()
     annotate_module_paths(gm)
-    env = propagate_shapes(gm, inputs)
+    env = propagate_shapes(gm, placeholder_values(gm, inputs))
     count_ops(gm)
     groups = group_layers(gm, meta_model, opaque)
     by_class: dict[str, tuple[LayerCosts, TPOption | None]] = {}
@@ -103,7 +107,7 @@ def build_layer_graph(
     info: K.CaptureInfo = gm.meta[K.CAPTURE]
     return LayerGraph(
         layers=layers,
-        batch_size=_batch_size(inputs),
+        batch_size=batch,
         seq_len=seq_len if seq_len is not None else _seq_len(inputs),
         param_dtype=_param_dtype(model),
         model_name=model_name,
@@ -186,18 +190,48 @@ def _loss_bytes(gm: GraphModule, groups: list[LayerGroup]) -> dict[str, int]:
     (``LayerInfo.loss_bytes``): the runtime hands the output to the user's loss in float32
     whatever the plan's precision (runtime/precision.py casts it up at the root), so its
     size is counted at 4 bytes per element, not at the captured dtype. Every floating
-    tensor returned counts (an upper bound when the loss reads only the logits)."""
+    tensor returned counts (an upper bound when the loss reads only the logits).
+
+    A model that computes its own loss (Hugging Face's ``labels=``) returns a 0-dim tensor
+    made outside every layer: the layers' outputs that loss is computed from (the logits)
+    count instead, each tensor once however many outputs it reaches."""
     layer_of = {n: g.name for g in groups for n in g.nodes}
     out: dict[str, int] = {}
-    for node in gm.graph.find_nodes(op="output"):
-        for arg in node.all_input_nodes:
-            if arg not in layer_of or K.TENSOR not in arg.meta:
-                continue
-            floating = [t for t in arg.meta[K.TENSOR].tensors
-                        if getattr(torch, t.dtype).is_floating_point]
-            size = sum(math.prod(t.shape) * LOSS_DTYPE_BYTES for t in floating)
-            out[layer_of[arg]] = out.get(layer_of[arg], 0) + size
+    for node in _loss_inputs(gm, layer_of):
+        floating = [t for t in node.meta[K.TENSOR].tensors
+                    if getattr(torch, t.dtype).is_floating_point]
+        size = sum(math.prod(t.shape) * LOSS_DTYPE_BYTES for t in floating)
+        out[layer_of[node]] = out.get(layer_of[node], 0) + size
     return out
+
+
+def _loss_inputs(gm: GraphModule, layer_of: dict[Node, str]) -> list[Node]:
+    """The nodes whose values count as the loss's input, each once, in a stable order: the
+    returned ones, except that a returned 0-dim loss the model computes in its own code
+    (outside every layer's module; ``group_layers`` files such nodes under the previous
+    layer) is replaced by what it is computed from in the layers' modules (the logits)."""
+    names = set(layer_of.values())
+    returned = [a for n in gm.graph.find_nodes(op="output") for a in n.all_input_nodes]
+    found: dict[Node, None] = {}
+    stack = [a for a in reversed(returned) if a in layer_of]
+    seen: set[Node] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen or node.op in ("placeholder", "get_attr"):  # inputs, weights
+            continue
+        seen.add(node)
+        own_code = names != {""} and not owning_layer(node.meta.get(K.MODULE_PATH, ""), names)
+        if own_code and (node not in returned or _is_scalar_float(node)):
+            stack += reversed(node.all_input_nodes)
+        elif node in layer_of and K.TENSOR in node.meta:
+            found.setdefault(node)
+    return list(found)
+
+
+def _is_scalar_float(node: Node) -> bool:
+    meta = node.meta.get(K.TENSOR)
+    return (meta is not None and meta.is_tensor and meta.tensors[0].shape == ()
+            and getattr(torch, meta.tensors[0].dtype).is_floating_point)
 
 
 def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup]) -> frozenset[int]:
@@ -278,15 +312,9 @@ def _input_bytes(nodes: list[Node]) -> int:
                    if getattr(torch, t.dtype).is_floating_point))
 
 
-def _batch_size(inputs: tuple) -> int:
-    for x in inputs:
-        if isinstance(x, torch.Tensor) and x.dim() > 0:
-            return int(x.shape[0])
-    return 1
-
-
-def _seq_len(inputs: tuple) -> int | None:
-    first = next((x for x in inputs if isinstance(x, torch.Tensor)), None)
+def _seq_len(inputs: Inputs) -> int | None:
+    leaves = pytree.tree_leaves((inputs.args, dict(inputs.kwargs)))
+    first = next((x for x in leaves if isinstance(x, torch.Tensor)), None)
     if first is not None and first.dim() >= 2 and not first.is_floating_point():
         return int(first.shape[1])  # token ids [batch, seq]
     return None

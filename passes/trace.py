@@ -27,9 +27,12 @@ from collections.abc import Iterable
 import torch
 import torch.fx
 import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.export._tree_utils import reorder_kwargs
 
-from cost_models.errors import AutoparError
+from cost_models.errors import AutoparError, ConfigError
 from passes import meta_keys
+from runtime.batch import Inputs, as_inputs
 
 METHODS = ("export", "symbolic_trace")
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -42,22 +45,27 @@ class GraphCaptureError(AutoparError):
 
 def trace_module(
     model: nn.Module,
-    example_inputs: tuple,
+    example_inputs: object,
     *,
     opaque: Iterable[str] = (),
     prefer: str = "export",
 ) -> torch.fx.GraphModule:
-    """Capture with ``prefer`` first and the other method as fallback."""
+    """Capture with ``prefer`` first and the other method as fallback.
+
+    ``example_inputs``: a tensor, a tuple of positional arguments, a dict of keyword
+    arguments or ``runtime.batch.Inputs`` (see ``runtime.batch.as_inputs``). The graph's
+    placeholders take ``placeholder_values(gm, example_inputs)``."""
     if prefer not in METHODS:
         raise ValueError(f"prefer={prefer!r}; valid: {', '.join(METHODS)}")
     opaque = tuple(opaque)
     _check_opaque(model, opaque)
+    _check_arguments(model, as_inputs(example_inputs))
     order = (prefer,) + tuple(m for m in METHODS if m != prefer)
     errors: dict[str, BaseException] = {}
     for method in order:
         start = time.perf_counter()
         try:
-            gm = _CAPTURERS[method](model, tuple(example_inputs), opaque)
+            gm = _CAPTURERS[method](model, as_inputs(example_inputs), opaque)
         except Exception as e:  # any failure of one method means: try the other
             errors[method] = e
             continue
@@ -86,22 +94,57 @@ def to_meta(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def inputs_to_meta(example_inputs: tuple) -> tuple:
-    return tuple(
-        torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
-        if isinstance(x, torch.Tensor)
-        else x
-        for x in example_inputs
-    )
+def inputs_to_meta(example_inputs: object) -> object:
+    """Every tensor of the inputs (nested ones too) on 'meta', in the form they came in."""
+    def meta(x: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+    if isinstance(example_inputs, Inputs):
+        return Inputs(*pytree.tree_map_only(
+            torch.Tensor, meta, (example_inputs.args, dict(example_inputs.kwargs))))
+    return pytree.tree_map_only(torch.Tensor, meta, example_inputs)
+
+
+def placeholder_values(gm: torch.fx.GraphModule, example_inputs: object) -> tuple:
+    """The value of each placeholder of a captured graph, in graph order.
+
+    An exported graph takes the flattened (args, kwargs) as export saw them; a symbolically
+    traced one takes forward's parameters by name, each not given at its default."""
+    inputs = as_inputs(example_inputs)
+    codegen = gm.graph._codegen
+    if isinstance(codegen, torch.fx.graph._PyTreeCodeGen):
+        # Export's own reordering, so keyword inputs given in another order still match.
+        kwargs = reorder_kwargs(dict(inputs.kwargs), codegen.pytree_info.in_spec)
+        return tuple(pytree.tree_leaves((inputs.args, kwargs)))
+    bound = _bind(gm, inputs)
+    return tuple(bound.get(n.target, n.args[0] if n.args else None)
+                 for n in gm.graph.find_nodes(op="placeholder"))
+
+
+def _check_arguments(model: nn.Module, inputs: Inputs) -> None:
+    """Inputs forward cannot take are the user's to fix: name them before capture fails."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # a builtin or C forward: capture will tell
+        return
+    try:
+        signature.bind(*inputs.args, **inputs.kwargs)
+    except TypeError as e:
+        raise ConfigError(
+            f"example inputs do not fit {type(model).__name__}.forward{signature}: {e}; pass "
+            "a tuple of positional arguments, a dict of keyword arguments named as forward's "
+            "parameters, or Inputs(args, kwargs)"
+        ) from e
 
 
 # -- the two methods --------------------------------------------------------------------------
 
 
-def _export(model: nn.Module, inputs: tuple, opaque: tuple[str, ...]) -> torch.fx.GraphModule:
+def _export(model: nn.Module, inputs: Inputs, opaque: tuple[str, ...]) -> torch.fx.GraphModule:
     # `opaque` has no export equivalent short of custom ops; grouping still plans each opaque
     # module as one layer.
-    ep = torch.export.export(model, inputs, strict=False)
+    ep = torch.export.export(model, tuple(inputs.args), kwargs=dict(inputs.kwargs) or None,
+                             strict=False)
     return ep.module()
 
 
@@ -123,13 +166,15 @@ class _LeafTracer(torch.fx.Tracer):
 
 
 def trace_at_defaults(tracer: torch.fx.Tracer, model: nn.Module,
-                      num_inputs: int | None = None) -> torch.fx.Graph:
+                      num_inputs: int | None = None,
+                      given: frozenset[str] = frozenset()) -> torch.fx.Graph:
     """``tracer.trace(model)`` with the optional forward arguments past the first
-    ``num_inputs`` (all optional ones when None) fixed at their defaults, as export treats
-    arguments it is not given: ``if pos is None:`` then traces instead of seeing a Proxy."""
+    ``num_inputs`` (all optional ones when None), other than the keyword arguments
+    ``given``, fixed at their defaults, as export treats arguments it is not given:
+    ``if pos is None:`` then traces instead of seeing a Proxy."""
     params = list(inspect.signature(model.forward).parameters.values())
     defaults = {p.name: p.default for p in params[num_inputs or 0:]
-                if p.default is not inspect.Parameter.empty
+                if p.default is not inspect.Parameter.empty and p.name not in given
                 and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
     graph = tracer.trace(model, concrete_args=defaults or None)
     for node in [n for n in graph.nodes if n.target is torch.fx._symbolic_trace._assert_is_none]:
@@ -138,18 +183,32 @@ def trace_at_defaults(tracer: torch.fx.Tracer, model: nn.Module,
 
 
 def _symbolic_trace(
-    model: nn.Module, inputs: tuple, opaque: tuple[str, ...]
+    model: nn.Module, inputs: Inputs, opaque: tuple[str, ...]
 ) -> torch.fx.GraphModule:
+    # Placeholders are forward's parameters; a keyword input must name a plain tensor
+    # parameter (nested structures are export's to flatten).
+    if any(not isinstance(v, torch.Tensor) for v in inputs.kwargs.values()):
+        raise TypeError("symbolic_trace takes keyword inputs that are tensors only")
     tracer = _LeafTracer(opaque)
-    graph = trace_at_defaults(tracer, model, len(inputs))
+    graph = trace_at_defaults(tracer, model, len(inputs.args), frozenset(inputs.kwargs))
     gm = torch.fx.GraphModule(tracer.root, graph, model.__class__.__name__)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     required = [n for n in placeholders if not n.args]
-    if not len(required) <= len(inputs) <= len(placeholders):
-        raise TypeError(
-            f"forward takes {len(required)}..{len(placeholders)} inputs, got {len(inputs)}"
-        )
+    given = len(inputs.args) + len(inputs.kwargs)
+    if not len(required) <= given <= len(placeholders):
+        raise TypeError(f"forward takes {len(required)}..{len(placeholders)} inputs, got {given}")
+    _bind(gm, inputs)
     return gm
+
+
+def _bind(gm: torch.fx.GraphModule, inputs: Inputs) -> dict[str, object]:
+    """A symbolically traced graph's placeholder names bound to the inputs."""
+    names = [str(n.target) for n in gm.graph.find_nodes(op="placeholder")]
+    bound = dict(zip(names, inputs.args, strict=False))
+    unknown = [k for k in inputs.kwargs if k not in names or k in bound]
+    if unknown:
+        raise TypeError(f"forward has no parameter (or got twice) {', '.join(unknown)}")
+    return {**bound, **inputs.kwargs}
 
 
 _CAPTURERS = {"export": _export, "symbolic_trace": _symbolic_trace}

@@ -60,6 +60,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from runtime.apply import _device, check_world
+from runtime.batch import as_inputs, batch_size, check_splits
 from runtime.data_parallel import apply_fsdp
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
@@ -230,20 +231,17 @@ class PipelineTrainer(Trainer):
     def forward_backward(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
         """One pipelined forward and backward of this replica's local batch over every
         micro-batch; returns the global mean loss on every rank. Collective."""
-        m = self.plan.pipeline.num_microbatches
-        if targets.shape[0] % m:
-            raise PlanError(
-                f"the local batch of {targets.shape[0]} samples does not split into "
-                f"pipeline.num_microbatches={m} equal micro-batches; use a global batch "
-                f"that is a multiple of dp × num_microbatches = {self.dp_size * m}"
-            )
+        batch = as_inputs(inputs)
+        check_splits(batch_size(batch, targets), self.plan.pipeline.num_microbatches,
+                     self.dp_size, "pipeline.num_microbatches")
         losses: list[torch.Tensor] = []
-        args = tuple(inputs) if self.has_first else ()
+        args = batch.args if self.has_first else ()
         # return_outputs=False: the last stage would otherwise keep every micro-batch's
         # output (the logits) until the step ends and then concatenate them into one more
         # copy, to return a value nothing here uses.
         self.schedule.step(*args, target=targets if self.has_last else None,
-                           losses=losses if self.has_last else None, return_outputs=False)
+                           losses=losses if self.has_last else None, return_outputs=False,
+                           **(batch.kwargs if self.has_first else {}))
         local = torch.stack(losses).mean().detach() if self.has_last else torch.zeros(())
         if self.has_last and self.loss_scaler is not None:
             local = local / self.loss_scaler.get_scale()

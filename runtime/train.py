@@ -1,5 +1,12 @@
 """A training step a user's own loop can call, with a plan applied.
 
+Batches: ``inputs`` is a tensor, a tuple of positional arguments, a dict of keyword
+arguments (Hugging Face's ``model(**batch)``) or ``runtime.batch.Inputs`` for both; the
+tensors holding the batch in dim 0 are sliced, the rest broadcast (``runtime.batch``).
+The loss is ``loss_fn(output, targets)`` with the model's output as it is (a Hugging Face
+``ModelOutput`` included), or without a ``loss_fn`` the loss the model returns
+(``output.loss``, ``output["loss"]``, or a 0-dim output); targets are then optional.
+
 Loss convention: the global loss is the mean over the global batch, and gradients equal
 those of one process training on the whole batch. Each data-parallel rank takes an equal
 slice of the global batch (dim 0), computes the mean loss of its slice, and the engines
@@ -27,19 +34,23 @@ overflowed on any rank.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor
 
 from runtime.apply import apply
+from runtime.batch import Inputs, as_inputs, like, model_loss, shard_rows, split_rows
 from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import microbatch_sync
 from runtime.plan import Plan, PlanError
 from runtime.precision import make_loss_scaler
 
-LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+LossFn = Callable[[Any, Any], torch.Tensor]
+"""``loss_fn(output, targets)``: the model's output as it returns it, and the targets."""
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
@@ -58,7 +69,7 @@ class Trainer:
         self,
         model: nn.Module,
         plan: Plan,
-        loss_fn: LossFn,
+        loss_fn: LossFn | None = None,
         optimizer_factory: OptimizerFactory = _adamw,
         *,
         device_type: str = "cpu",
@@ -79,42 +90,27 @@ class Trainer:
     def device(self) -> torch.device:
         return self.applied.device
 
-    def shard_batch(self, inputs: tuple, targets: torch.Tensor) -> tuple[tuple, torch.Tensor]:
+    def shard_batch(self, inputs: Any, targets: Any = None) -> tuple[Any, Any]:
         """This rank's dp slice (dim 0) of a global batch, moved to the device; with
-        context parallelism, of that slice's sequences (dim 1) its zigzag chunks."""
-        batch = targets.shape[0]
-        if batch % self.dp_size:
-            raise PlanError(
-                f"global batch of {batch} samples is not divisible by the data-parallel "
-                f"degree dp={self.dp_size}; use a multiple of {self.dp_size}"
-            )
-        for i, x in enumerate(inputs):
-            if isinstance(x, torch.Tensor) and x.shape[0] != batch:
-                raise PlanError(
-                    f"inputs[{i}] has {x.shape[0]} samples but targets have {batch}; "
-                    "dim 0 must be the batch in every input"
-                )
-        local = batch // self.dp_size
-        lo, hi = self.dp_rank * local, (self.dp_rank + 1) * local
-
+        context parallelism, of that slice's sequences (dim 1) its zigzag chunks. The
+        inputs come back in the form they were given (tensor, tuple, dict or Inputs)."""
         cp = self.context_parallel
 
-        def cut(x):
-            if not isinstance(x, torch.Tensor):
-                return x
-            x = x[lo:hi]
+        def move(x: torch.Tensor) -> torch.Tensor:
             return (x if cp is None else cp.shard(x)).to(self.device)
 
-        return tuple(cut(x) for x in inputs), cut(targets)
+        local, targets = shard_rows(as_inputs(inputs), targets, self.dp_rank, self.dp_size,
+                                    move)
+        return like(inputs, local), targets
 
-    def forward_backward(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs: Any, targets: Any = None) -> torch.Tensor:
         """Forward and backward on this rank's local batch, in ``plan.gradient_accumulation``
         micro-batches; return the global mean loss.
 
         Every dp rank must hold the same number of samples (``shard_batch`` ensures it).
         """
-        parts = split_microbatches(inputs, targets, self.plan.gradient_accumulation,
-                                   self.dp_size)
+        parts = split_rows(as_inputs(inputs), targets, self.plan.gradient_accumulation,
+                           self.dp_size)
         losses = []
         for i, (x, y) in enumerate(parts):
             with microbatch_sync(self.module, list(self.plan.layers), last=i == len(parts) - 1):
@@ -126,17 +122,21 @@ class Trainer:
         dist.all_reduce(global_loss, op=dist.ReduceOp.SUM)
         return global_loss / dist.get_world_size()
 
-    def _forward_backward_one(self, x: tuple, y: torch.Tensor, parts: int) -> torch.Tensor:
+    def _forward_backward_one(self, x: Inputs, y: Any, parts: int) -> torch.Tensor:
         """One micro-batch; with context parallelism, ring attention stays on through
         backward (checkpointed layers rerun their forward there)."""
         if self.context_parallel is None:
-            loss = self.loss_fn(self.module(*x), y)
+            loss = self.loss(x.call(self.module), y)
             self._backward(loss / parts)
             return loss
-        with self.context_parallel.attention(y.shape[1], self.device) as positions:
-            loss = self.loss_fn(self.module(*x, **positions), y)
+        with self.context_parallel.attention(_seq_len(x, y), self.device) as positions:
+            loss = self.loss(self.module(*x.args, **x.kwargs, **positions), y)
             self._backward(loss / parts)
         return loss
+
+    def loss(self, output: Any, targets: Any) -> torch.Tensor:
+        """``loss_fn(output, targets)``, or the model's own loss when there is no loss_fn."""
+        return model_loss(output) if self.loss_fn is None else self.loss_fn(output, targets)
 
     def _backward(self, loss: torch.Tensor) -> None:
         if self.loss_scaler is not None:
@@ -153,8 +153,10 @@ class Trainer:
             self.loss_scaler.update()
         self.optimizer.zero_grad(set_to_none=True)
 
-    def train_step(self, inputs: tuple, targets: torch.Tensor, *, global_batch: bool = True) -> float:
-        """One optimizer step; ``global_batch`` says the batch is global and must be sliced."""
+    def train_step(self, inputs: Any, targets: Any = None, *, global_batch: bool = True
+                   ) -> float:
+        """One optimizer step; ``global_batch`` says the batch is global and must be sliced.
+        ``targets`` may be left out when the model computes its own loss."""
         if global_batch:
             inputs, targets = self.shard_batch(inputs, targets)
         loss = self.forward_backward(inputs, targets)
@@ -172,21 +174,17 @@ class Trainer:
         return out
 
 
-def split_microbatches(inputs: tuple, targets: torch.Tensor, count: int, dp: int
-                       ) -> list[tuple[tuple, torch.Tensor]]:
-    """Cut a local batch into ``count`` equal micro-batches along dim 0 (non-tensor inputs
-    are passed to each as they are)."""
-    local = targets.shape[0]
-    if local % count:
-        raise PlanError(
-            f"the local batch of {local} samples does not split into "
-            f"gradient_accumulation={count} equal micro-batches; use a global batch that "
-            f"is a multiple of dp × gradient_accumulation = {dp * count}, or change "
-            "gradient_accumulation"
-        )
-    size = local // count
+def split_microbatches(inputs: Any, targets: Any, count: int, dp: int
+                       ) -> list[tuple[Any, Any]]:
+    """Cut a local batch into ``count`` equal micro-batches along dim 0 (inputs without
+    the batch dimension are passed to each as they are; see ``runtime.batch``)."""
+    return [(like(inputs, x), y) for x, y in split_rows(as_inputs(inputs), targets, count, dp)]
 
-    def cut(x, i):
-        return x[i * size:(i + 1) * size] if isinstance(x, torch.Tensor) else x
 
-    return [(tuple(cut(x, i) for x in inputs), cut(targets, i)) for i in range(count)]
+def _seq_len(inputs: Inputs, targets: Any) -> int:
+    """The local sequence length under context parallelism: dim 1 of the targets, else of
+    the first input with one."""
+    for leaf in [targets, *pytree.tree_leaves((inputs.args, dict(inputs.kwargs)))]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() >= 2:
+            return int(leaf.shape[1])
+    raise PlanError("context parallelism needs an input or targets with a sequence in dim 1")
