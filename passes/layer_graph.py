@@ -55,7 +55,7 @@ from passes.annotate import (
     propagate_shapes,
 )
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
-from passes.group_layers import LayerGroup, group_layers
+from passes.group_layers import LayerGroup, find_ties, group_layers
 from passes.memory_bound import memory_bound_bytes
 from passes.records import GemmShape, LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
@@ -109,6 +109,7 @@ def build_layer_graph(
         model_name=model_name,
         context_parallel_problem=context_parallel_problem(gm, model),
         uncuttable=uncuttable_boundaries(gm, groups),
+        ties=find_ties(meta_model, groups),
         extra={
             "capture_method": info.method,
             "capture_fallback_reason": info.fallback_reason,

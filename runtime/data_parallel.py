@@ -170,16 +170,17 @@ def apply_fsdp(
 
 def _units(model: nn.Module, layers: list[LayerPlan]) -> list[list[LayerPlan]]:
     """The layers grouped into FSDP2 units: tied layers together (``check_ties`` validates
-    that they share a strategy), every other layer alone; in plan order."""
+    that they share a strategy), every other layer alone; in plan order. Layers tied to a
+    parameter of the root are left to the root's unit (they are 'replicate', as it is)."""
     by_name = {layer.module: layer for layer in layers}
     unit_of: dict[str, list[LayerPlan]] = {}
     for tie in check_ties(model, layers):
-        unit = [by_name[m] for m in tie.modules]
-        unit_of.update((m, unit) for m in tie.modules)
+        unit = [by_name[m] for m in tie.modules if m] if "" not in tie.modules else []
+        unit_of.update((m, unit) for m in tie.modules if m)
     out: list[list[LayerPlan]] = []
     for layer in layers:
         unit = unit_of.get(layer.module, [layer])
-        if unit[0] is layer:
+        if unit and unit[0] is layer:
             out.append(unit)
     return out
 
@@ -204,6 +205,8 @@ def microbatch_sync(module: nn.Module, layers: list[LayerPlan], *, last: bool
     if isinstance(module, DistributedDataParallel):
         return contextlib.nullcontext() if last else module.no_sync()
     for layer in layers:
-        _sync_flags(module.get_submodule(layer.module), layer.strategy, last)
+        sub = module.get_submodule(layer.module)
+        if isinstance(sub, FSDPModule):  # not a layer tied to the root's parameter
+            _sync_flags(sub, layer.strategy, last)
     _sync_flags(module, "replicate", last)
     return contextlib.nullcontext()

@@ -83,17 +83,19 @@ def tie_groups(model: nn.Module, modules: Iterable[str]) -> list[Tie]:
 
 
 def check_ties(model: nn.Module, layers: Sequence[LayerPlan]) -> list[Tie]:
-    """Raise PlanError unless the modules sharing a parameter can be one FSDP2 unit: all
-    planned, one strategy, one offload choice, no tensor parallelism. Local: no collective."""
+    """Raise PlanError unless the modules sharing a parameter can be one FSDP2 unit: one
+    strategy, one offload choice, no tensor parallelism; 'replicate' when the root (no
+    planned module) uses the parameter too. Local: no collective."""
     by_name = {layer.module: layer for layer in layers}
     ties = tie_groups(model, by_name)
     for tie in ties:
         planned = [by_name[m] for m in tie.modules if m]
-        if "" in tie.modules:
+        if "" in tie.modules and any(la.strategy != "replicate" for la in planned):
             raise PlanError(
-                f"{tie.describe()}: a shared parameter needs every module using it planned "
-                f"together; add the other user(s) to the plan with the strategy of "
-                f"{planned[0].module!r}, or leave {[la.module for la in planned]} out of it")
+                f"{tie.describe()}: the root's parameters are replicated, so a module sharing "
+                f"one with the root must be 'replicate' too (it joins the root's FSDP2 unit); "
+                f"plan {[la.module for la in planned]} as 'replicate', or add every module "
+                "using the parameter to the plan with one strategy")
         kinds = {(la.strategy, la.offload) for la in planned}
         if len(kinds) > 1:
             given = ", ".join(f"{la.module!r}: {la.strategy}{' offloaded' if la.offload else ''}"

@@ -248,3 +248,154 @@ def test_tied_modules_with_different_strategies_are_refused_before_any_collectiv
         in message, message
     assert "'lm_head': replicate" in message and f"'{embedding}': zero2" in message
     assert "give them the same strategy" in message
+
+
+# -- planner ---------------------------------------------------------------------------------
+
+CLUSTERS = [("local", None), ("dgx-a100-80g", 1), ("dgx-a100-80g", 4)]
+
+
+def _cluster(name: str, nodes: int | None):
+    from cost_models.hardware import Cluster
+
+    return Cluster.local(2) if name == "local" else Cluster.preset(name, nodes=nodes)
+
+
+def _assert_one_option(plan: Plan, tied: tuple[str, ...]) -> None:
+    options = {la.module: la.option for la in plan.layers if la.module in tied}
+    assert options.keys() == set(tied), options
+    assert len(set(options.values())) == 1, options
+    assert all(la.strategy not in ("tp", "tp_fsdp") for la in plan.layers if la.module in tied)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(("cluster", "nodes"), CLUSTERS)
+@pytest.mark.parametrize("model", ["nanogpt", "gpt2"])
+def test_planner_gives_tied_modules_one_strategy(model, cluster, nodes, dtype):
+    import autopar
+
+    plan = autopar.plan(build(model), _cluster(cluster, nodes), batch(0)[0], precision=dtype)
+    _assert_one_option(plan, TIED[model])
+    assert plan.mesh.pp == 1
+
+
+def gpt2_xl_sized():
+    """nanoGPT at GPT-2 XL's size (48 × 1600, vocabulary 50304), on meta, batch 64 × 1024:
+    alone, its embedding would be sharded and its head replicated on a DGX."""
+    with torch.device("meta"):
+        model = TiedGPT(vocab=50304, d=1600, n_layer=48, seq=1024)
+    return model, (torch.randint(0, 50304, (64, 1024), device="meta"),)
+
+
+@pytest.mark.parametrize("nodes", [1, 4])
+def test_a_binding_tie_changes_the_plan_and_costs_no_less_than_the_untied_optimum(nodes):
+    """The tie binds: planned as if untied the embedding and the head take different
+    options; planned tied they take one, at a step time no better than the untied optimum
+    and equal to the best tied assignment (the joined class's options, each priced)."""
+    import dataclasses
+
+    from autopar.planner.search import search
+    from cost_models.hardware import Cluster
+    from passes.layer_graph import build_layer_graph
+
+    graph = build_layer_graph(*gpt2_xl_sized())
+    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes)
+    untied = search(dataclasses.replace(graph, ties=()), cluster).plan
+    split = {la.module: la.option for la in untied.layers if la.module in TIED["nanogpt"]}
+    assert len(set(split.values())) == 2, split
+    tied = search(graph, cluster).plan
+    _assert_one_option(tied, TIED["nanogpt"])
+    assert tied.solver.objective_s >= untied.solver.objective_s * (1 - 1e-9)
+    assert tied.prediction.step_time_s == pytest.approx(tied.solver.objective_s, rel=1e-9)
+
+
+def test_explain_says_why_tied_layers_have_no_tensor_parallelism():
+    from autopar.api import search_plans
+    from autopar.explain import explain, format_explanation
+    from cost_models.hardware import Cluster
+
+    model, inputs = gpt2_xl_sized()
+    plan = search_plans(model, Cluster.preset("dgx-a100-80g", nodes=1), inputs).plan
+    for module in TIED["nanogpt"]:
+        text = format_explanation(explain(plan, module))
+        assert ("tp: not available (tied weights: 'wte', 'lm_head' share parameter "
+                "'wte.weight' = 'lm_head.weight'; tensor parallelism would split") in text, text
+    untied = format_explanation(explain(plan, "h.0"))
+    assert "tied weights" not in untied
+
+
+def test_planner_offers_no_pipeline_to_tied_models():
+    from autopar.planner.pipeline import pipeline_configs, pipeline_problem
+    from cost_models.hardware import Cluster
+    from passes.layer_graph import build_layer_graph
+
+    graph = build_layer_graph(build("nanogpt"), batch(0)[0])
+    cluster = Cluster.preset("dgx-a100-80g", nodes=4)
+    assert pipeline_configs(graph, cluster) == []
+    assert "'wte', 'lm_head' share parameter" in pipeline_problem(graph)
+    import dataclasses
+    assert pipeline_configs(dataclasses.replace(graph, ties=()), cluster)
+
+
+def _tied_instance(seed: int):
+    """A random planner instance (tests/test_planner.py) whose first and last layers share
+    a parameter; they may share their class with untied layers."""
+    import dataclasses
+    import random
+
+    from test_planner import random_instance
+
+    from runtime.tied import Tie
+
+    graph, cluster = random_instance(random.Random(seed), max_layers=4)
+    tie = Tie(modules=(graph.layers[0].name, graph.layers[-1].name), params=("a.w", "b.w"))
+    return dataclasses.replace(graph, ties=(tie,)), cluster
+
+
+def _brute_force_tied(graph, cluster) -> float:
+    """Best step time over every mesh, accumulation and per-layer option with the tied
+    layers on one data-parallel option (as test_planner.brute_force, plus that filter)."""
+    import itertools
+
+    from test_planner import every_option
+
+    from autopar.planner.costs import HOST_MEMORY_BYTES, on_ddp
+    from autopar.planner.search import accumulation_steps, candidate_meshes
+    from cost_models.memory import precision
+
+    prec, best = precision("float32"), float("inf")
+    first, last = 0, len(graph.layers) - 1
+    for mesh, reason in candidate_meshes(cluster, graph.batch_size):
+        for m in accumulation_steps(graph, mesh) if not reason else ():
+            options = [every_option(layer, mesh, cluster, prec, m) for layer in graph.layers]
+            for i in (first, last):
+                options[i] = [c for c in options[i] if c.strategy not in ("tp", "tp_fsdp")]
+            ddp = [[on_ddp(c) for c in layer if c.strategy == "replicate"] for layer in options]
+            for combo in itertools.chain(itertools.product(*options), itertools.product(*ddp)):
+                if combo[first].option != combo[last].option:
+                    continue
+                resident = sum(c.resident_bytes for c in combo)
+                need = (1 + cluster.memory_margin_fraction) * (
+                    resident + max(c.buffer_bytes for c in combo))
+                if need > cluster.device.memory_bytes or \
+                        sum(c.host_bytes for c in combo) > HOST_MEMORY_BYTES:
+                    continue
+                best = min(best, sum(c.time_s for c in combo))
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_tied_ilp_equals_brute_force_on_small_instances(seed):
+    from autopar.errors import InfeasibleError
+    from autopar.planner.search import search
+
+    graph, cluster = _tied_instance(seed)
+    expected = _brute_force_tied(graph, cluster)
+    if expected == float("inf"):
+        with pytest.raises(InfeasibleError):
+            search(graph, cluster, pipeline=False)
+        return
+    plan = search(graph, cluster, pipeline=False).plan
+    assert plan.solver.objective_s == pytest.approx(expected, rel=1e-6)
+    ends = (graph.layers[0].name, graph.layers[-1].name)
+    _assert_one_option(plan, ends)
