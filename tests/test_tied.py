@@ -399,3 +399,115 @@ def test_tied_ilp_equals_brute_force_on_small_instances(seed):
     assert plan.solver.objective_s == pytest.approx(expected, rel=1e-6)
     ends = (graph.layers[0].name, graph.layers[-1].name)
     _assert_one_option(plan, ends)
+
+
+# -- pipelines: Megatron's embedding group ---------------------------------------------------
+
+
+class FirstStage(nn.Module):
+    """Embeddings and the first block of a TiedGPT (its modules, not copies)."""
+
+    def __init__(self, gpt: TiedGPT) -> None:
+        super().__init__()
+        self.wte, self.wpe, self.h0 = gpt.wte, gpt.wpe, gpt.h[0]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.h0(self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device)))
+
+
+class LastStage(nn.Module):
+    """The last block, final norm and the head tied to FirstStage's wte."""
+
+    def __init__(self, gpt: TiedGPT) -> None:
+        super().__init__()
+        self.h1, self.ln_f, self.lm_head = gpt.h[1], gpt.ln_f, gpt.lm_head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.ln_f(self.h1(x)))
+
+
+STAGE_LAYERS = (("wte", 0), ("wpe", 0), ("h0", 0), ("h1", 1), ("ln_f", 1), ("lm_head", 1))
+
+
+def pipeline_plan(strategy: str, head: str | None = None) -> str:
+    from runtime.plan import PipelineSpec
+
+    layers = tuple(LayerPlan(module=n, stage=s,
+                             strategy=head if head and n == "lm_head" else strategy)
+                   for n, s in STAGE_LAYERS)
+    return Plan(global_batch=BATCH, mesh=Mesh(pp=2), layers=layers,
+                pipeline=PipelineSpec(schedule="GPipe", num_microbatches=2)).to_json()
+
+
+def pipeline_job(plan_json: str) -> dict:
+    """Train the two hand-built stages STEPS steps; every parameter by the reference's
+    names (the head's copy under 'lm_head.weight')."""
+    from runtime.pipeline import PipelineTrainer
+
+    gpt = build("nanogpt")
+    trainer = PipelineTrainer([FirstStage(gpt), LastStage(gpt)], Plan.from_json(plan_json),
+                              loss_fn, lambda params: torch.optim.AdamW(params, lr=LR))
+    losses = []
+    for step in range(STEPS):
+        losses.append(trainer.train_step(*batch(step)))
+    names = {"h0.": "h.0.", "h1.": "h.1."}
+    params = {}
+    for name, value in trainer.full_state_dict().items():
+        for short, full in names.items():
+            name = full + name.removeprefix(short) if name.startswith(short) else name
+        params[name] = value
+    return {"losses": losses, "params": params}
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
+def test_tied_copies_on_two_stages_train_like_one_process(pool2, strategy):
+    """Each stage holds its copy of the tied weight; their gradients are summed across the
+    two pipeline ranks before the optimizer, so both copies follow the one-process
+    weight (without the sum each copy would step on its own part of the gradient)."""
+    ref = reference("nanogpt")
+    for rank, got in enumerate(pool2.run(pipeline_job, pipeline_plan(strategy))):
+        _close(got["losses"], ref["losses"], FP32_TOL, f"rank {rank} losses")
+        want = dict(ref["params"], **{"lm_head.weight": ref["params"]["wte.weight"]})
+        assert got["params"].keys() == want.keys()
+        for name, value in want.items():
+            tol = KEY_BIAS_TOL if name.endswith(KEY_BIAS) else PARAM_TOL
+            _close(got["params"][name], value, tol, f"rank {rank} param {name}")
+
+
+def test_tied_copies_on_stages_with_different_strategies_are_refused(pool2):
+    messages = pool2.run(pipeline_error_job, pipeline_plan("fsdp", head="replicate"))
+    for message in messages:
+        assert "tied parameter 'wte.weight' has copies on stages [0, 1]" in message, message
+        assert "'lm_head' (stage 1): replicate" in message and "'wte' (stage 0): fsdp" in message
+
+
+def pipeline_error_job(plan_json: str) -> str:
+    try:
+        pipeline_job(plan_json)
+    except PlanError as e:
+        return str(e)
+    return "accepted"
+
+
+def v_schedule_job() -> str:
+    """ZBVZeroBubble puts stages 0 and 3 on pipeline rank 0: both copies on one rank."""
+    from runtime.mesh import build_mesh
+    from runtime.plan import PipelineSpec
+    from runtime.tied import TiedGradSync
+
+    layers = tuple(LayerPlan(module=n, stage=s, strategy="fsdp")
+                   for n, s in (("wte", 0), ("h0", 1), ("h1", 2), ("lm_head", 3)))
+    plan = Plan(global_batch=BATCH, mesh=Mesh(pp=2), layers=layers,
+                pipeline=PipelineSpec(schedule="ZBVZeroBubble", num_microbatches=2,
+                                      virtual_stages=2))
+    try:
+        TiedGradSync([((0, "wte.weight"), (3, "lm_head.weight"))], plan,
+                     build_mesh(plan.mesh, "cpu"))
+    except PlanError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_two_tied_copies_on_one_pipeline_rank_are_refused(pool2):
+    for message in pool2.run(v_schedule_job):
+        assert "stages [0, 3] put two of its copies on one pipeline rank" in message, message
