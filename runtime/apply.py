@@ -88,8 +88,7 @@ def validate_plan(model: nn.Module, plan: Plan) -> str | None:
             "or load the model with real weights (e.g. spec.build(seed=0)) before applying a plan"
         )
     _validate_layers(model, plan)
-    if not uses_ddp(list(plan.layers), mixed_precision=is_mixed(plan)):
-        check_ties(model, plan.layers)  # DDP takes shared parameters as they are
+    check_ties(model, plan.layers)
     return position_argument(model) if plan.mesh.cp > 1 else None
 
 

@@ -511,3 +511,31 @@ def v_schedule_job() -> str:
 def test_two_tied_copies_on_one_pipeline_rank_are_refused(pool2):
     for message in pool2.run(v_schedule_job):
         assert "stages [0, 3] put two of its copies on one pipeline rank" in message, message
+
+
+def planned_json(model: str, dtype: str) -> str:
+    import autopar
+
+    return autopar.plan(build(model), _cluster("local", None), batch(0)[0],
+                        precision=dtype).to_json()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("model", ["nanogpt", "gpt2"])
+def test_planners_local_plan_trains_like_one_process(pool2, model, dtype):
+    plan_json = planned_json(model, dtype)
+    assert Plan.from_json(plan_json).world_size == 2
+    assert_matches(pool2.run(train_job, model, plan_json), model, dtype)
+
+
+def test_autopar_run_refuses_a_split_tie_before_starting_ranks():
+    """``autopar run``'s path checks the plan against the model in the parent, so a
+    split tie is one PlanError line (CLI exit 2), not a traceback from every rank."""
+    from types import SimpleNamespace
+
+    from autopar.training import run_local
+
+    spec = SimpleNamespace(name="tied", build=lambda device="cpu", seed=0: build("nanogpt"))
+    plan = Plan.from_json(_split_strategies("nanogpt"))
+    with pytest.raises(PlanError, match="'wte', 'lm_head' share parameter 'wte.weight'"):
+        run_local(spec, plan, nproc=2, steps=1, batch=BATCH, seq=None)
