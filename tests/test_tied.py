@@ -322,6 +322,9 @@ def test_explain_says_why_tied_layers_have_no_tensor_parallelism():
                 "'wte.weight' = 'lm_head.weight'; tensor parallelism would split") in text, text
     untied = format_explanation(explain(plan, "h.0"))
     assert "tied weights" not in untied
+    # Alone the embedding would take zero2 (test above): the tie is why it does not.
+    assert "(tied weights), so they are one FSDP2 unit and take one option" in \
+        explain(plan, "wte").reason
 
 
 def test_planner_offers_no_pipeline_to_tied_models():
