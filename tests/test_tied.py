@@ -83,9 +83,21 @@ def hf_gpt2_tied() -> nn.Module:
     return transformers.GPT2LMHeadModel(cfg)
 
 
+def hf_bert_mlm() -> nn.Module:
+    """BertForMaskedLM: its word embeddings tied to the MLM head's decoder (``cls``)."""
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                  num_attention_heads=4, intermediate_size=64,
+                                  max_position_embeddings=SEQ, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)
+    return transformers.BertForMaskedLM(cfg)
+
+
 def build(name: str) -> nn.Module:
     torch.manual_seed(0)
-    return TiedGPT() if name == "nanogpt" else hf_gpt2_tied()
+    return {"nanogpt": TiedGPT, "gpt2": hf_gpt2_tied, "bert": hf_bert_mlm}[name]()
 
 
 def loss_fn(out, y: torch.Tensor) -> torch.Tensor:
@@ -103,8 +115,14 @@ NAMES = {
     "nanogpt": ("wte", "wpe", "h.0", "h.1", "ln_f", "lm_head"),
     "gpt2": ("transformer.wte", "transformer.wpe", "transformer.drop", "transformer.h.0",
              "transformer.h.1", "transformer.ln_f", "lm_head"),
+    "bert": ("bert.embeddings", "bert.encoder.layer.0", "bert.encoder.layer.1", "cls"),
 }
-TIED = {"nanogpt": ("wte", "lm_head"), "gpt2": ("transformer.wte", "lm_head")}
+TIED = {"nanogpt": ("wte", "lm_head"), "gpt2": ("transformer.wte", "lm_head"),
+        "bert": ("bert.embeddings", "cls")}
+HEAD = {"nanogpt": "lm_head", "gpt2": "lm_head", "bert": "cls"}
+INPUT_EMBEDDING = {"nanogpt": "wte", "gpt2": "transformer.wte",
+                   "bert": "bert.embeddings.word_embeddings"}
+HEAD_LINEAR = {"nanogpt": "lm_head", "gpt2": "lm_head", "bert": "cls.predictions.decoder"}
 
 
 # -- plans -----------------------------------------------------------------------------------
@@ -150,7 +168,8 @@ def train_job(model: str, plan_json: str) -> dict:
     trainer = Trainer(build(model), Plan.from_json(plan_json), loss_fn,
                       lambda params: torch.optim.AdamW(params, lr=LR))
     net = trainer.applied.model
-    tied_together = net.lm_head.weight is _input_embedding(net).weight
+    tied_together = (net.get_submodule(HEAD_LINEAR[model]).weight
+                     is net.get_submodule(INPUT_EMBEDDING[model]).weight)
     losses, grads = [], []
     for step in range(STEPS):
         inputs, targets = trainer.shard_batch(*batch(step))
@@ -159,10 +178,6 @@ def train_job(model: str, plan_json: str) -> dict:
         trainer.step()
     return {"losses": losses, "grads": grads, "params": trainer.full_state_dict(),
             "tied": tied_together}
-
-
-def _input_embedding(net: nn.Module) -> nn.Module:
-    return net.wte if hasattr(net, "wte") else net.transformer.wte
 
 
 @functools.cache
@@ -207,7 +222,8 @@ def assert_matches(results: list[dict], model: str, dtype: str = "float32") -> N
 
 # -- runtime ---------------------------------------------------------------------------------
 
-RUNTIME_CASES = [(m, k) for m in ("nanogpt", "gpt2") for k in ("fsdp", "zero2_full", "mixed", "bf16")]
+RUNTIME_CASES = [(m, k) for m in ("nanogpt", "gpt2") for k in ("fsdp", "zero2_full", "mixed", "bf16")
+                 ] + [("bert", "fsdp")]
 
 
 @pytest.mark.parametrize(("model", "kind"), RUNTIME_CASES)
@@ -233,20 +249,20 @@ def split_tie_job(model: str, plan_json: str) -> str:
 
 
 def _split_strategies(model: str) -> str:
-    head, embedding = "lm_head", TIED[model][0]
+    head, embedding = HEAD[model], TIED[model][0]
     layers = [LayerPlan(module=n, strategy="replicate" if n == head else "zero2")
               for n in NAMES[model]]
     assert any(la.module == embedding for la in layers)
     return Plan(global_batch=BATCH, mesh=Mesh(dp=2), layers=tuple(layers)).to_json()
 
 
-@pytest.mark.parametrize("model", ["nanogpt", "gpt2"])
+@pytest.mark.parametrize("model", ["nanogpt", "gpt2", "bert"])
 def test_tied_modules_with_different_strategies_are_refused_before_any_collective(pool2, model):
     message = pool2.run(split_tie_job, model, _split_strategies(model))[0]
-    embedding = TIED[model][0]
-    assert f"'{embedding}', 'lm_head' share parameter '{embedding}.weight' = 'lm_head.weight'" \
-        in message, message
-    assert "'lm_head': replicate" in message and f"'{embedding}': zero2" in message
+    (embedding, head), params = TIED[model], (INPUT_EMBEDDING[model], HEAD_LINEAR[model])
+    assert (f"'{embedding}', '{head}' share parameter '{params[0]}.weight' = "
+            f"'{params[1]}.weight'") in message, message
+    assert f"'{head}': replicate" in message and f"'{embedding}': zero2" in message
     assert "give them the same strategy" in message
 
 
@@ -270,7 +286,7 @@ def _assert_one_option(plan: Plan, tied: tuple[str, ...]) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize(("cluster", "nodes"), CLUSTERS)
-@pytest.mark.parametrize("model", ["nanogpt", "gpt2"])
+@pytest.mark.parametrize("model", ["nanogpt", "gpt2", "bert"])
 def test_planner_gives_tied_modules_one_strategy(model, cluster, nodes, dtype):
     import autopar
 
