@@ -344,7 +344,11 @@ def test_explain_says_why_tied_layers_have_no_tensor_parallelism():
 
 
 def test_planner_offers_no_pipeline_to_tied_models():
+    import dataclasses
+
+    from autopar.errors import ConfigError
     from autopar.planner.pipeline import pipeline_configs, pipeline_problem
+    from autopar.planner.search import search
     from cost_models.hardware import Cluster
     from passes.layer_graph import build_layer_graph
 
@@ -352,8 +356,10 @@ def test_planner_offers_no_pipeline_to_tied_models():
     cluster = Cluster.preset("dgx-a100-80g", nodes=4)
     assert pipeline_configs(graph, cluster) == []
     assert "'wte', 'lm_head' share parameter" in pipeline_problem(graph)
-    import dataclasses
     assert pipeline_configs(dataclasses.replace(graph, ties=()), cluster)
+    with pytest.raises(ConfigError, match=r"mesh pp=2 × dp=16 × tp=1: the model cannot be "
+                       r"pipelined: tied weights \('wte', 'lm_head' share parameter"):
+        search(graph, cluster, mesh=Mesh(pp=2, dp=16))
 
 
 def _tied_instance(seed: int):

@@ -141,7 +141,8 @@ def pipeline_problem(graph: LayerGraph) -> str | None:
     does not cost. An embedding tied to the LM head spans the whole model, so no cut keeps
     it on one stage either."""
     if graph.ties:
-        return f"its layers {graph.ties[0].describe()} (tied weights)"
+        return (f"tied weights ({graph.ties[0].describe()}) are not pipelined by the "
+                "planner")
     return None
 
 

@@ -32,6 +32,7 @@ from autopar.planner.pipeline import (
     Infeasible,
     PipelineOutcome,
     pipeline_configs,
+    pipeline_problem,
     search_pipeline,
 )
 from autopar.planner.ties import join_ties, tied_costs
@@ -159,6 +160,9 @@ def search(
         if mesh.cp > 1 and mesh.pp > 1:
             raise ConfigError(f"mesh {mesh.describe()}: context parallelism is not combined "
                               "with pipeline stages; use pp=1 or cp=1")
+        if mesh.pp > 1 and pipeline_problem(graph) is not None:
+            raise ConfigError(f"mesh {mesh.describe()}: {graph.model_name or 'the model'} "
+                              f"cannot be pipelined: {pipeline_problem(graph)}; use pp=1")
         meshes = [(m, r) for m, r in meshes if m == mesh]
         pipeline = pipeline and mesh.pp > 1
         if not meshes and mesh.pp == 1:
