@@ -61,6 +61,7 @@ def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
         cluster_provenance=cluster.provenance,
         classes=classes,
         alternatives=ranked_alternatives(result)[:ALTERNATIVES_KEPT],
+        ties={m: tie.describe() for tie in graph.ties for m in tie.modules if m},
     )
 
 
@@ -153,10 +154,11 @@ def explain(plan: Plan, module: str) -> Explanation:
         if x.layer_class == layer.layer_class:
             mix[x.option] = mix.get(x.option, 0) + 1
     present = {parse_option(o)["strategy"] for o in by_strategy}
-    unavailable = {s: _why_unavailable(s, plan) for s in STRATEGIES if s not in present}
+    unavailable = {s: _why_unavailable(s, plan, module) for s in STRATEGIES if s not in present}
     return Explanation(module=module, layer_class=layer.layer_class, class_size=costs.count,
                        strategy=layer.option, class_mix=mix, options=verdicts,
-                       unavailable=unavailable, reason=_reason(plan, verdicts, mix),
+                       unavailable=unavailable, reason=_tie_reason(plan, module, verdicts)
+                       or _reason(plan, verdicts, mix),
                        source=plan.prediction.source)
 
 
@@ -188,8 +190,13 @@ def _cost_of(plan: Plan, layer) -> OptionCost:
     raise AssertionError(f"no cost for {layer.module} {layer.option}")
 
 
-def _why_unavailable(strategy: str, plan: Plan) -> str:
+def _why_unavailable(strategy: str, plan: Plan, module: str) -> str:
     ranks = plan.mesh.replicas * plan.mesh.tp
+    tie = plan.rationale.ties.get(module) if plan.rationale else None
+    if strategy in TP_STRATEGIES and tie:
+        return (f"tied weights: {tie}; tensor parallelism would split the parameter in "
+                "one module and untie it from the other, so tied layers take one "
+                "data-parallel strategy together")
     if strategy in TP_STRATEGIES and plan.mesh.tp == 1:
         return "the mesh has tp = 1"
     if strategy == "tp_fsdp" and plan.mesh.replicas == 1 or strategy in ("zero1", "zero2") and ranks == 1:
@@ -200,6 +207,17 @@ def _why_unavailable(strategy: str, plan: Plan) -> str:
         return (f"no exact tensor-parallel split of this layer is known whose sizes tp = "
                 f"{plan.mesh.tp} divides")
     return "another option is at least as fast and needs no more memory (dominated)"
+
+
+def _tie_reason(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...]) -> str | None:
+    """A tied layer whose own fastest option would fit was given its tie's choice."""
+    tie = plan.rationale.ties.get(module) if plan.rationale else None
+    if not tie or not any(v.delta_time_s < 0 and v.fits for v in verdicts):
+        return None
+    chosen = next(v for v in verdicts if v.chosen)
+    return (f"{tie} (tied weights), so they are one FSDP2 unit and take one option: "
+            f"{chosen.strategy} is the fastest for them together within memory, though not "
+            "for this layer alone.")
 
 
 def _reason(plan: Plan, verdicts: tuple[OptionVerdict, ...], mix: dict[str, int]) -> str:

@@ -27,6 +27,7 @@ from torch.fx import GraphModule, Node
 
 from passes import meta_keys as K
 from passes.annotate import fail
+from runtime.tied import Tie, tie_groups
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -166,6 +167,13 @@ def _assign_params(model: nn.Module, groups: list[LayerGroup], layers: set[str])
             for other in owners[id(p)]:
                 if other in by_name:
                     by_name[other].tied = True
+
+
+def find_ties(model: nn.Module, groups: list[LayerGroup]) -> tuple[Tie, ...]:
+    """The layers sharing parameters (``LayerGraph.ties``): every parameter the model
+    reaches under names in more than one layer (``runtime.tied.tie_groups``, the check the
+    runtime makes, so planner and runtime agree on what is tied)."""
+    return tuple(tie_groups(model, [g.name for g in groups]))
 
 
 def _first_user(groups: list[LayerGroup], param_name: str) -> LayerGroup | None:

@@ -56,7 +56,7 @@ from passes.annotate import (
     propagate_shapes,
 )
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
-from passes.group_layers import LayerGroup, group_layers, owning_layer
+from passes.group_layers import LayerGroup, find_ties, group_layers, owning_layer
 from passes.memory_bound import memory_bound_bytes
 from passes.records import GemmShape, LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
@@ -113,6 +113,7 @@ def build_layer_graph(
         model_name=model_name,
         context_parallel_problem=context_parallel_problem(gm, model),
         uncuttable=uncuttable_boundaries(gm, groups),
+        ties=find_ties(meta_model, groups),
         extra={
             "capture_method": info.method,
             "capture_fallback_reason": info.fallback_reason,

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.tied import Tie
+
 CAPTURE_ACTIVATION_BYTES = 4
 """Capture runs in float32: recorded floating activation sizes are scaled by a plan's
 activation bytes / this."""
@@ -191,7 +193,16 @@ class LayerGraph:
     """Layer indices no pipeline stage may start at: a cut there would send a value other
     than a floating-point tensor between stages (an int64 position tensor made before
     the first layer, a Python number), which the runtime refuses (passes/split_stages.py)."""
+    ties: tuple[Tie, ...] = ()
+    """Layers sharing parameters (tied weights; passes/group_layers.py ``find_ties``): each
+    tie's layers must take one strategy (the runtime shards them as one FSDP2 unit). The
+    shared parameter's bytes are in one layer's ``param_bytes``, its owner's; '' among a
+    tie's modules stands for the root."""
     extra: dict[str, object] = field(default_factory=dict)
+
+    def tie_of(self, name: str) -> Tie | None:
+        """The tie layer ``name`` is part of, if any."""
+        return next((t for t in self.ties if name in t.modules), None)
 
     @property
     def classes(self) -> dict[str, list[LayerInfo]]:

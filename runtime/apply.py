@@ -35,6 +35,7 @@ from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.precision import fsdp_policies, is_mixed
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
+from runtime.tied import check_ties
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ def validate_plan(model: nn.Module, plan: Plan) -> str | None:
             "or load the model with real weights (e.g. spec.build(seed=0)) before applying a plan"
         )
     _validate_layers(model, plan)
+    check_ties(model, plan.layers)
     return position_argument(model) if plan.mesh.cp > 1 else None
 
 

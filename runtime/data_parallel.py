@@ -85,6 +85,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from runtime.mesh import DataParallelMeshes
 from runtime.plan import LayerPlan, PlanError
+from runtime.tied import check_ties
 
 logger = logging.getLogger(__name__)
 
@@ -140,18 +141,22 @@ def apply_fsdp(
 ) -> nn.Module:
     """``fully_shard`` each layer on the mesh of its strategy, then the root (in place).
 
-    Layers must be disjoint (``apply_plan`` checks). ``mp_policy`` applies to the layers,
-    ``root_mp_policy`` to the root (``runtime.precision.fsdp_policies``).
+    Layers must be disjoint (``apply_plan`` checks). Layers sharing a parameter (tied
+    weights, ``runtime.tied``) are one FSDP2 unit, ``fully_shard([a, b])``: FSDP2 lets a
+    parameter belong to one group only, and one unit gathers and reduces it once.
+    ``mp_policy`` applies to the layers, ``root_mp_policy`` to the root
+    (``runtime.precision.fsdp_policies``).
     """
     counts: dict[str, int] = {}
-    for layer in layers:
-        module = model.get_submodule(layer.module)
-        fully_shard(module, mesh=_mesh_for(layer, meshes),
+    for unit in _units(model, layers):
+        layer = unit[0]
+        modules = [model.get_submodule(la.module) for la in unit]
+        fully_shard(modules if len(modules) > 1 else modules[0], mesh=_mesh_for(layer, meshes),
                     reshard_after_forward=layer.strategy in RESHARD_AFTER_FORWARD,
                     mp_policy=mp_policy or MixedPrecisionPolicy(),
                     offload_policy=_offload(layer))
         key = layer.strategy + (" offloaded" if layer.offload else "")
-        counts[key] = counts.get(key, 0) + 1
+        counts[key] = counts.get(key, 0) + len(unit)
     # The root holds every parameter outside the planned layers; replicate them.
     fully_shard(model, mesh=meshes.world_replicate, reshard_after_forward=False,
                 mp_policy=root_mp_policy or MixedPrecisionPolicy())
@@ -161,6 +166,23 @@ def apply_fsdp(
         meshes.world.size(),
     )
     return model
+
+
+def _units(model: nn.Module, layers: list[LayerPlan]) -> list[list[LayerPlan]]:
+    """The layers grouped into FSDP2 units: tied layers together (``check_ties`` validates
+    that they share a strategy), every other layer alone; in plan order. Layers tied to a
+    parameter of the root are left to the root's unit (they are 'replicate', as it is)."""
+    by_name = {layer.module: layer for layer in layers}
+    unit_of: dict[str, list[LayerPlan]] = {}
+    for tie in check_ties(model, layers):
+        unit = [by_name[m] for m in tie.modules if m] if "" not in tie.modules else []
+        unit_of.update((m, unit) for m in tie.modules if m)
+    out: list[list[LayerPlan]] = []
+    for layer in layers:
+        unit = unit_of.get(layer.module, [layer])
+        if unit and unit[0] is layer:
+            out.append(unit)
+    return out
 
 
 def _sync_flags(module: FSDPModule, strategy: str, last: bool) -> None:
@@ -183,6 +205,8 @@ def microbatch_sync(module: nn.Module, layers: list[LayerPlan], *, last: bool
     if isinstance(module, DistributedDataParallel):
         return contextlib.nullcontext() if last else module.no_sync()
     for layer in layers:
-        _sync_flags(module.get_submodule(layer.module), layer.strategy, last)
+        sub = module.get_submodule(layer.module)
+        if isinstance(sub, FSDPModule):  # not a layer tied to the root's parameter
+            _sync_flags(sub, layer.strategy, last)
     _sync_flags(module, "replicate", last)
     return contextlib.nullcontext()

@@ -67,6 +67,7 @@ from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
+from runtime.tied import TiedGradSync, shared_across_stages
 from runtime.train import LossFn, OptimizerFactory, Trainer, _adamw
 
 logger = logging.getLogger(__name__)
@@ -187,6 +188,8 @@ class PipelineTrainer(Trainer):
         self.stage_ids = local_stage_ids(plan, self.pp_rank)
         self.stages = [stages[s] for s in self.stage_ids]
         """This rank's stage modules (parallelized in place), in stage order."""
+        # Before parallelizing: stages holding one tied parameter still share the tensor.
+        self.tied = TiedGradSync(shared_across_stages(stages), plan, self.mesh)
         self.module = self.stages[0] if len(self.stages) == 1 else None
         self.loss_scaler = make_loss_scaler(plan, self._device)
         if self.loss_scaler is not None:
@@ -219,6 +222,11 @@ class PipelineTrainer(Trainer):
             module.register_forward_hook(_outputs_own_their_storage)
         return PipelineStage(module, stage_id, plan.num_stages, self._device,
                              group=self.mesh.get_group("pp"))
+
+    def step(self) -> None:
+        """Sum tied copies' gradients across stages (runtime.tied), then ``Trainer.step``."""
+        self.tied.sync(self.stages, self.stage_ids)
+        super().step()
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         loss = self.loss_fn(output, target)

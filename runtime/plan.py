@@ -444,6 +444,9 @@ class Rationale:
     classes: tuple[ClassCosts, ...] = ()
     alternatives: tuple[Alternative, ...] = ()
     """Best first; the chosen plan's own shape included."""
+    ties: dict[str, str] = field(default_factory=dict)
+    """Layer -> the tied weights it shares (runtime/tied.py): why it takes its tie's
+    strategy and no tensor parallelism."""
 
 
 @dataclass(frozen=True, kw_only=True)

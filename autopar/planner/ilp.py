@@ -32,7 +32,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pulp
 
@@ -63,6 +63,9 @@ class ClassOptions:
     costs: dict[str, LayerCost]
     inflight: int = 1
     """Micro-batches whose activations this class holds at once (pipeline schedules)."""
+    members: dict[str, dict[str, LayerCost]] = field(default_factory=dict)
+    """For tied layers joined into one class (planner/ties.py): each layer's own costs by
+    option; empty for a class of identical layers."""
 
 
 @dataclass(frozen=True, kw_only=True)

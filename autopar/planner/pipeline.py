@@ -109,7 +109,10 @@ class Infeasible:
 
 
 def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig]:
+    """Every configuration to try; none for a model with tied layers (``pipeline_problem``)."""
     world, batch, layers = cluster.world_size, graph.batch_size, len(graph.layers)
+    if pipeline_problem(graph) is not None:
+        return []
     out = []
     for tp in _divisors(math.gcd(cluster.devices_per_node, world)):
         for pp in _divisors(world // tp):
@@ -127,6 +130,20 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
                     out.append(PipelineConfig(mesh=Mesh(pp=pp, dp=dp, tp=tp), schedule=schedule,
                                               virtual_stages=v, microbatches=m))
     return out
+
+
+def pipeline_problem(graph: LayerGraph) -> str | None:
+    """Why the planner offers no pipeline for this model, or None.
+
+    Tied layers: the rank ILPs choose each rank's options on their own, while a tie needs
+    one option for all its layers; and a tie cut by a stage boundary needs its copies'
+    gradients summed across stages (runtime/tied.py ``TiedGradSync``), which this search
+    does not cost. An embedding tied to the LM head spans the whole model, so no cut keeps
+    it on one stage either."""
+    if graph.ties:
+        return (f"tied weights ({graph.ties[0].describe()}) are not pipelined by the "
+                "planner")
+    return None
 
 
 def search_pipeline(

@@ -32,8 +32,10 @@ from autopar.planner.pipeline import (
     Infeasible,
     PipelineOutcome,
     pipeline_configs,
+    pipeline_problem,
     search_pipeline,
 )
+from autopar.planner.ties import join_ties, tied_costs
 from autopar.report import human_bytes
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision, precision
@@ -158,6 +160,9 @@ def search(
         if mesh.cp > 1 and mesh.pp > 1:
             raise ConfigError(f"mesh {mesh.describe()}: context parallelism is not combined "
                               "with pipeline stages; use pp=1 or cp=1")
+        if mesh.pp > 1 and pipeline_problem(graph) is not None:
+            raise ConfigError(f"mesh {mesh.describe()}: {graph.model_name or 'the model'} "
+                              f"cannot be pipelined: {pipeline_problem(graph)}; use pp=1")
         meshes = [(m, r) for m, r in meshes if m == mesh]
         pipeline = pipeline and mesh.pp > 1
         if not meshes and mesh.pp == 1:
@@ -189,13 +194,14 @@ def search(
         outclassed = float("inf")  # the least bound of accumulations the best plan beats
         for k in accumulation_steps(graph, m):
             options = class_options(graph, m, cluster, prec, k)
-            programs = [options, *ddp_programs(options, prec, m)]
+            programs = [join_ties(graph, p) for p in [options, *ddp_programs(options, prec, m)]]
             # The LP bound of the rank's knapsack (memory-aware, no solver): no plan with
             # these options is faster; inf when nothing fits.
             bound = min(rank_bound(p, cluster.device.memory_bytes,
                                    cluster.memory_margin_fraction) for p in programs)
             if bound == float("inf"):
-                least_need = min(least_need, min_memory(options, cluster.memory_margin_fraction)[0])
+                least_need = min(least_need,
+                                 min_memory(programs[0], cluster.memory_margin_fraction)[0])
                 continue
             if mesh_best is not None and mesh_best[0].objective_s <= bound:
                 continue  # more accumulation cannot beat this mesh's plan
@@ -359,12 +365,17 @@ def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
     """Per layer, in execution order, the cost of the strategy the ILP gave it.
 
     Within a class the layers are interchangeable; earlier layers take strategies in the
-    order of STRATEGIES (replicate, fsdp, tp, tp_fsdp).
+    order of STRATEGIES (replicate, fsdp, tp, tp_fsdp). Tied layers take their tie's
+    option (``options`` joined by planner/ties.py).
     """
     by_class = {o.name: o for o in options}
+    tied = tied_costs(choice, options)
     queues = {name: expand_counts(counts) for name, counts in choice.items()}
     out = []
     for layer in graph.layers:
+        if layer.name in tied:
+            out.append(tied[layer.name])
+            continue
         strategy = queues[layer.layer_class].pop(0)
         out.append(by_class[layer.layer_class].costs[strategy])
     return out
