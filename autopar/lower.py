@@ -3,7 +3,9 @@
 ``runtime`` may not import ``passes`` (the split is a graph transformation), so the
 pipeline's stage modules are made here and handed down: ``pp == 1`` plans go to
 ``runtime.train.Trainer`` as before; ``pp > 1`` plans are split into one module per stage
-(``passes.split_stages``) and run by ``runtime.pipeline.PipelineTrainer``. Both have
+(``passes.split_stages.split_pipeline``: symbolic tracing where it works, else PyTorch's
+export-based ``pipeline()``) and run by ``runtime.pipeline.PipelineTrainer``, which also
+gets the names of the parameters several stages hold copies of (tied weights). Both have
 the same methods (``train_step``, ``forward_backward``, ``step``, ``shard_batch``,
 ``full_state_dict``).
 """
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from passes.split_stages import split_stages
+from passes.split_stages import split_pipeline
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan
 from runtime.train import LossFn, OptimizerFactory, Trainer
@@ -44,5 +46,6 @@ def make_trainer(
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
-    stages = split_stages(model, plan, microbatch_inputs(plan, example_inputs))
-    return PipelineTrainer(stages, plan, loss_fn, device_type=device_type, **kwargs)
+    split = split_pipeline(model, plan, microbatch_inputs(plan, example_inputs))
+    return PipelineTrainer(split.modules, plan, loss_fn, device_type=device_type,
+                           tied=split.tied, output_fn=split.output_fn, **kwargs)

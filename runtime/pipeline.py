@@ -40,7 +40,7 @@ program here; only their memory between steps differs).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -161,8 +161,12 @@ class PipelineTrainer(Trainer):
     place) and trains them one step at a time with the plan's schedule.
 
     ``stages`` holds every stage module (index = stage id, as ``passes.split_stages``
-    makes them); this rank keeps and trains only its own. ``shard_batch``, ``step`` and
-    ``train_step`` are ``Trainer``'s.
+    makes them); this rank keeps and trains only its own. ``tied``: per parameter that
+    several stages hold a copy of (tied weights), {stage: its name in that stage's module}
+    (``passes.split_stages.StageSplit.tied``). ``output_fn``: maps the last stage's
+    output to what the model returns, before ``loss_fn`` (``StageSplit.output_fn``: an
+    exported last stage returns flat tensors, as a ``PipelineStage`` requires).
+    ``shard_batch``, ``step`` and ``train_step`` are ``Trainer``'s.
     """
 
     def __init__(
@@ -174,9 +178,15 @@ class PipelineTrainer(Trainer):
         *,
         device_type: str = "cpu",
         scale_grads: bool = True,
+        tied: Sequence[Mapping[int, str]] = (),
+        output_fn: Callable[[object], object] | None = None,
     ) -> None:
         validate_pipeline(stages, plan)
         self.plan = plan
+        self.tied = tuple(dict(t) for t in tied)
+        """Copies of one parameter on several stages: {stage: name}. They start equal;
+        training them as one parameter needs their gradients summed across those stages."""
+        self.output_fn = output_fn
         self.loss_fn = loss_fn
         self._device = _device(device_type)
         self.mesh = build_mesh(plan.mesh, device_type)
@@ -220,6 +230,8 @@ class PipelineTrainer(Trainer):
                              group=self.mesh.get_group("pp"))
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.output_fn is not None:
+            output = self.output_fn(output)
         loss = self.loss_fn(output, target)
         return loss if self.loss_scaler is None else self.loss_scaler.scale(loss)
 
