@@ -10,9 +10,9 @@ The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
     5. data parallel   FSDP2 per layer, then each stage module as a root, on the stage's
                        (dp, tp) sub-meshes, with the plan's precision (runtime.data_parallel,
                        runtime.precision)
-    6. schedule        one manual ``PipelineStage`` per local stage (tracing with
-                       ``pipeline()`` + SplitPoint hangs with V schedules on gloo), and the
-                       plan's ``Schedule*`` class over the pp axis
+    6. schedule        one manual ``PipelineStage`` per local stage (``Pipe.build_stage``
+                       hangs with V schedules on gloo: the rank holding two adjacent stages
+                       sends to itself), and the plan's ``Schedule*`` class over the pp axis
 
 Data parallelism is FSDP2 for every strategy, ``replicate`` included (the (n, 1) HSDP
 mesh of ``runtime.data_parallel``), never DDP: with the zero-bubble schedules DDP skips
@@ -47,6 +47,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -214,6 +215,10 @@ class PipelineTrainer(Trainer):
     def _parallelize(self, stage_id: int, module: nn.Module) -> PipelineStage:
         """TP, recompute and FSDP2 on one stage module (in place); its PipelineStage."""
         plan = self.plan
+        if isinstance(module, torch.fx.GraphModule) and self._device.type != "cpu":
+            # An exported stage has the capture's device baked into its factory ops
+            # (arange, ones); what Pipe.build_stage does before making a stage.
+            _modify_graph_op_device(module, self._device)
         module.to(self._device)
         meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)
         layers = [la for la in plan.layers if la.stage == stage_id]

@@ -202,3 +202,21 @@ def test_untraceable_model_names_the_construct():
 
     with pytest.raises(GraphCaptureError, match="control flow"):
         split_stages(Branchy(), pipeline_plan({"a": 0, "b": 1}), (torch.randn(2, 4),))
+
+
+class Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h if shift is None else h + shift)
+
+
+def test_keyword_inputs_are_exported_and_taken_by_the_first_stage():
+    model, x, shift = Shifted(), torch.randn(2, 4), torch.randn(2, 4)
+    split = split_pipeline(model, pipeline_plan({"a": 0, "b": 1}), (x,), {"shift": shift})
+    assert split.method == "export"
+    out = split.modules[1](split.modules[0](x, shift=shift))
+    torch.testing.assert_close(out, model(x, shift=shift), rtol=0, atol=0)
