@@ -142,6 +142,11 @@ class _CutPolicy:
 
     def _node_stages(self, gm: GraphModule) -> dict[Node, int]:
         order = list(dict.fromkeys(la for n in gm.graph.nodes if (la := self._layer(n))))
+        if not order:
+            raise PlanError(
+                f"no op of the exported graph runs inside a layer ({', '.join(sorted(self.units)[:6])}"
+                ", ...), so there is nothing to cut into pipeline stages; re-plan with pp=1"
+            )
         stages = self.stages_of(order)
         out: dict[Node, int] = {}
         current = stages[order[0]]
