@@ -40,7 +40,9 @@ def make_trainer(
     """A trainer for ``plan`` on every rank of an initialised process group.
 
     ``example_inputs``: a batch of real or meta tensors (only shapes and types are used;
-    a pipeline is traced on one micro-batch of it). ``model`` is parallelized in place.
+    a pipeline is traced on one micro-batch of it, and one split from a ``torch.export``
+    capture then runs at that micro-batch's shapes only: the plan's global batch and these
+    inputs' other dims, such as the sequence length). ``model`` is parallelized in place.
     Raises PlanError before any collective when the plan does not fit.
     """
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}

@@ -78,8 +78,9 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
     docstring. ``example_inputs``/``example_kwargs``: one micro-batch (meta tensors are
     replaced by zeros, as export needs the device of the parameters)."""
     policy = _CutPolicy(units, stages_of, num_stages)
-    inputs = tuple(_real(x) for x in example_inputs)
-    kwargs = {k: _real(v) for k, v in (example_kwargs or {}).items()}
+    device = next(model.parameters(), torch.empty(0)).device
+    inputs = tuple(_real(x, device) for x in example_inputs)
+    kwargs = {k: _real(v, device) for k, v in (example_kwargs or {}).items()}
     try:
         pipe = pipeline(model, inputs, kwargs or None, split_policy=policy)
     except RuntimeError as e:
@@ -101,9 +102,9 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
     return StageSplit(modules=modules, tied=tied, method="export", output_fn=restore)
 
 
-def _real(x: object) -> object:
+def _real(x: object, device: torch.device) -> object:
     if isinstance(x, torch.Tensor) and x.is_meta:
-        return torch.zeros(x.shape, dtype=x.dtype)
+        return torch.zeros(x.shape, dtype=x.dtype, device=device)
     return x
 
 
@@ -124,10 +125,9 @@ class _CutPolicy:
         annotate_module_paths(gm)
         node_stage = self._node_stages(gm)
         firsts = _first_nodes(gm, node_stage, self.num_stages)
-        splits = []
         for s in range(1, self.num_stages):
             with gm.graph.inserting_before(firsts[s]):
-                splits.append(gm.graph.call_function(aten_pipe_split_alias, ()))
+                gm.graph.call_function(aten_pipe_split_alias, ())
         _recompute_constants(gm, node_stage, firsts)
         _pass_through(gm, node_stage, firsts)
         _check_crossings(gm, node_stage)
