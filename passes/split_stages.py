@@ -96,16 +96,27 @@ def split_pipeline(model: nn.Module, plan: Plan, example_inputs: tuple,
             f"{type(model).__name__} has no submodules, so it cannot be cut into "
             f"{plan.num_stages} pipeline stages; re-plan with pp=1"
         )
+    symbolic: BaseException | None = None
     if method != "export" and not example_kwargs:
         try:
             modules = _symbolic_stages(model, plan, units, example_inputs)
             return StageSplit(modules=modules, tied=(), method="symbolic_trace")
-        except (GraphCaptureError, _SharedAcrossStages):
+        except (GraphCaptureError, _SharedAcrossStages) as e:
             if method == "symbolic_trace":
                 raise
+            symbolic = e.__cause__ if isinstance(e, GraphCaptureError) else None
     _check_no_tensor_parallel(model, plan)
-    return export_stages(model, units, lambda order: _layer_stages(model, plan, order),
-                         plan.num_stages, example_inputs, example_kwargs)
+    try:
+        return export_stages(model, units, lambda order: _layer_stages(model, plan, order),
+                             plan.num_stages, example_inputs, example_kwargs)
+    except GraphCaptureError as e:
+        if symbolic is None:
+            raise
+        exported = e.__cause__.__cause__ or e.__cause__  # pipeline() wraps export's error
+        raise GraphCaptureError(
+            "splitting into pipeline stages failed with both captures:\n"
+            + explain_failure(model, {"symbolic_trace": symbolic, "export": exported})
+        ) from e
 
 
 def _symbolic_stages(model: nn.Module, plan: Plan, units: list[str],
