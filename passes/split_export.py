@@ -218,21 +218,24 @@ def _recompute_constants(gm: GraphModule, node_stage: dict[Node, int], firsts: l
     constants = _constants(gm)
     for s in range(1, len(firsts)):
         copies: dict[Node, Node] = {}
-
-        def copy(node: Node, s: int = s, copies: dict = copies) -> Node:
-            if node.op == "get_attr" or node_stage.get(node) == s:
-                return node
-            if node not in copies:
-                args = {a: copy(a) for a in node.all_input_nodes}
-                with gm.graph.inserting_before(firsts[s]):
-                    copies[node] = gm.graph.node_copy(node, lambda a, args=args: args[a])
-                node_stage[copies[node]] = s
-            return copies[node]
-
         for node in list(gm.graph.nodes):
             if node in constants and node.op != "get_attr" and node_stage[node] < s:
                 for user in _users_by_stage(node, node_stage).get(s, []):
-                    user.replace_input_with(node, copy(node))
+                    copy = _copy_onto(gm, node, s, node_stage, copies, firsts[s])
+                    user.replace_input_with(node, copy)
+
+
+def _copy_onto(gm: GraphModule, node: Node, s: int, node_stage: dict[Node, int],
+               copies: dict[Node, Node], before: Node) -> Node:
+    """``node`` and the constants it is made from, copied onto stage ``s`` (once each)."""
+    if node.op == "get_attr" or node_stage.get(node) == s:
+        return node
+    if node not in copies:
+        args = {a: _copy_onto(gm, a, s, node_stage, copies, before) for a in node.all_input_nodes}
+        with gm.graph.inserting_before(before):
+            copies[node] = gm.graph.node_copy(node, args.__getitem__)
+        node_stage[copies[node]] = s
+    return copies[node]
 
 
 def _pass_through(gm: GraphModule, node_stage: dict[Node, int], firsts: list[Node]) -> None:
