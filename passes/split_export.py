@@ -14,7 +14,8 @@ The policy's steps, on the exported graph, in order:
 
 1. **node stages.** A node belongs to the layer of its ``nn_module_stack``; the layers'
    stages come from the caller (``split_stages``'s rules); a node run by no layer goes to
-   the stage of the layer that ran last before it. Stages must not decrease along the graph.
+   the stage of the layer that ran last before it. Stages must not decrease along the graph;
+   a ``pipe_split`` node goes before the first node of each stage but the first.
 2. **recompute constants.** A value used on a later stage that depends on no input and no
    parameter (Hugging Face Llama's boolean causal mask, its rotary cos/sin from a buffer)
    is recomputed on that stage instead of sent: stages only exchange floating-point
@@ -22,8 +23,7 @@ The policy's steps, on the exported graph, in order:
 3. **pass through.** A value used two or more stages later is cloned on every stage in
    between, and a model input used past stage 0 is cloned on stage 0, because a
    ``PipelineStage`` receives only its neighbour's outputs.
-4. **check** that every value crossing a cut is a floating-point tensor, then insert the
-   ``pipe_split`` nodes.
+4. **check** that every value crossing a cut is a floating-point tensor.
 
 The stages are exported at the example micro-batch's shapes, and their modules are the
 export's ``InterpreterModule``s, not the user's module objects: tensor parallelism, which
