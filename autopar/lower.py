@@ -3,7 +3,9 @@
 ``runtime`` may not import ``passes`` (the split is a graph transformation), so the
 pipeline's stage modules are made here and handed down: ``pp == 1`` plans go to
 ``runtime.train.Trainer`` as before; ``pp > 1`` plans are split into one module per stage
-(``passes.split_stages``) and run by ``runtime.pipeline.PipelineTrainer``. Both have
+(``passes.split_stages.split_pipeline``: symbolic tracing where it works, else PyTorch's
+export-based ``pipeline()``) and run by ``runtime.pipeline.PipelineTrainer``, which also
+gets the names of the parameters several stages hold copies of (tied weights). Both have
 the same methods (``train_step``, ``forward_backward``, ``step``, ``shard_batch``,
 ``full_state_dict``).
 """
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
-from passes.split_stages import split_stages
+from passes.split_stages import split_pipeline
 from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan, PlanError
@@ -40,7 +42,9 @@ def make_trainer(
     """A trainer for ``plan`` on every rank of an initialised process group.
 
     ``example_inputs``: a batch of real or meta tensors (only shapes and types are used;
-    a pipeline is traced on one micro-batch of it). ``model`` is parallelized in place.
+    a pipeline is traced on one micro-batch of it, and one split from a ``torch.export``
+    capture then runs at that micro-batch's shapes only: the plan's global batch and these
+    inputs' other dims, such as the sequence length). ``model`` is parallelized in place.
     Raises PlanError before any collective when the plan does not fit.
     """
     if loss_fn is None and plan.mesh.pp > 1:
@@ -52,5 +56,7 @@ def make_trainer(
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
-    stages = split_stages(model, plan, microbatch_inputs(plan, example_inputs))
-    return PipelineTrainer(stages, plan, loss_fn, device_type=device_type, **kwargs)
+    part = as_inputs(microbatch_inputs(plan, example_inputs))
+    split = split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
+    return PipelineTrainer(split.modules, plan, loss_fn, device_type=device_type,
+                           tied=split.tied, output_fn=split.output_fn, **kwargs)

@@ -10,9 +10,9 @@ The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
     5. data parallel   FSDP2 per layer, then each stage module as a root, on the stage's
                        (dp, tp) sub-meshes, with the plan's precision (runtime.data_parallel,
                        runtime.precision)
-    6. schedule        one manual ``PipelineStage`` per local stage (tracing with
-                       ``pipeline()`` + SplitPoint hangs with V schedules on gloo), and the
-                       plan's ``Schedule*`` class over the pp axis
+    6. schedule        one manual ``PipelineStage`` per local stage (``Pipe.build_stage``
+                       hangs with V schedules on gloo: the rank holding two adjacent stages
+                       sends to itself), and the plan's ``Schedule*`` class over the pp axis
 
 Data parallelism is FSDP2 for every strategy, ``replicate`` included (the (n, 1) HSDP
 mesh of ``runtime.data_parallel``), never DDP: with the zero-bubble schedules DDP skips
@@ -40,13 +40,14 @@ program here; only their memory between steps differs).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.schedules import (
     PipelineScheduleMulti,
     PipelineScheduleSingle,
@@ -163,8 +164,12 @@ class PipelineTrainer(Trainer):
     place) and trains them one step at a time with the plan's schedule.
 
     ``stages`` holds every stage module (index = stage id, as ``passes.split_stages``
-    makes them); this rank keeps and trains only its own. ``shard_batch``, ``step`` and
-    ``train_step`` are ``Trainer``'s.
+    makes them); this rank keeps and trains only its own. ``tied``: per parameter that
+    several stages hold a copy of (tied weights), {stage: its name in that stage's module}
+    (``passes.split_stages.StageSplit.tied``). ``output_fn``: maps the last stage's
+    output to what the model returns, before ``loss_fn`` (``StageSplit.output_fn``: an
+    exported last stage returns flat tensors, as a ``PipelineStage`` requires).
+    ``shard_batch``, ``step`` and ``train_step`` are ``Trainer``'s.
     """
 
     def __init__(
@@ -176,9 +181,12 @@ class PipelineTrainer(Trainer):
         *,
         device_type: str = "cpu",
         scale_grads: bool = True,
+        tied: Sequence[Mapping[int, str]] = (),
+        output_fn: Callable[[object], object] | None = None,
     ) -> None:
         validate_pipeline(stages, plan)
         self.plan = plan
+        self.output_fn = output_fn
         self.loss_fn = loss_fn
         self._device = _device(device_type)
         self.mesh = build_mesh(plan.mesh, device_type)
@@ -188,8 +196,13 @@ class PipelineTrainer(Trainer):
         self.stage_ids = local_stage_ids(plan, self.pp_rank)
         self.stages = [stages[s] for s in self.stage_ids]
         """This rank's stage modules (parallelized in place), in stage order."""
-        # Before parallelizing: stages holding one tied parameter still share the tensor.
-        self.tied = TiedGradSync(shared_across_stages(stages), plan, self.mesh)
+        # Copies of one parameter on several stages start equal; training them as one
+        # parameter sums their gradients across those stages. The export split names its
+        # copies (``tied``); stages cut by symbolic tracing still share the tensor itself,
+        # found before parallelizing.
+        given = [tuple(sorted(t.items())) for t in tied]
+        found = [t for t in shared_across_stages(stages) if tuple(sorted(t)) not in given]
+        self.tied = TiedGradSync(given + found, plan, self.mesh)
         self.module = self.stages[0] if len(self.stages) == 1 else None
         self.loss_scaler = make_loss_scaler(plan, self._device)
         if self.loss_scaler is not None:
@@ -208,6 +221,10 @@ class PipelineTrainer(Trainer):
     def _parallelize(self, stage_id: int, module: nn.Module) -> PipelineStage:
         """TP, recompute and FSDP2 on one stage module (in place); its PipelineStage."""
         plan = self.plan
+        if isinstance(module, torch.fx.GraphModule) and self._device.type != "cpu":
+            # An exported stage has the capture's device baked into its factory ops
+            # (arange, ones); what Pipe.build_stage does before making a stage.
+            _modify_graph_op_device(module, self._device)
         module.to(self._device)
         meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)
         layers = [la for la in plan.layers if la.stage == stage_id]
@@ -229,6 +246,8 @@ class PipelineTrainer(Trainer):
         super().step()
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.output_fn is not None:
+            output = self.output_fn(output)
         loss = self.loss_fn(output, target)
         return loss if self.loss_scaler is None else self.loss_scaler.scale(loss)
 

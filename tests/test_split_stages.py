@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 from autopar.zoo import get_model
-from passes.split_stages import layer_stages, split_stages
+from passes.split_stages import layer_stages, split_pipeline, split_stages
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, PlanError
 
 SPEC = get_model("gpt-tiny").with_config(n_layer=4)
@@ -128,11 +128,63 @@ def test_a_non_tensor_value_across_a_cut_is_refused():
         split_stages(ScaledByWidth(), pipeline_plan({"a": 0, "b": 1}), (torch.randn(2, 4),))
 
 
-def test_tied_parameters_on_two_stages_are_refused():
+def test_tied_parameters_on_two_stages_are_copied_onto_each():
+    """The symbolic split shares the user's modules, so it cannot give two stages their own
+    copy; 'auto' then splits the exported graph, which does."""
+    model, plan, x = ScaledByWidth(tie=True, scale=False), pipeline_plan({"a": 0, "b": 1}), \
+        torch.randn(2, 4)
     with pytest.raises(PlanError, match=r"'a.weight' \(stage 0\) is tied to 'b.weight' "
                                         r"\(stage 1\)"):
-        split_stages(ScaledByWidth(tie=True, scale=False), pipeline_plan({"a": 0, "b": 1}),
-                     (torch.randn(2, 4),))
+        split_pipeline(model, plan, (x,), method="symbolic_trace")
+    split = split_pipeline(model, plan, (x,))
+    assert split.method == "export" and split.tied == ({0: "a.weight", 1: "b.weight"},)
+    a, b = split.modules[0].get_parameter("a.weight"), split.modules[1].get_parameter("b.weight")
+    assert a is not b and a is not model.a.weight
+    torch.testing.assert_close(b, model.b.weight, rtol=0, atol=0)
+    torch.testing.assert_close(run_stages(split.modules, x), model(x), rtol=0, atol=0)
+
+
+def test_symbolic_and_export_splits_agree():
+    """Where symbolic tracing works it is kept (faster, shape-generic): both captures give
+    each stage the same parameters under the same names, and the same outputs."""
+    plan = pipeline_plan(dict(zip(NAMES, [0, 0, 0, 1, 1, 2, 3, 3], strict=True)), pp=2, v=2,
+                         schedule="Interleaved1F1B")
+    (x,), _ = SPEC.make_batch(2, 16)
+    model = SPEC.build(seed=0)
+    symbolic = split_pipeline(model, plan, (x,))
+    exported = split_pipeline(model, plan, (x,), method="export")
+    assert (symbolic.method, exported.method) == ("symbolic_trace", "export")
+    for s, e in zip(symbolic.modules, exported.modules, strict=True):
+        assert dict(s.named_parameters()) == dict(e.named_parameters())
+    torch.testing.assert_close(run_stages(exported.modules, x), run_stages(symbolic.modules, x),
+                               rtol=0, atol=0)
+
+
+class IndexedLookup(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.score = nn.Linear(4, 8)
+        self.table = nn.Embedding(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.table(self.score(x).argmax(-1))
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_an_integer_activation_across_a_cut_is_refused(method):
+    """An int64 value made from the input cannot be recomputed on the next stage."""
+    with pytest.raises(PlanError, match=r"cut after stage 0 sends .*torch.int64"):
+        split_pipeline(IndexedLookup(), pipeline_plan({"score": 0, "table": 1}),
+                       (torch.randn(2, 4),), method=method)
+
+
+def test_export_split_passes_values_through_skipped_stages():
+    model = Skip()
+    plan = pipeline_plan({"a": 0, "b": 1, "c": 2}, pp=3, m=4)
+    x = torch.randn(2, 4)
+    stages = split_stages(model, plan, (x,), method="export")
+    assert [n.op for n in stages[2].graph.nodes].count("placeholder") == 2
+    torch.testing.assert_close(run_stages(stages, x), model(x), rtol=0, atol=0)
 
 
 def test_untraceable_model_names_the_construct():
@@ -148,5 +200,24 @@ def test_untraceable_model_names_the_construct():
                 x = -x
             return self.b(self.a(x))
 
-    with pytest.raises(GraphCaptureError, match="control flow"):
+    with pytest.raises(GraphCaptureError, match=r"both captures(.|\n)*symbolic_trace: Python control "
+                                                r"flow(.|\n)*export: control flow"):
         split_stages(Branchy(), pipeline_plan({"a": 0, "b": 1}), (torch.randn(2, 4),))
+
+
+class Shifted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(h if shift is None else h + shift)
+
+
+def test_keyword_inputs_are_exported_and_taken_by_the_first_stage():
+    model, x, shift = Shifted(), torch.randn(2, 4), torch.randn(2, 4)
+    split = split_pipeline(model, pipeline_plan({"a": 0, "b": 1}), (x,), {"shift": shift})
+    assert split.method == "export"
+    out = split.modules[1](split.modules[0](x, shift=shift))
+    torch.testing.assert_close(out, model(x, shift=shift), rtol=0, atol=0)

@@ -1,0 +1,332 @@
+"""Pipeline stage modules from ``torch.export``, cut by PyTorch's own pipeline frontend.
+
+``torch.distributed.pipelining.pipeline`` exports the model once and hands the exported
+graph to a ``split_policy``, which marks the cuts with ``pipe_split`` nodes; it then splits
+the graph there (``split_module``), unflattens each part into modules under the user's
+fully-qualified names (stage 1 holds ``model.layers.2.self_attn.q_proj.weight``), moves
+each parameter into the stage that uses it and deep-copies a parameter used by several
+stages into each of them (``Pipe.replicated_params``). The policy, not a ``SplitPoint`` per
+cut, places the cuts: which layer opens a stage depends on the order in which the layers
+run (planned layers give their stage to the unplanned ones after them), which only the
+trace shows, and a policy sees the same single export that is split.
+
+The policy's steps, on the exported graph, in order:
+
+1. **node stages.** A node belongs to the layer of its ``nn_module_stack``; the layers'
+   stages come from the caller (``split_stages``'s rules); a node run by no layer goes to
+   the stage of the layer that ran last before it. Stages must not decrease along the graph;
+   a ``pipe_split`` node goes before the first node of each stage but the first.
+2. **recompute constants.** A value used on a later stage that depends on no input and no
+   parameter (Hugging Face Llama's boolean causal mask, its rotary cos/sin from a buffer)
+   is recomputed on that stage instead of sent: stages only exchange floating-point
+   activations, and a constant needs no gradient.
+3. **pass through.** A value used two or more stages later is cloned on every stage in
+   between, and a model input used past stage 0 is cloned on stage 0, because a
+   ``PipelineStage`` receives only its neighbour's outputs.
+4. **check** that every value crossing a cut is a floating-point tensor.
+
+The stages are exported at the example micro-batch's shapes, and their modules are the
+export's ``InterpreterModule``s, not the user's module objects: tensor parallelism, which
+replaces ``nn.Linear``/``nn.Embedding`` weights, needs the symbolic-tracing split.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.pipelining import pipeline
+from torch.distributed.pipelining._IR import aten_pipe_split_alias
+from torch.fx import GraphModule, Node
+from torch.utils._pytree import tree_unflatten
+
+from passes import meta_keys as K
+from passes.annotate import annotate_module_paths
+from passes.group_layers import owning_layer
+from passes.trace import GraphCaptureError, explain_failure
+from runtime.plan import PlanError
+
+_CALLS = ("call_function", "call_method", "call_module")
+
+StagesOf = Callable[[list[str]], dict[str, int]]
+"""Layer names in execution order -> the stage of every layer (raises PlanError)."""
+
+
+@dataclass(frozen=True)
+class StageSplit:
+    """What ``passes.split_stages.split_pipeline`` returns."""
+
+    modules: list[nn.Module]
+    """One module per stage (index = stage id)."""
+    tied: tuple[dict[int, str], ...]
+    """Per parameter used on several stages (tied weights), the copy each of those stages
+    holds: {stage: the parameter's name in that stage's module}. The copies start equal;
+    their gradients must be summed across those stages each step to train them as one."""
+    method: str
+    """How the model was captured: 'symbolic_trace' or 'export'."""
+    output_fn: Callable[[object], object] | None = None
+    """Maps the last stage's output (flat tensors) to what the model returns, for
+    ``loss_fn``; None when the last stage returns that already."""
+
+
+def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_stages: int,
+                  example_inputs: tuple, example_kwargs: dict | None = None) -> StageSplit:
+    """Split ``model`` into ``num_stages`` stage modules with ``pipeline()``; see the module
+    docstring. ``example_inputs``/``example_kwargs``: one micro-batch (meta tensors are
+    replaced by zeros, as export needs the device of the parameters)."""
+    policy = _CutPolicy(units, stages_of, num_stages)
+    device = next(model.parameters(), torch.empty(0)).device
+    inputs = tuple(_real(x, device) for x in example_inputs)
+    kwargs = {k: _real(v, device) for k, v in (example_kwargs or {}).items()}
+    try:
+        pipe = pipeline(model, inputs, kwargs or None, split_policy=policy)
+    except RuntimeError as e:
+        if "cannot capture your model" not in str(e) or e.__cause__ is None:
+            raise  # not the export: a bug to see as it is
+        raise GraphCaptureError(
+            "splitting into pipeline stages exports the model with torch.export, which "
+            "failed:\n" + explain_failure(model, {"export": e.__cause__})
+        ) from e
+    modules = [pipe.get_stage_module(s) for s in range(num_stages)]
+    for module in modules:
+        _drop_unread_state(module)
+    restore = None
+    if policy.out_spec is not None:
+        restore = _output_structure(pipe.split_gm, policy.out_spec)
+    index = {f"submod_pp_{s}": s for s in range(num_stages)}
+    tied = tuple({index[sub]: fqn for sub, fqn in uses.items()}
+                 for uses in pipe.replicated_params)
+    return StageSplit(modules=modules, tied=tied, method="export", output_fn=restore)
+
+
+def _real(x: object, device: torch.device) -> object:
+    if isinstance(x, torch.Tensor) and x.is_meta:
+        return torch.zeros(x.shape, dtype=x.dtype, device=device)
+    return x
+
+
+# -- the split policy -------------------------------------------------------------------------
+
+
+class _CutPolicy:
+    """``pipeline()``'s ``split_policy``: marks the planned cuts on the exported graph."""
+
+    def __init__(self, units: list[str], stages_of: StagesOf, num_stages: int) -> None:
+        self.units = set(units)
+        self.stages_of = stages_of
+        self.num_stages = num_stages
+        self.out_spec = None
+
+    def __call__(self, gm: GraphModule) -> GraphModule:
+        self.out_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
+        annotate_module_paths(gm)
+        node_stage = self._node_stages(gm)
+        firsts = _first_nodes(gm, node_stage, self.num_stages)
+        for s in range(1, self.num_stages):
+            with gm.graph.inserting_before(firsts[s]):
+                gm.graph.call_function(aten_pipe_split_alias, ())
+        _recompute_constants(gm, node_stage, firsts)
+        _pass_through(gm, node_stage, firsts)
+        _check_crossings(gm, node_stage)
+        gm.graph.lint()
+        gm.recompile()
+        return gm
+
+    def _layer(self, node: Node) -> str | None:
+        if node.op not in _CALLS:
+            return None
+        return owning_layer(node.meta[K.MODULE_PATH], self.units)
+
+    def _node_stages(self, gm: GraphModule) -> dict[Node, int]:
+        order = list(dict.fromkeys(la for n in gm.graph.nodes if (la := self._layer(n))))
+        if not order:
+            raise PlanError(
+                f"no op of the exported graph runs inside a layer ({', '.join(sorted(self.units)[:6])}"
+                ", ...), so there is nothing to cut into pipeline stages; re-plan with pp=1"
+            )
+        stages = self.stages_of(order)
+        out: dict[Node, int] = {}
+        current = stages[order[0]]
+        last_layer = order[0]
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                out[node] = 0
+            elif node.op == "output":
+                out[node] = self.num_stages - 1
+            elif node.op in _CALLS:
+                layer = self._layer(node)
+                if layer is not None and stages[layer] < current:
+                    raise PlanError(
+                        f"layer {layer!r} (stage {stages[layer]}) runs again after layer "
+                        f"{last_layer!r} (stage {current}); a layer called more than once "
+                        f"must be on one stage with the layers between its calls"
+                    )
+                if layer is not None:
+                    current, last_layer = stages[layer], layer
+                out[node] = current
+        return out
+
+
+def _first_nodes(gm: GraphModule, node_stage: dict[Node, int], num_stages: int) -> list[Node]:
+    firsts: dict[int, Node] = {}
+    for node in gm.graph.nodes:
+        if node.op in _CALLS:
+            firsts.setdefault(node_stage[node], node)
+    empty = [s for s in range(num_stages) if s not in firsts]
+    if empty:
+        raise PlanError(
+            f"pipeline stage(s) {empty} would run no layer of the model; give every stage at "
+            "least one layer, or plan fewer stages"
+        )
+    return [firsts[s] for s in range(num_stages)]
+
+
+def _users_by_stage(node: Node, node_stage: dict[Node, int]) -> dict[int, list[Node]]:
+    out: dict[int, list[Node]] = {}
+    for user in node.users:
+        out.setdefault(node_stage[user], []).append(user)
+    return out
+
+
+def _is_parameter(gm: GraphModule, node: Node) -> bool:
+    return isinstance(operator.attrgetter(str(node.target))(gm), nn.Parameter)
+
+
+def _seeded(node: Node) -> bool:
+    target = node.target
+    return isinstance(target, torch._ops.OpOverload) and \
+        torch.Tag.nondeterministic_seeded in target.tags
+
+
+def _constants(gm: GraphModule) -> set[Node]:
+    """Nodes computable from buffers and constants alone, without randomness."""
+    out: set[Node] = set()
+    for node in gm.graph.nodes:
+        if node.op == "get_attr" and not _is_parameter(gm, node):
+            out.add(node)
+        elif node.op == "call_function" and not _seeded(node) and node.target is not \
+                aten_pipe_split_alias and all(a in out for a in node.all_input_nodes):
+            out.add(node)
+    return out
+
+
+def _recompute_constants(gm: GraphModule, node_stage: dict[Node, int], firsts: list[Node]
+                         ) -> None:
+    constants = _constants(gm)
+    for s in range(1, len(firsts)):
+        copies: dict[Node, Node] = {}
+        for node in list(gm.graph.nodes):
+            if node in constants and node.op != "get_attr" and node_stage[node] < s:
+                for user in _users_by_stage(node, node_stage).get(s, []):
+                    copy = _copy_onto(gm, node, s, node_stage, copies, firsts[s])
+                    user.replace_input_with(node, copy)
+
+
+def _copy_onto(gm: GraphModule, node: Node, s: int, node_stage: dict[Node, int],
+               copies: dict[Node, Node], before: Node) -> Node:
+    """``node`` and the constants it is made from, copied onto stage ``s`` (once each)."""
+    if node.op == "get_attr" or node_stage.get(node) == s:
+        return node
+    if node not in copies:
+        args = {a: _copy_onto(gm, a, s, node_stage, copies, before) for a in node.all_input_nodes}
+        with gm.graph.inserting_before(before):
+            copies[node] = gm.graph.node_copy(node, args.__getitem__)
+        node_stage[copies[node]] = s
+    return copies[node]
+
+
+def _pass_through(gm: GraphModule, node_stage: dict[Node, int], firsts: list[Node]) -> None:
+    for node in list(gm.graph.nodes):
+        if node not in node_stage or node.op == "output":
+            continue  # get_attr (moved into each stage that reads it), pipe_split
+        made = node_stage[node]
+        later = {s: us for s, us in _users_by_stage(node, node_stage).items() if s > made}
+        if not later or (node.op != "placeholder" and max(later) == made + 1):
+            continue
+        carrier = node  # the value as held on stage `at`
+        for at in range(made if node.op == "placeholder" else made + 1, max(later)):
+            with gm.graph.inserting_before(firsts[at]):
+                carrier = gm.graph.call_function(torch.ops.aten.clone.default, (carrier,))
+            # The root module's frame: unflattening places every node by its module stack.
+            root = next(iter((firsts[at].meta.get("nn_module_stack") or {}).items()), None)
+            carrier.meta = {"val": node.meta.get("val"), K.MODULE_PATH: "",
+                            "nn_module_stack": dict([root]) if root else {}}
+            node_stage[carrier] = at
+            for user in later.get(at + 1, []):
+                user.replace_input_with(node, carrier)
+
+
+def _check_crossings(gm: GraphModule, node_stage: dict[Node, int]) -> None:
+    for node in gm.graph.nodes:
+        if node not in node_stage or node.op == "output":
+            continue
+        s = node_stage[node]
+        if not any(node_stage[u] > s for u in node.users):
+            continue
+        value = node.meta.get("val")
+        if not isinstance(value, torch.Tensor):
+            raise PlanError(
+                f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
+                f"made by `{node.format_node()}`) on a later stage, but only tensors can be "
+                "sent between pipeline stages; move the cut so that it is used where it is made"
+            )
+        if not value.is_floating_point():
+            user = next(u for u in node.users if node_stage[u] > s)
+            raise PlanError(
+                f"the cut after stage {s} sends {node.name!r}, a {value.dtype} tensor made by "
+                f"`{node.format_node()}` in {node.meta.get(K.MODULE_PATH) or 'the model'!r}, "
+                f"to a later stage ({user.meta.get(K.MODULE_PATH) or user.name!r}); pipeline "
+                "stages exchange floating-point activations only: put the layers that make "
+                "and use it on one stage"
+            )
+
+
+# -- after the split ---------------------------------------------------------------------------
+
+
+def _drop_unread_state(stage: nn.Module) -> None:
+    """Remove parameters and buffers no graph of ``stage`` reads.
+
+    ``pipeline()`` assigns every state-dict name whose parent module exists in a stage, so a
+    stage holding the embedding also got the tied ``lm_head.weight`` (the user's object,
+    never read there): it would be trained by no one and named twice across stages."""
+    read: set[str] = set()
+    for scope, module in stage.named_modules():
+        graph = getattr(module, "graph", None)
+        if isinstance(graph, torch.fx.Graph):
+            prefix = scope + "." if scope else ""
+            read.update(prefix + str(n.target) for n in graph.nodes if n.op == "get_attr")
+    for name, _ in list(stage.named_parameters(remove_duplicate=False)) + \
+            list(stage.named_buffers(remove_duplicate=False)):
+        if name not in read:
+            parent, _, attr = name.rpartition(".")
+            delattr(stage.get_submodule(parent), attr)
+
+
+def _output_structure(split_gm: GraphModule, out_spec) -> Callable[[object], object] | None:
+    """A function from the last stage's output to what the model returns (a Hugging Face
+    ``ModelOutput`` with ``.logits``), so ``loss_fn`` sees the same object as with one
+    process; None when the model's output is not the last stage's (a leaf made earlier).
+    The stage itself returns the flat tensors: a ``PipelineStage`` accepts nothing else."""
+    output = next(n for n in split_gm.graph.nodes if n.op == "output")
+    leaves = output.args[0] if isinstance(output.args[0], tuple | list) else (output.args[0],)
+    picks: list[tuple[str, object]] = []
+    for leaf in leaves:
+        if isinstance(leaf, Node) and leaf.op == "call_module":
+            picks.append(("whole", None))
+        elif isinstance(leaf, Node) and leaf.target is operator.getitem:
+            picks.append(("item", leaf.args[1]))
+        elif isinstance(leaf, Node):
+            return None
+        else:
+            picks.append(("const", leaf))
+
+    def restore(out: object) -> object:
+        flat = [out if how == "whole" else out[at] if how == "item" else at
+                for how, at in picks]
+        return tree_unflatten(flat, out_spec)
+
+    return restore
