@@ -9,6 +9,7 @@ the plan with torch.distributed.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 import torch.distributed as dist
@@ -16,14 +17,17 @@ import torch.nn as nn
 
 from autopar.errors import AutoparError
 from autopar.explain import attach_rationale
-from autopar.lower import make_trainer
+from autopar.lower import make_trainer, microbatch_inputs
 from autopar.planner import SearchResult, search
 from autopar.planner.search import ProgressFn
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
-from runtime.batch import as_inputs
+from passes.split_stages import split_pipeline
+from passes.trace import to_meta
+from runtime.batch import Inputs, as_inputs
 from runtime.plan import Mesh, Plan
 from runtime.train import LossFn, OptimizerFactory, Trainer
+from runtime.validate import plan_problem
 
 
 def as_cluster(cluster: Cluster | str, world_size: int | None = None) -> Cluster:
@@ -57,13 +61,36 @@ def search_plans(
     made for. ``progress`` is called after each candidate the search evaluates (see
     ``autopar.progress``). The plan carries its rationale: every option's cost per layer
     class and the best alternatives (``autopar.explain``).
+
+    Whatever this returns, the runtime runs: the search asks the runtime's own validator
+    (``runtime.validate``) about every feasible candidate's plan, and a pipeline plan is
+    split into its stages here, on meta tensors, as ``compile`` will split it.
     """
     cluster = as_cluster(cluster)
-    graph = build_layer_graph(model, as_inputs(example_inputs), model_name=model_name,
-                              opaque=tuple(opaque), seq_len=seq_len)
+    inputs = as_inputs(example_inputs)
+    graph = build_layer_graph(model, inputs, model_name=model_name, opaque=tuple(opaque),
+                              seq_len=seq_len)
+    meta_model = to_meta(model)
     result = search(graph, cluster, precision_name=precision, mesh=mesh,
-                    time_limit_s=time_limit_s, progress=progress)
+                    time_limit_s=time_limit_s, progress=progress,
+                    check=functools.partial(plan_problem, meta_model))
+    if result.plan.mesh.pp > 1:
+        check_stage_split(meta_model, result.plan, inputs)
     return attach_rationale(result, graph, cluster, precision)
+
+
+def check_stage_split(model: nn.Module, plan: Plan, example_inputs: Inputs) -> None:
+    """Split ``model`` (on meta) into ``plan``'s stages as ``compile`` will; an error here
+    is the planner's, not the user's, so it says so."""
+    part = as_inputs(microbatch_inputs(plan, example_inputs))
+    try:
+        split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
+    except AutoparError as e:
+        raise AutoparError(
+            f"the planner chose a pipeline ({plan.mesh.describe()}) that the runtime cannot "
+            f"split into stages: {e}. Plan with a fixed mesh=Mesh(pp=1, ...) to avoid "
+            "pipelining, and report this: the planner should not offer such a plan"
+        ) from e
 
 
 def plan(model: nn.Module, cluster: Cluster | str, example_inputs: object, **kwargs) -> Plan:

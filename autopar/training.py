@@ -11,7 +11,7 @@ from autopar.zoo import ModelSpec, get_model
 from cost_models.hardware import Cluster
 from runtime.launch import spawn
 from runtime.plan import Plan
-from runtime.tied import check_ties
+from runtime.validate import check_plan
 
 
 def plan_for_local_run(spec: ModelSpec, nproc: int, batch: int, seq: int | None) -> Plan:
@@ -30,7 +30,7 @@ def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int
             f"the plan is for {plan.world_size} ranks (mesh {plan.mesh.describe()})"
             f" but --nproc is {nproc}; pass --nproc {plan.world_size} or re-plan"
         )
-    check_ties(spec.build("meta"), plan.layers)  # here, not as a traceback from each rank
+    check_plan(spec.build("meta"), plan)  # here, not as a traceback from each rank
     results = spawn(train_worker, nproc, spec.name, plan.to_json(), steps, batch, seq, seed,
                     timeout_s=timeout_s)
     return results[0]

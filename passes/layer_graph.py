@@ -105,6 +105,7 @@ def build_layer_graph(
         for group in groups
     ))
     info: K.CaptureInfo = gm.meta[K.CAPTURE]
+    ties = find_ties(meta_model, groups)
     return LayerGraph(
         layers=layers,
         batch_size=batch,
@@ -113,7 +114,10 @@ def build_layer_graph(
         model_name=model_name,
         context_parallel_problem=context_parallel_problem(gm, model),
         uncuttable=uncuttable_boundaries(gm, groups),
-        ties=find_ties(meta_model, groups),
+        ties=ties,
+        returns_loss=any(_is_scalar_float(a) for n in gm.graph.find_nodes(op="output")
+                         for a in n.all_input_nodes),
+        exported_stages=info.method == "export" or bool(inputs.kwargs) or bool(ties),
         extra={
             "capture_method": info.method,
             "capture_fallback_reason": info.fallback_reason,

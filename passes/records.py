@@ -198,6 +198,13 @@ class LayerGraph:
     tie's layers must take one strategy (the runtime shards them as one FSDP2 unit). The
     shared parameter's bytes are in one layer's ``param_bytes``, its owner's; '' among a
     tie's modules stands for the root."""
+    returns_loss: bool = False
+    """The model returns a loss it computes itself (Hugging Face's ``labels=``): a pipeline
+    cannot run it, since its last stage computes the loss from its output with a loss_fn."""
+    exported_stages: bool = False
+    """Pipeline stages of this model are cut from a ``torch.export`` capture (symbolic
+    tracing cannot capture it, it takes keyword inputs, or a tie crosses stages;
+    passes/split_stages.py), and such stages take no tensor parallelism."""
     extra: dict[str, object] = field(default_factory=dict)
 
     def tie_of(self, name: str) -> Tie | None:

@@ -34,8 +34,8 @@ from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.precision import fsdp_policies, is_mixed
 from runtime.recompute import apply_recompute
-from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
-from runtime.tied import check_ties
+from runtime.tensor_parallel import apply_tensor_parallel
+from runtime.validate import check_plan
 
 logger = logging.getLogger(__name__)
 
@@ -87,31 +87,8 @@ def validate_plan(model: nn.Module, plan: Plan) -> str | None:
             f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]!r}); build "
             "or load the model with real weights (e.g. spec.build(seed=0)) before applying a plan"
         )
-    _validate_layers(model, plan)
-    check_ties(model, plan.layers)
+    check_plan(model, plan)
     return position_argument(model) if plan.mesh.cp > 1 else None
-
-
-def _validate_layers(model: nn.Module, plan: Plan) -> None:
-    for layer in plan.layers:
-        try:
-            model.get_submodule(layer.module)
-        except AttributeError:
-            top = [name for name, _ in model.named_children()]
-            raise PlanError(
-                f"layer {layer.module!r}: no such module in {type(model).__name__}; "
-                f"module paths are fully-qualified names as in model.named_modules() "
-                f"(top level: {top})"
-            ) from None
-        if layer.is_tp:
-            validate_tp_layer(model, layer, plan.mesh.tp)
-    names = sorted(layer.module for layer in plan.layers)
-    for outer, inner in zip(names, names[1:], strict=False):
-        if inner.startswith(outer + "."):
-            raise PlanError(
-                f"layers {outer!r} and {inner!r} nest; each module may be planned once, so "
-                "plan the inner modules or the outer one"
-            )
 
 
 def _device(device_type: str) -> torch.device:

@@ -411,14 +411,14 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, plan: Plan, model: n
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from runtime.apply import _validate_layers
+    from runtime.validate import check_plan
 
     out = Path(out)
     if out.exists() or out.is_symlink():
         raise CheckpointExistsError(f"{out} exists; choose a new --out directory (nothing was written)")
     ckpt, manifest, metadata = verify(src)
     compare_fingerprints(manifest.fingerprint, fingerprint(model.state_dict()), str(ckpt))
-    _validate_layers(model, plan)
+    check_plan(model, plan)
     state: dict[str, Any] = {}
     for key, meta in metadata.state_dict_metadata.items():
         is_tensor = isinstance(meta, TensorStorageMetadata)

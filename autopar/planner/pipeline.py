@@ -114,7 +114,9 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
     if pipeline_problem(graph) is not None:
         return []
     out = []
-    for tp in _divisors(math.gcd(cluster.devices_per_node, world)):
+    # Stages cut from an exported graph run no tensor parallelism (passes/split_export.py).
+    tps = [1] if graph.exported_stages else _divisors(math.gcd(cluster.devices_per_node, world))
+    for tp in tps:
         for pp in _divisors(world // tp):
             dp = world // (tp * pp)
             if pp < 2 or pp > layers or batch % dp:
@@ -140,6 +142,10 @@ def pipeline_problem(graph: LayerGraph) -> str | None:
     gradients summed across stages (runtime/tied.py ``TiedGradSync``), which this search
     does not cost. An embedding tied to the LM head spans the whole model, so no cut keeps
     it on one stage either."""
+    if graph.returns_loss:
+        return ("the model computes its own loss (labels=), and a pipeline computes the loss "
+                "on its last stage from the stage's output: plan with inputs without labels "
+                "and train with a loss_fn")
     if graph.ties:
         return (f"tied weights ({graph.ties[0].describe()}) are not pipelined by the "
                 "planner")

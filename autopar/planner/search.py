@@ -13,6 +13,7 @@ all candidates, so it bounds every plan the search space holds.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,6 +31,7 @@ from autopar.planner.ilp import (
 from autopar.planner.liveness import Usage, step_liveness
 from autopar.planner.pipeline import (
     Infeasible,
+    PipelineConfig,
     PipelineOutcome,
     pipeline_configs,
     pipeline_problem,
@@ -59,7 +61,8 @@ class Candidate:
 
     mesh: Mesh
     status: str
-    """'optimal', 'infeasible' (nothing fits), or 'skipped' (with reason)."""
+    """'optimal', 'infeasible' (nothing fits), 'refused' (the runtime would not run its
+    plan; with the runtime's reason), or 'skipped' (with reason)."""
     reason: str = ""
     objective_s: float = float("inf")
     lower_bound_s: float = float("inf")
@@ -142,12 +145,16 @@ def search(
     time_limit_s: float = 10.0,
     progress: ProgressFn | None = None,
     pipeline: bool = True,
+    check: PlanCheck | None = None,
 ) -> SearchResult:
     """The fastest feasible plan for ``graph`` on ``cluster`` (optionally on a fixed mesh),
     with pipeline-parallel candidates unless ``pipeline`` is False.
 
     ``progress``, if given, is called after each candidate is evaluated (for a terminal
-    display; see ``autopar.progress``)."""
+    display; see ``autopar.progress``). ``check``, if given, is asked about the plan of
+    every candidate the search finds feasible before it counts as one (``autopar.api``
+    passes the runtime's ``runtime.validate.plan_problem``): a plan it refuses becomes a
+    'refused' candidate with its reason, so the search never returns such a plan."""
     start = time.perf_counter()
     prec = precision(precision_name)
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
@@ -190,6 +197,7 @@ def search(
             candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
             continue
         mesh_best = None
+        refusal = None  # what the runtime refused in this mesh's best plan, if anything
         least_need = float("inf")
         outclassed = float("inf")  # the least bound of accumulations the best plan beats
         for k in accumulation_steps(graph, m):
@@ -216,8 +224,17 @@ def search(
             cand = Candidate(mesh=m, status="optimal", objective_s=result.objective_s,
                              lower_bound_s=result.lower_bound_s, choice=result.choice,
                              microbatches=k)
+            if check is not None:
+                refused = check(_make_plan(graph, cluster, prec, cand, options, _UNSOLVED))
+                if refused is not None:
+                    refusal = refused
+                    continue
             if mesh_best is None or cand.objective_s < mesh_best[0].objective_s:
                 mesh_best = (cand, options)
+        if mesh_best is None and refusal is not None:
+            candidates.append(Candidate(mesh=m, status="refused",
+                                        reason=f"the runtime refuses its plan: {refusal}"))
+            continue
         if mesh_best is None and least_need == float("inf") and outclassed < float("inf"):
             candidates.append(Candidate(
                 mesh=m, status="skipped", lower_bound_s=outclassed,
@@ -238,6 +255,8 @@ def search(
         pipe_best, outcomes = search_pipeline(
             graph, cluster, prec, time_limit_s,
             best_known_s=best[0].objective_s if best else float("inf"))
+        if check is not None:
+            pipe_best, outcomes = _check_pipelines(graph, cluster, prec, outcomes, check)
         candidates += [_pipeline_candidate(o) for o in outcomes
                        if mesh is None or o.config.mesh == mesh]
         if mesh is not None and pipe_best is not None and pipe_best.config.mesh != mesh:
@@ -411,10 +430,42 @@ def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
             and all(c.strategy == "replicate" for c in costs))
 
 
-def _pipeline_candidate(outcome: PipelineOutcome | Infeasible) -> Candidate:
+PlanCheck = Callable[[Plan], "str | None"]
+"""Why the runtime would refuse a plan, or None (``runtime.validate.plan_problem``)."""
+
+_UNSOLVED = SolverReport(solver="", status="optimal", objective_s=0.0, lower_bound_s=0.0,
+                         gap=0.0, solve_time_s=0.0)
+"""The report of a plan built only to be checked."""
+
+
+@dataclass(frozen=True)
+class Refused:
+    """A pipeline configuration whose best plan the runtime refuses."""
+
+    config: PipelineConfig
+    reason: str
+
+
+def _check_pipelines(graph: LayerGraph, cluster: Cluster, prec: Precision,
+                     outcomes: list, check: PlanCheck) -> tuple[PipelineOutcome | None, list]:
+    """Every feasible pipeline outcome's plan checked; the fastest one the runtime runs."""
+    checked: list = []
+    for o in outcomes:
+        if isinstance(o, PipelineOutcome):
+            problem = check(_make_pipeline_plan(graph, cluster, prec, o, _UNSOLVED))
+            o = o if problem is None else Refused(o.config, problem)
+        checked.append(o)
+    runs = [o for o in checked if isinstance(o, PipelineOutcome)]
+    return min(runs, key=lambda o: o.step_time_s, default=None), checked
+
+
+def _pipeline_candidate(outcome: PipelineOutcome | Infeasible | Refused) -> Candidate:
     c = outcome.config
     common = dict(mesh=c.mesh, schedule=c.schedule, virtual_stages=c.virtual_stages,
                   microbatches=c.microbatches)
+    if isinstance(outcome, Refused):
+        return Candidate(status="refused", reason=f"the runtime refuses its plan: "
+                         f"{outcome.reason}", **common)
     if isinstance(outcome, Infeasible):
         return Candidate(status="infeasible", min_memory_bytes=outcome.min_memory_bytes,
                          reason=f"needs at least {human_bytes(outcome.min_memory_bytes)} per rank",
@@ -463,6 +514,9 @@ def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
             + "; ".join(f"{c.mesh.describe()}: {c.reason}" for c in candidates))
     least = min(tried, key=lambda c: c.min_memory_bytes or float("inf"))
     cap = cluster.device.memory_bytes
+    refused = [c for c in candidates if c.status == "refused"]
+    also = (f" {len(refused)} shape(s) fit but the runtime refuses their plans (first: "
+            f"{refused[0].mesh.describe()}: {refused[0].reason})." if refused else "")
     return InfeasibleError(
         f"no plan fits {graph.model_name or 'the model'} (batch {graph.batch_size}) on "
         f"{cluster.world_size} × {cluster.device.name} ({human_bytes(cap)} each): the smallest "
@@ -470,4 +524,5 @@ def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
         f"(mesh {least.mesh.describe()}, allocator margin "
         "included). "
         "Try more devices or nodes, a smaller batch, or a lower precision (--dtype bfloat16)."
+        + also
     )

@@ -1,0 +1,65 @@
+"""What the runtime refuses about a (model, plan) pair, checked without running anything.
+
+One place for every check of a plan against a model that needs no process group and no
+real weights, so the planner can ask the very code ``runtime.apply`` runs before it offers
+a plan (``autopar.api`` passes ``check_plan`` to the search): nothing the search returns
+is refused at ``compile``. The model may live on the meta device.
+
+    layers          each plan module exists, and no two nest
+    tensor parallel each TP layer's styles name modules of the right kind whose split
+                    dims (and heads) the tp degree divides     (runtime.tensor_parallel)
+    ties            modules sharing a parameter take one strategy (runtime.tied)
+    context         cp > 1 needs fused attention and a position-ids argument
+
+The checks that need the world (rank count, real weights) stay in ``runtime.apply``; a
+pipeline's stage split is checked where it is made (``passes.split_stages``).
+"""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from runtime.context_parallel import position_argument
+from runtime.plan import Plan, PlanError
+from runtime.tensor_parallel import validate_tp_layer
+from runtime.tied import check_ties
+
+
+def check_plan(model: nn.Module, plan: Plan) -> None:
+    """Raise PlanError naming the layer, module or parameter if the runtime would refuse
+    to run ``plan`` on ``model``; see the module docstring for what is checked."""
+    _check_layers(model, plan)
+    check_ties(model, plan.layers)
+    if plan.mesh.cp > 1:
+        position_argument(model)
+
+
+def plan_problem(model: nn.Module, plan: Plan) -> str | None:
+    """``check_plan``'s refusal as text, or None when the runtime runs the plan."""
+    try:
+        check_plan(model, plan)
+    except PlanError as e:
+        return str(e)
+    return None
+
+
+def _check_layers(model: nn.Module, plan: Plan) -> None:
+    for layer in plan.layers:
+        try:
+            model.get_submodule(layer.module)
+        except AttributeError:
+            top = [name for name, _ in model.named_children()]
+            raise PlanError(
+                f"layer {layer.module!r}: no such module in {type(model).__name__}; "
+                f"module paths are fully-qualified names as in model.named_modules() "
+                f"(top level: {top})"
+            ) from None
+        if layer.is_tp:
+            validate_tp_layer(model, layer, plan.mesh.tp)
+    names = sorted(layer.module for layer in plan.layers)
+    for outer, inner in zip(names, names[1:], strict=False):
+        if inner.startswith(outer + "."):
+            raise PlanError(
+                f"layers {outer!r} and {inner!r} nest; each module may be planned once, so "
+                "plan the inner modules or the outer one"
+            )
