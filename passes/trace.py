@@ -152,7 +152,43 @@ def _symbolic_trace(
     return gm
 
 
-_CAPTURERS = {"export": _export, "symbolic_trace": _symbolic_trace}
+def _keeping_state(capture):
+    """``capture``, restoring every module's parameters and buffers afterwards, and failing
+    if the forward replaced one. Symbolic tracing runs forward on Proxy values, so a
+    forward that assigns a buffer anew (``self.count += 1``: fx has no in-place add, so
+    Python assigns ``self.count + 1``) would leave a Proxy in the model and trace the
+    update as a value nobody reads; export captures such updates, so it is used instead."""
+
+    def run(model: nn.Module, inputs: tuple, opaque: tuple[str, ...]) -> torch.fx.GraphModule:
+        before = {name: (dict(m._parameters), dict(m._buffers))
+                  for name, m in model.named_modules()}
+        try:
+            gm = capture(model, inputs, opaque)
+        finally:
+            changed = _restore_state(model, before)
+        if changed:
+            raise TypeError(
+                f"forward assigns a new value to {changed[0]!r} (e.g. `self.x += 1` on a "
+                "buffer); symbolic tracing cannot follow state updated in forward")
+        return gm
+
+    return run
+
+
+def _restore_state(model: nn.Module, before: dict[str, tuple[dict, dict]]) -> list[str]:
+    """Put back the parameters and buffers recorded in ``before``; the names that changed."""
+    changed = []
+    for name, module in model.named_modules():
+        for now, then in zip((module._parameters, module._buffers), before.get(name, ({}, {})),
+                             strict=True):
+            for key, value in then.items():
+                if now.get(key) is not value:
+                    changed.append(f"{name}.{key}" if name else key)
+                    now[key] = value
+    return changed
+
+
+_CAPTURERS = {"export": _export, "symbolic_trace": _keeping_state(_symbolic_trace)}
 
 
 # -- explaining failure ---------------------------------------------------------------------
