@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 
 from passes.split_stages import split_stages
+from runtime.batch_norm import check_batch_statistics
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan
 from runtime.train import LossFn, OptimizerFactory, Trainer
@@ -44,5 +45,6 @@ def make_trainer(
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
+    check_batch_statistics(model, plan)  # before splitting: a clear error, not a wrong run
     stages = split_stages(model, plan, microbatch_inputs(plan, example_inputs))
     return PipelineTrainer(stages, plan, loss_fn, device_type=device_type, **kwargs)

@@ -77,10 +77,11 @@ class ResNet(nn.Module):
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
-def resnet_layout(width: int = 8, num_classes: int = 10, seed: int = 0) -> ResNet:
-    """The seeded small-width ResNet-50 layout, in training mode."""
+def resnet_layout(width: int = 8, num_classes: int = 10, seed: int = 0,
+                  layout: tuple[int, ...] = LAYOUT) -> ResNet:
+    """The seeded small-width ResNet (by default the ResNet-50 layout), in training mode."""
     torch.manual_seed(seed)
-    return ResNet(width, num_classes)
+    return ResNet(width, num_classes, layout)
 
 
 def image_batch(batch: int, size: int = 32, num_classes: int = 10, seed: int = 0

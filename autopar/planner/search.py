@@ -125,10 +125,18 @@ def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precisi
 
 
 def accumulation_steps(graph: LayerGraph, mesh: Mesh) -> list[int]:
-    """Gradient accumulation candidates: powers of two dividing the per-replica batch."""
+    """Gradient accumulation candidates: powers of two dividing the per-replica batch; none
+    for models whose BatchNorm uses batch statistics (a micro-batch's would differ)."""
+    if batch_norm_layers(graph):
+        return [1]
     local = graph.batch_size // mesh.dp
     return [m for m in (2**i for i in range(7)) if m <= min(local, MAX_ACCUMULATION)
             and local % m == 0]
+
+
+def batch_norm_layers(graph: LayerGraph) -> list[str]:
+    """Layers with BatchNorm in training mode (``LayerInfo.batch_norm_channels``)."""
+    return [layer.name for layer in graph.layers if layer.batch_norm_channels]
 
 
 def search(
@@ -228,6 +236,13 @@ def search(
     _tell(progress, candidates, len(meshes))
 
     pipe_best = None
+    if pipeline and batch_norm_layers(graph):
+        pipeline = False
+        first = pipeline_configs(graph, cluster)[0].mesh
+        candidates.append(Candidate(
+            mesh=first, status="skipped",
+            reason=f"no pipeline: BatchNorm in training mode ({batch_norm_layers(graph)[0]} "
+                   "first) would see one micro-batch's statistics, not the batch's"))
     if pipeline:
         pipe_best, outcomes = search_pipeline(
             graph, cluster, prec, time_limit_s,
