@@ -42,6 +42,9 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import os
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -59,6 +62,7 @@ from passes.records import GemmShape, SavedSplit
 from runtime.plan import SELECTIVE_SAVE_OPS
 
 aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 DROPOUT_TARGETS = (aten.dropout.default, F.dropout, torch.dropout)
@@ -100,8 +104,44 @@ def op_name(node: Node) -> str:
 
 
 def fail(pass_name: str, node: Node, err: BaseException) -> PassError:
-    return PassError(f"pass {pass_name} failed on node {node.name!r} ({node.format_node()}): "
-                     f"{type(err).__name__}: {err}")
+    """The error of a pass that failed on ``node``: the module that ran it, the op, the
+    source line, and what to do. Passes run every op on meta tensors (shapes, no data)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = node.meta.get(K.MODULE_PATH, str(list(stack.values())[-1][0]) if stack else "")
+    where = source_line(node)
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return PassError(
+        f"pass {pass_name} failed on node {node.name!r} (op {op_name(node)!r}) in module "
+        f"{path or '<root>'!r}" + (f" at {where}" if where else "")
+        + f": {type(err).__name__}: {first}\n  autopar runs each op on meta tensors "
+        "(shapes and dtypes, no data) to cost it; make that line work without reading "
+        "tensor values (no .item(), .tolist(), .numpy()), or report the op if it is a "
+        f"PyTorch op that cannot run on the meta device. Node: {node.format_node()}")
+
+
+def source_line(node: Node) -> str:
+    """``file:line `code``` of the user's line that made ``node``: from the stack trace
+    export records, else the first line of the running module's forward that names the
+    op (symbolic tracing records no stack), else that forward's ``def`` line; '' if none."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*([^\n]*)', trace)
+    frames = [f for f in frames if not os.path.abspath(f[0]).startswith(_TORCH_DIR)]
+    if frames:
+        file, line, code = frames[-1]
+        return f"{file}:{line} `{code.strip()}`"
+    stack = node.meta.get("nn_module_stack") or {}
+    cls = list(stack.values())[-1][1] if stack else None
+    forward = getattr(cls, "forward", None) if isinstance(cls, type) else None
+    try:
+        lines, start = inspect.getsourcelines(forward)
+        file = inspect.getsourcefile(forward)
+    except (OSError, TypeError):
+        return ""
+    name = op_name(node)
+    for offset, text in enumerate(lines):
+        if re.search(rf"\b{re.escape(name)}\b", text) and offset:
+            return f"{file}:{start + offset} `{text.strip()}`"
+    return f"{file}:{start} (forward of {cls.__name__})"
 
 
 # -- module paths, shapes, op kinds --------------------------------------------------------

@@ -72,6 +72,14 @@ def test_resnet_layout_plans_without_micro_batches(nodes):
     assert "BatchNorm in training mode (bn1 first)" in skipped[0].reason
 
 
+def test_forced_pipeline_mesh_for_batch_norm_model_is_refused():
+    from autopar.errors import ConfigError
+
+    (images,), _ = image_batch(64)
+    with pytest.raises(ConfigError, match=r"BatchNorm in training mode \(bn1 first\)"):
+        autopar.plan(resnet_layout(), "dgx-a100-80g", (images,), mesh=Mesh(pp=2, dp=4, tp=1))
+
+
 @pytest.mark.parametrize("nodes", [1, 4])
 def test_t5_plans(nodes):
     model, inputs = t5_model()
@@ -389,25 +397,41 @@ def test_accumulation_allowed_when_batch_norm_uses_running_statistics():
 # -- errors --------------------------------------------------------------------------------
 
 
-class _Tolist(nn.Module):
+class _Numpy(nn.Module):
     def forward(self, x):
-        return x * len(x.tolist())
+        return x * x.numpy().sum()  # runs on real tensors, not on the meta tensors of costing
 
 
-class _WithTolist(nn.Module):
-    def __init__(self) -> None:
+class _Reads(nn.Module):
+    def forward(self, x):
+        return x * float(x.sum())  # neither capture method can follow a tensor's value
+
+
+class _Wraps(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
-        self.odd = _Tolist()
+        self.odd = inner
 
     def forward(self, x):
         return self.odd(self.fc(x))
 
 
 def test_failing_pass_names_module_op_and_line():
-    with pytest.raises((PassError, autopar.errors.AutoparError)) as info:
-        build_layer_graph(_WithTolist(), (torch.randn(2, 4),))
+    with pytest.raises(PassError) as info:
+        build_layer_graph(_Wraps(_Numpy()), (torch.randn(2, 4),))
     message = str(info.value)
-    assert "'odd'" in message and "tolist" in message
-    assert "test_capture_real.py:" in message
-    assert "control flow" not in message
+    assert "op 'numpy'" in message and "in module 'odd'" in message
+    assert "test_capture_real.py:" in message and "`return x * x.numpy().sum()" in message
+    assert "meta tensors" in message and "control flow" not in message
+
+
+def test_failing_capture_names_module_and_line_and_blames_the_data_read():
+    from autopar.errors import CaptureError
+
+    with pytest.raises(CaptureError) as info:
+        trace_module(_Wraps(_Reads()), (torch.randn(2, 4),))
+    message = str(info.value)
+    assert "module 'odd'" in message and "`return x * float(x.sum())" in message
+    assert "reading a tensor's values into Python" in message
+    assert "Keep that value a tensor" in message and "without Python control flow" not in message

@@ -158,11 +158,16 @@ def search(
     prec = precision(precision_name)
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
     meshes = candidate_meshes(cluster, graph.batch_size, seq_len=graph.seq_len,
-                              context_parallel=graph.context_parallel_problem is None)
+                              context_parallel=graph.context_parallel_problem is None
+                              and not batch_norm_layers(graph))
     if mesh is not None:
         if mesh.cp > 1 and graph.context_parallel_problem is not None:
             raise ConfigError(f"mesh cp={mesh.cp}: {graph.model_name or 'the model'} cannot "
                               f"run context-parallel: {graph.context_parallel_problem}")
+        if (mesh.pp > 1 or mesh.cp > 1) and batch_norm_layers(graph):
+            raise ConfigError(f"mesh {mesh.describe()}: BatchNorm in training mode "
+                              f"({batch_norm_layers(graph)[0]} first) needs whole batches on "
+                              "pp = 1 and cp = 1 (runtime/batch_norm.py); use pp=1, cp=1")
         if mesh.cp > 1 and mesh.pp > 1:
             raise ConfigError(f"mesh {mesh.describe()}: context parallelism is not combined "
                               "with pipeline stages; use pp=1 or cp=1")
