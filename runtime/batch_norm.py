@@ -36,8 +36,8 @@ import logging
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed._functional_collectives import all_reduce
+from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from runtime.plan import Plan, PlanError
@@ -110,7 +110,10 @@ class DataParallelBatchNorm(_BatchNorm):
         y = centred * torch.rsqrt(var + self.eps).view(shape)
         if self.weight is not None:
             y = y * self.weight.view(shape) + self.bias.view(shape)
-        if self.training and self.track_running_stats:
+        # A recomputed forward (activation checkpointing) runs inside backward: its batch
+        # was counted when it first ran.
+        recomputing = torch._C._current_graph_task_id() != -1
+        if self.training and self.track_running_stats and not recomputing:
             self._update_running_stats(mean.detach(), var.detach(), n.detach())
         return y.to(x.dtype)
 

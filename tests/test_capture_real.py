@@ -24,8 +24,13 @@ from resnet_layout import LAYOUT, image_batch, resnet_layout
 import autopar
 from autopar.api import search_plans
 from passes import meta_keys as K
-from passes.annotate import PassError, annotate_module_paths, count_ops, count_saved_bytes
-from passes.annotate import propagate_shapes
+from passes.annotate import (
+    PassError,
+    annotate_module_paths,
+    count_ops,
+    count_saved_bytes,
+    propagate_shapes,
+)
 from passes.layer_graph import build_layer_graph
 from passes.trace import inputs_to_meta, to_meta, trace_module
 from runtime.plan import LayerPlan, Mesh, Plan, PlanError
@@ -251,15 +256,18 @@ def _batch(name: str, step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
 
 
 def resnet_plan(strategy: str, name: str = "resnet-1111-fp32", dp: int = 2,
-                accumulation: int = 1) -> str:
-    """Every block, the stem and the head as layers under ``strategy``."""
+                accumulation: int = 1, recompute: str = "none") -> str:
+    """Every block, the stem and the head as layers under ``strategy``, the blocks with
+    ``recompute``."""
     net = _build(name)
     blocks = [f"{stage}.{i}" for stage in ("layer1", "layer2", "layer3", "layer4")
               for i in range(len(net.get_submodule(stage)))]
     names = ["conv1", "bn1", *blocks, "fc"]
     return Plan(global_batch=MODELS[name][2], mesh=Mesh(dp=dp, tp=1),
                 gradient_accumulation=accumulation,
-                layers=tuple(LayerPlan(module=n, strategy=strategy) for n in names)).to_json()
+                layers=tuple(LayerPlan(module=n, strategy=strategy,
+                                       recompute=recompute if n in blocks else "none")
+                             for n in names)).to_json()
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -358,6 +366,14 @@ def assert_matches_reference(results: list[dict], name: str) -> None:
 @pytest.mark.parametrize("strategy", ["replicate", "fsdp"])
 def test_resnet_trains_like_one_process_with_synchronised_batch_norm(pool2, name, strategy):
     assert_matches_reference(pool2.run(train_job, name, resnet_plan(strategy, name)), name)
+
+
+def test_recomputed_blocks_count_each_batch_once_in_running_statistics(pool2):
+    """Full recomputation reruns each block's forward in backward; running statistics
+    must still move once per step, as on one process."""
+    name = "resnet-1111-fp32"
+    plan = resnet_plan("fsdp", name, recompute="full")
+    assert_matches_reference(pool2.run(train_job, name, plan), name)
 
 
 @pytest.mark.parametrize("name", list(MODELS))
