@@ -91,7 +91,11 @@ class DataParallelBatchNorm(_BatchNorm):
         self._non_persistent_buffers_set = source._non_persistent_buffers_set
         self.train(source.training)
         self.group = group
-        self._check_input_dim = source._check_input_dim
+        self.source_type = type(source)
+        """BatchNorm1d/2d/3d: which input ranks are valid."""
+
+    def _check_input_dim(self, x: torch.Tensor) -> None:
+        self.source_type._check_input_dim(self, x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not (self.training or self.running_mean is None):
