@@ -19,6 +19,7 @@ from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan, PlanError
 from runtime.train import LossFn, OptimizerFactory, Trainer
+from runtime.validate import check_plan
 
 
 def microbatch_inputs(plan: Plan, example_inputs: object) -> tuple | Inputs:
@@ -56,6 +57,7 @@ def make_trainer(
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
+    check_plan(model, plan)  # before splitting: a clear error, not a wrong run
     part = as_inputs(microbatch_inputs(plan, example_inputs))
     split = split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
     return PipelineTrainer(split.modules, plan, loss_fn, device_type=device_type,

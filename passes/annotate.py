@@ -19,7 +19,9 @@ Conventions:
   require grad; parameters and buffers are excluded and storages are deduplicated (three
   projections of one input save it once). Attention is run as the fused (flash) kernel, as
   on GPUs: it saves q, k, v, the output and the log-sum-exp, not the s×s probabilities that
-  the math fallback (what meta tensors would otherwise dispatch to) keeps. Dropout in
+  the math fallback (what meta tensors would otherwise dispatch to) keeps. A mask that
+  needs a gradient (a learned bias) is run as the kernel GPUs use for it, memory-efficient
+  attention, which saves the bias too (``attention_kernel``). Dropout in
   training runs as the fused kernel too (``aten.native_dropout``, what CUDA dispatches to):
   it saves a bool mask, where the CPU/meta decomposition saves a floating noise tensor.
 - Saved bytes are split by dtype (floating, or fixed: bool masks, integer indices) and by
@@ -40,6 +42,9 @@ Conventions:
 from __future__ import annotations
 
 import dataclasses
+import inspect
+import os
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -57,6 +62,7 @@ from passes.records import GemmShape, SavedSplit
 from runtime.plan import SELECTIVE_SAVE_OPS
 
 aten = torch.ops.aten
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 DROPOUT_TARGETS = (aten.dropout.default, F.dropout, torch.dropout)
@@ -98,8 +104,44 @@ def op_name(node: Node) -> str:
 
 
 def fail(pass_name: str, node: Node, err: BaseException) -> PassError:
-    return PassError(f"pass {pass_name} failed on node {node.name!r} ({node.format_node()}): "
-                     f"{type(err).__name__}: {err}")
+    """The error of a pass that failed on ``node``: the module that ran it, the op, the
+    source line, and what to do. Passes run every op on meta tensors (shapes, no data)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    path = node.meta.get(K.MODULE_PATH, str(list(stack.values())[-1][0]) if stack else "")
+    where = source_line(node)
+    first = (str(err).strip().splitlines() or [""])[0][:300]
+    return PassError(
+        f"pass {pass_name} failed on node {node.name!r} (op {op_name(node)!r}) in module "
+        f"{path or '<root>'!r}" + (f" at {where}" if where else "")
+        + f": {type(err).__name__}: {first}\n  autopar runs each op on meta tensors "
+        "(shapes and dtypes, no data) to cost it; make that line work without reading "
+        "tensor values (no .item(), .tolist(), .numpy()), or report the op if it is a "
+        f"PyTorch op that cannot run on the meta device. Node: {node.format_node()}")
+
+
+def source_line(node: Node) -> str:
+    """``file:line `code``` of the user's line that made ``node``: from the stack trace
+    export records, else the first line of the running module's forward that names the
+    op (symbolic tracing records no stack), else that forward's ``def`` line; '' if none."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = re.findall(r'File "([^"]+)", line (\d+)[^\n]*\n\s*([^\n]*)', trace)
+    frames = [f for f in frames if not os.path.abspath(f[0]).startswith(_TORCH_DIR)]
+    if frames:
+        file, line, code = frames[-1]
+        return f"{file}:{line} `{code.strip()}`"
+    stack = node.meta.get("nn_module_stack") or {}
+    cls = list(stack.values())[-1][1] if stack else None
+    forward = getattr(cls, "forward", None) if isinstance(cls, type) else None
+    try:
+        lines, start = inspect.getsourcelines(forward)
+        file = inspect.getsourcefile(forward)
+    except (OSError, TypeError):
+        return ""
+    name = op_name(node)
+    for offset, text in enumerate(lines):
+        if re.search(rf"\b{re.escape(name)}\b", text) and offset:
+            return f"{file}:{start + offset} `{text.strip()}`"
+    return f"{file}:{start} (forward of {cls.__name__})"
 
 
 # -- module paths, shapes, op kinds --------------------------------------------------------
@@ -159,6 +201,34 @@ def count_ops(gm: GraphModule) -> None:
             is_kernel=name not in _NO_KERNEL_FUNCTIONS and not guard,
             is_view=name in _VIEW_FUNCTIONS,
         )
+
+
+def mark_needs_grad(gm: GraphModule) -> None:
+    """NEEDS_GRAD: whether each node's value depends on a trainable parameter. Inputs do
+    not (a model's inputs are data); non-floating and detached values never do."""
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = fetch_attr(gm, str(node.target))
+            flag = isinstance(value, torch.Tensor) and value.requires_grad
+        elif node.op in ("placeholder", "output") or op_name(node) in ("detach", "detach_"):
+            flag = False
+        else:
+            flag = any(a.meta.get(K.NEEDS_GRAD, False) for a in node.all_input_nodes)
+            if node.op == "call_module":
+                mod = gm.get_submodule(str(node.target))
+                flag = flag or any(p.requires_grad for p in mod.parameters())
+        record = node.meta.get(K.TENSOR)
+        if record is not None and not any(getattr(torch, t.dtype).is_floating_point
+                                          for t in record.tensors):
+            flag = False
+        node.meta[K.NEEDS_GRAD] = flag
+
+
+def needs_grad(gm: GraphModule, node: Node) -> bool:
+    """NEEDS_GRAD of ``node``, marking the whole graph first if it is not marked yet."""
+    if K.NEEDS_GRAD not in node.meta:
+        mark_needs_grad(gm)
+    return node.meta[K.NEEDS_GRAD]
 
 
 def count_bytes(gm: GraphModule, nodes: Iterable[Node]) -> None:
@@ -473,7 +543,9 @@ def execute(gm: GraphModule, node: Node, args: tuple, kwargs: dict, *,
         return fetch_attr(gm, str(node.target))
     if node.op == "call_function":
         if fused_kernels and node.target in SDPA_TARGETS:
-            return _fused_sdpa(node.target, args, kwargs)
+            kernel = attention_kernel(gm, node)
+            node.meta[K.ATTENTION_KERNEL] = kernel
+            return _fused_sdpa(node.target, args, kwargs, kernel)
         if fused_kernels and node.target in DROPOUT_TARGETS:
             return _fused_dropout(node.target, args, kwargs)
         return node.target(*args, **kwargs)
@@ -502,8 +574,13 @@ def _lookup(node: Node, env: dict[Node, object]) -> tuple[tuple, dict]:
 
 
 def _fresh(t: torch.Tensor) -> torch.Tensor:
+    """A new meta tensor like ``t``; floating ones require grad and are not leaves, since
+    a layer may modify its input in place (a ``ReLU(inplace=True)`` layer, ``x += y``),
+    which autograd refuses on a leaf that requires grad."""
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    return out.requires_grad_(t.is_floating_point() or t.is_complex())
+    if not (t.is_floating_point() or t.is_complex()):
+        return out
+    return out.requires_grad_().clone()
 
 
 def _attr_tensors(gm: GraphModule, nodes: list[Node]) -> list[torch.Tensor]:
@@ -521,19 +598,42 @@ def _attr_tensors(gm: GraphModule, nodes: list[Node]) -> list[torch.Tensor]:
     return out
 
 
-def _fused_sdpa(target: object, args: tuple, kwargs: dict) -> torch.Tensor:
-    """Attention as the fused kernel (see module docstring); the original op if the call
-    has arguments the fused kernel does not take."""
-    names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-             "enable_gqa")
-    bound = dict(zip(names, args, strict=False)) | kwargs
-    if bound.get("enable_gqa") or set(bound) - set(names):
+def attention_kernel(gm: GraphModule, node: Node) -> str:
+    """The kernel a GPU runs for an attention node in training, which the cost passes run:
+
+    - 'flash': the default; it takes no gradient for ``attn_mask``.
+    - 'efficient' (memory-efficient attention): the mask is a learned bias that needs a
+      gradient (T5's relative position bias), which only this kernel differentiates; it
+      saves the bias for backward as well.
+    - 'math' (the unfused composite, which saves the s×s probabilities): grouped-query
+      ``enable_gqa`` or arguments the fused kernels do not take.
+    """
+    bound = sdpa_arguments(node)
+    if bound.get("enable_gqa") or set(bound) - set(_SDPA_PARAMS):
+        return "math"
+    mask = bound.get("attn_mask")
+    if isinstance(mask, Node) and needs_grad(gm, mask):
+        return "efficient"
+    return "flash"
+
+
+def _fused_sdpa(target: object, args: tuple, kwargs: dict, kernel: str) -> torch.Tensor:
+    """Attention as ``kernel`` (see ``attention_kernel``)."""
+    if kernel == "math":
         return target(*args, **kwargs)
+    bound = dict(zip(_SDPA_PARAMS, args, strict=False)) | kwargs
+    q, k, v, mask = bound["query"], bound["key"], bound["value"], bound.get("attn_mask")
+    dropout_p, is_causal = bound.get("dropout_p", 0.0), bound.get("is_causal", False)
+    if kernel == "efficient":
+        # As sdpa hands it over: the bias broadcast to (batch, heads, s_q, s_kv).
+        bias = mask.expand(*q.shape[:-1], k.shape[-2])
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, True, dropout_p, is_causal, scale=bound.get("scale"))[0]
+    if isinstance(mask, torch.Tensor):
+        # Needs no gradient in the model, even where a layer's fresh inputs require one.
+        mask = mask.detach()
     out, _ = aten._scaled_dot_product_flash_attention_for_cpu(
-        bound["query"], bound["key"], bound["value"], bound.get("dropout_p", 0.0),
-        bound.get("is_causal", False), attn_mask=bound.get("attn_mask"),
-        scale=bound.get("scale"),
-    )
+        q, k, v, dropout_p, is_causal, attn_mask=mask, scale=bound.get("scale"))
     return out
 
 

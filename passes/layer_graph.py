@@ -150,6 +150,7 @@ class LayerCosts:
         self.attention_kv_bytes = kv_bytes(nodes)
         self.attention_fwd_flops = attention_flops(nodes)
         self.gemms = _gemms(calls, layer)
+        self.batch_norm_channels: tuple[int, ...] = ()
 
 
 def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
@@ -158,7 +159,17 @@ def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
     count_flops(gm, group.nodes, env)
     count_saved_bytes(gm, group.nodes, env)
     count_bytes(gm, group.nodes)
-    return LayerCosts(group.nodes, group.name), find_tensor_parallel(gm, model, group)
+    costs = LayerCosts(group.nodes, group.name)
+    costs.batch_norm_channels = batch_norm_channels(model, group.name)
+    return costs, find_tensor_parallel(gm, model, group)
+
+
+def batch_norm_channels(model: nn.Module, layer: str) -> tuple[int, ...]:
+    """``LayerInfo.batch_norm_channels``: the BatchNorm modules at or under ``layer`` that
+    use batch statistics (training mode, or no running statistics)."""
+    return tuple(m.num_features for m in model.get_submodule(layer).modules()
+                 if isinstance(m, nn.modules.batchnorm._BatchNorm)
+                 and (m.training or m.running_mean is None))
 
 
 def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
@@ -187,6 +198,7 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
         gemms=costs.gemms,
         tp=tp,
         loss_bytes=loss_bytes,
+        batch_norm_channels=costs.batch_norm_channels,
     )
 
 

@@ -38,6 +38,12 @@ MEM_BYTES = "autopar.mem_bytes"
 """int: bytes read + written by the node, written by ``annotate.count_bytes``."""
 LAYER = "autopar.layer"
 """LayerRef, written by ``group_layers.group_layers``."""
+NEEDS_GRAD = "autopar.needs_grad"
+"""bool: whether the node's value depends on a trainable parameter (so autograd tracks
+it in training), written by ``annotate.mark_needs_grad``."""
+ATTENTION_KERNEL = "autopar.attention_kernel"
+"""str, on scaled dot-product attention nodes: the kernel costed for training ('flash',
+'efficient' or 'math', see ``annotate.attention_kernel``), written by the cost passes."""
 TP_STYLE = "autopar.tp_style"
 """str (a runtime.plan.TP_STYLES entry), on linear/embedding nodes of a layer's
 representative, written by ``tensor_parallel.find_tensor_parallel``."""

@@ -161,6 +161,11 @@ class LayerInfo:
     param_tensors: int = 0
     """Parameter tensors the layer owns: the optimizer launches kernels per tensor
     (cost_models.optimizer)."""
+    batch_norm_channels: tuple[int, ...] = ()
+    """Channels of each BatchNorm module in the layer that normalises with batch statistics
+    (training mode): the runtime all-reduces their statistics over the data-parallel
+    replicas every forward and backward (runtime/batch_norm.py), and they forbid
+    micro-batching (gradient accumulation, pipelines), which would change the statistics."""
     loss_bytes: int = 0
     """Float32 bytes of the model's output this layer produces (the logits), at the
     captured batch; 0 on every other layer. The runtime computes the user's loss on the

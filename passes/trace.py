@@ -20,6 +20,7 @@ from __future__ import annotations
 import copy
 import inspect
 import os
+import re
 import time
 import traceback
 from collections.abc import Iterable
@@ -211,7 +212,43 @@ def _bind(gm: torch.fx.GraphModule, inputs: Inputs) -> dict[str, object]:
     return {**bound, **inputs.kwargs}
 
 
-_CAPTURERS = {"export": _export, "symbolic_trace": _symbolic_trace}
+def _keeping_state(capture):
+    """``capture``, restoring every module's parameters and buffers afterwards, and failing
+    if the forward replaced one. Symbolic tracing runs forward on Proxy values, so a
+    forward that assigns a buffer anew (``self.count += 1``: fx has no in-place add, so
+    Python assigns ``self.count + 1``) would leave a Proxy in the model and trace the
+    update as a value nobody reads; export captures such updates, so it is used instead."""
+
+    def run(model: nn.Module, inputs: Inputs, opaque: tuple[str, ...]) -> torch.fx.GraphModule:
+        before = {name: (dict(m._parameters), dict(m._buffers))
+                  for name, m in model.named_modules()}
+        try:
+            gm = capture(model, inputs, opaque)
+        finally:
+            changed = _restore_state(model, before)
+        if changed:
+            raise TypeError(
+                f"forward assigns a new value to {changed[0]!r} (e.g. `self.x += 1` on a "
+                "buffer); symbolic tracing cannot follow state updated in forward")
+        return gm
+
+    return run
+
+
+def _restore_state(model: nn.Module, before: dict[str, tuple[dict, dict]]) -> list[str]:
+    """Put back the parameters and buffers recorded in ``before``; the names that changed."""
+    changed = []
+    for name, module in model.named_modules():
+        for now, then in zip((module._parameters, module._buffers), before.get(name, ({}, {})),
+                             strict=True):
+            for key, value in then.items():
+                if now.get(key) is not value:
+                    changed.append(f"{name}.{key}" if name else key)
+                    now[key] = value
+    return changed
+
+
+_CAPTURERS = {"export": _export, "symbolic_trace": _keeping_state(_symbolic_trace)}
 
 
 # -- explaining failure ---------------------------------------------------------------------
@@ -235,12 +272,40 @@ def explain_failure(model: nn.Module, errors: dict[str, BaseException]) -> str:
             "build it with use_cache=False (e.g. config.use_cache = False)."
         )
     module = _module_at(model, errors)
+    if module:
+        lines[0] += f" The failing line is in module {module!r}."
     hint = f"opaque=[{module!r}]" if module else "opaque=['<module path>']"
-    lines.append(
-        "  Rewrite that line without Python control flow on tensor values, or plan the "
-        f"enclosing module as one unit with {hint} (a path from model.named_modules())."
-    )
+    kinds = [_kind_of(e) for e in errors.values()]
+    # A data read seen by one method shows as data-dependent control flow to export.
+    kind = next((k for k in ("data", "control_flow", "kwargs") if k in kinds), "other")
+    lines.append("  " + _REMEDIES[kind].format(hint=hint))
     return "\n".join(lines)
+
+
+_REMEDIES = {
+    "control_flow": "Rewrite that line without Python control flow on tensor values (e.g. "
+                    "torch.where), or plan the enclosing module as one unit with {hint} (a "
+                    "path from model.named_modules()).",
+    "data": "Keep that value a tensor: capture and costing see shapes, never data, so "
+            ".item(), .tolist(), .numpy() and float()/int() of a tensor cannot be captured.",
+    "kwargs": "Give forward explicit parameters instead of forwarding **kwargs, or plan the "
+              "enclosing module as one unit with {hint} (a path from model.named_modules()).",
+    "other": "Plan the enclosing module as one unit with {hint} (a path from "
+             "model.named_modules()), or rewrite that line with torch operations.",
+}
+
+
+def _kind_of(err: BaseException) -> str:
+    msg = str(err)
+    if "symbolically traced variables cannot be used as inputs to control flow" in msg or \
+            "data-dependent" in msg or "GuardOnDataDependent" in type(err).__name__:
+        return "control_flow"
+    if re.search(r"(float|int|bool)\(\) argument must be .*'Proxy'|numpy\(\)|\.item\(\)|"
+                 r"tolist|convert .* to numpy", msg):
+        return "data"
+    if "co_varnames" in msg:
+        return "kwargs"
+    return "other"
 
 
 def construct_of(err: BaseException) -> str:
@@ -248,7 +313,9 @@ def construct_of(err: BaseException) -> str:
     if "symbolically traced variables cannot be used as inputs to control flow" in msg:
         return "Python control flow (if/while/bool()) on a traced tensor value"
     if "data-dependent" in msg or "GuardOnDataDependent" in type(err).__name__:
-        return "control flow or shapes that depend on tensor values (data-dependent)"
+        return "a branch, shape or Python value that depends on tensor values (data-dependent)"
+    if _kind_of(err) == "data":
+        return "reading a tensor's values into Python (.item(), .tolist(), .numpy(), float())"
     if "co_varnames" in msg:
         return "a function torch.fx cannot wrap (e.g. **kwargs forwarding)"
     if "Cache" in msg:

@@ -3,7 +3,8 @@
 The order is torchtitan's, written down once here:
 
     1. validate        the plan against the model and the world; no collective yet
-    2. mesh            build the (dp, tp) DeviceMesh, (dp, cp, tp) with context parallelism
+    2. mesh            build the (dp, tp) DeviceMesh, (dp, cp, tp) with context parallelism;
+                       BatchNorm takes statistics over dp           (runtime.batch_norm)
     3. tensor parallel ``parallelize_module`` on the tp axis        (runtime.tensor_parallel)
     4. recompute       checkpoint the layers' forwards             (runtime.recompute)
     5. data parallel   DDP, or FSDP2 per layer then the root,      (runtime.data_parallel)
@@ -28,6 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from runtime.batch_norm import apply_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
 from runtime.mesh import build_mesh, data_parallel_meshes
@@ -104,6 +106,7 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> AppliedP
     model.to(device)
     mesh = build_mesh(plan.mesh, device_type)
     logger.info("mesh %s on %s", plan.mesh.describe(), device_type)
+    apply_batch_norm(model, plan, mesh)
     layers = list(plan.layers)
     cp = _context_parallel(model, mesh, layers, position_arg)
     if uses_ddp(layers, mixed_precision=is_mixed(plan)):

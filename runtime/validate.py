@@ -9,6 +9,8 @@ is refused at ``compile``. The model may live on the meta device.
     tensor parallel each TP layer's styles name modules of the right kind whose split
                     dims (and heads) the tp degree divides     (runtime.tensor_parallel)
     ties            modules sharing a parameter take one strategy (runtime.tied)
+    batch norm      no micro-batching, pipeline or cp, which change batch statistics
+                    (runtime.batch_norm)
     context         cp > 1 needs fused attention and a position-ids argument
 
 The checks that need the world (rank count, real weights) stay in ``runtime.apply``; a
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import torch.nn as nn
 
+from runtime.batch_norm import check_batch_statistics
 from runtime.context_parallel import position_argument
 from runtime.plan import Plan, PlanError
 from runtime.tensor_parallel import validate_tp_layer
@@ -30,6 +33,7 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
     to run ``plan`` on ``model``; see the module docstring for what is checked."""
     _check_layers(model, plan)
     check_ties(model, plan.layers)
+    check_batch_statistics(model, plan)
     if plan.mesh.cp > 1:
         position_argument(model)
 

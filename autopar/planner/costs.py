@@ -329,6 +329,8 @@ def layer_cost(
     tp_fwd, tp_bwd = _tp_comm_s(layer, is_tp, sp, mesh, cluster, act_scale / (dp * m))
     ring = _ring_attention(layer, is_tp, mesh, cluster, act_scale / (dp * m), fwd_compute)
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
+    batch_norm = batch_norm_sync_s(layer, mesh, cluster)
+    tp_fwd, tp_bwd = tp_fwd + batch_norm, tp_bwd + batch_norm
     activations, rematerialized, recompute_s, recompute_comm = _activations(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
     loss_kept, loss_transient = loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
@@ -519,6 +521,25 @@ def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Clu
         times[c.phase] += collective_s(c.kind, nbytes, group, cluster) + \
             cluster.device.skew_s(nbytes)
     return times["fwd"], times["bwd"]
+
+
+BATCH_NORM_STAT_BYTES = 4
+"""BatchNorm statistics are all-reduced in float32 whatever the compute dtype."""
+
+
+def batch_norm_sync_s(layer: LayerInfo, mesh: Mesh, cluster: Cluster) -> float:
+    """BatchNorm's statistics all-reduces over the dp replicas in one direction of one
+    micro-batch (runtime/batch_norm.py): per module, the channel sums with the sample
+    count, then the channel sums of squared deviations; backward all-reduces their
+    gradients, of the same sizes. Each blocks the op after it and waits its skew."""
+    if mesh.dp == 1:
+        return 0.0
+    group = Group(mesh.dp, mesh.tp)
+    total = 0.0
+    for channels in layer.batch_norm_channels:
+        for nbytes in ((channels + 1) * BATCH_NORM_STAT_BYTES, channels * BATCH_NORM_STAT_BYTES):
+            total += all_reduce_s(nbytes, group, cluster) + cluster.device.skew_s(nbytes)
+    return total
 
 
 RING_MERGE_KERNELS = 4

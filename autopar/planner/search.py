@@ -130,10 +130,18 @@ def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precisi
 
 
 def accumulation_steps(graph: LayerGraph, mesh: Mesh) -> list[int]:
-    """Gradient accumulation candidates: powers of two dividing the per-replica batch."""
+    """Gradient accumulation candidates: powers of two dividing the per-replica batch; none
+    for models whose BatchNorm uses batch statistics (a micro-batch's would differ)."""
+    if batch_norm_layers(graph):
+        return [1]
     local = graph.batch_size // mesh.dp
     return [m for m in (2**i for i in range(7)) if m <= min(local, MAX_ACCUMULATION)
             and local % m == 0]
+
+
+def batch_norm_layers(graph: LayerGraph) -> list[str]:
+    """Layers with BatchNorm in training mode (``LayerInfo.batch_norm_channels``)."""
+    return [layer.name for layer in graph.layers if layer.batch_norm_channels]
 
 
 def search(
@@ -159,11 +167,16 @@ def search(
     prec = precision(precision_name)
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
     meshes = candidate_meshes(cluster, graph.batch_size, seq_len=graph.seq_len,
-                              context_parallel=graph.context_parallel_problem is None)
+                              context_parallel=graph.context_parallel_problem is None
+                              and not batch_norm_layers(graph))
     if mesh is not None:
         if mesh.cp > 1 and graph.context_parallel_problem is not None:
             raise ConfigError(f"mesh cp={mesh.cp}: {graph.model_name or 'the model'} cannot "
                               f"run context-parallel: {graph.context_parallel_problem}")
+        if (mesh.pp > 1 or mesh.cp > 1) and batch_norm_layers(graph):
+            raise ConfigError(f"mesh {mesh.describe()}: BatchNorm in training mode "
+                              f"({batch_norm_layers(graph)[0]} first) needs whole batches on "
+                              "pp = 1 and cp = 1 (runtime/batch_norm.py); use pp=1, cp=1")
         if mesh.cp > 1 and mesh.pp > 1:
             raise ConfigError(f"mesh {mesh.describe()}: context parallelism is not combined "
                               "with pipeline stages; use pp=1 or cp=1")
@@ -251,6 +264,13 @@ def search(
     _tell(progress, candidates, len(meshes))
 
     pipe_best = None
+    if pipeline and batch_norm_layers(graph):
+        pipeline = False
+        first = pipeline_configs(graph, cluster)[0].mesh
+        candidates.append(Candidate(
+            mesh=first, status="skipped",
+            reason=f"no pipeline: BatchNorm in training mode ({batch_norm_layers(graph)[0]} "
+                   "first) would see one micro-batch's statistics, not the batch's"))
     if pipeline:
         pipe_best, outcomes = search_pipeline(
             graph, cluster, prec, time_limit_s,
