@@ -23,7 +23,7 @@ from autopar.planner.search import ProgressFn
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
 from passes.split_stages import split_pipeline
-from passes.trace import to_meta
+from passes.trace import inputs_to_meta, to_meta
 from runtime.batch import Inputs, as_inputs
 from runtime.plan import Mesh, Plan
 from runtime.train import LossFn, OptimizerFactory, Trainer
@@ -82,7 +82,7 @@ def search_plans(
 def check_stage_split(model: nn.Module, plan: Plan, example_inputs: Inputs) -> None:
     """Split ``model`` (on meta) into ``plan``'s stages as ``compile`` will; an error here
     is the planner's, not the user's, so it says so."""
-    part = as_inputs(microbatch_inputs(plan, example_inputs))
+    part = inputs_to_meta(as_inputs(microbatch_inputs(plan, example_inputs)))
     try:
         split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
     except AutoparError as e:

@@ -20,6 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from dict_batch_model import DictBatchClassifier
 from dict_batch_model import make_batch as make_dict_batch
+from resnet_layout import resnet_layout
 
 VOCAB = 128
 SEQ = 16
@@ -44,6 +45,19 @@ class RealModel:
 
     def batch(self, size: int, seed: int = 0) -> dict[str, torch.Tensor]:
         return self.make_batch(size, torch.Generator().manual_seed(seed))
+
+
+def pipeline_inputs(batch: dict) -> tuple | dict:
+    """The batch a pipeline trains on: the inputs without labels (the loss is the last
+    stage's ``loss_fn``), positional when the model needs only its first input."""
+    rest = {k: v for k, v in batch.items() if k != "labels"}
+    return (next(iter(rest.values())),) if len(rest) == 1 else rest
+
+
+def planning_inputs(spec: RealModel, batch: dict) -> tuple | dict:
+    """What to plan with: the batch, labels included, for a model that computes its own
+    loss; its inputs without labels otherwise (the loss is a loss_fn)."""
+    return batch if spec.returns_loss else pipeline_inputs(batch)
 
 
 def _hf():
@@ -107,7 +121,7 @@ def gpt2() -> nn.Module:
     t = _hf()
     return t.GPT2LMHeadModel(t.GPT2Config(
         vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=64, use_cache=False,
-        bos_token_id=0, eos_token_id=0))
+        bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
 
 
 def bert() -> nn.Module:
@@ -175,6 +189,17 @@ def _dict_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return make_dict_batch(size, SEQ, seed=gen.initial_seed())
 
 
+def resnet50() -> nn.Module:
+    # float64: this layout at test size is ill-conditioned in float32 (a split batch's other
+    # summation order moves gradients by percents; see tests/test_capture_real.py).
+    return resnet_layout(width=8).double()
+
+
+def _resnet_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    return {"pixel_values": torch.randn(size, 3, 32, 32, generator=gen, dtype=torch.float64),
+            "labels": torch.randint(0, 10, (size,), generator=gen)}
+
+
 def sample_loss(out: object, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(_logits(out), labels)
 
@@ -188,6 +213,8 @@ MODELS: dict[str, RealModel] = {m.name: m for m in (
     RealModel("hf-vit", vit, _image_batch, token_loss),
     RealModel("nanogpt-tied", NanoGPT, _lm_batch, causal_lm_loss, returns_loss=False,
               note="lm_head.weight = wte.weight"),
+    RealModel("resnet50-layout", resnet50, _resnet_batch, sample_loss, returns_loss=False,
+              note="3-4-6-3 Bottlenecks, BatchNorm, in-place ReLU and residual adds; float64"),
     RealModel("dict-batch", DictBatchClassifier, _dict_batch, sample_loss,
               note="model(**batch) with an attention mask, returns {'logits', 'loss'}"),
 )}

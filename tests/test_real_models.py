@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from real_models import MODELS, RealModel
+from real_models import MODELS, RealModel, pipeline_inputs, planning_inputs
 from torch.distributed.tensor import DTensor
 
 import autopar
@@ -32,6 +32,7 @@ from autopar.explain import explain, format_explanation
 from cost_models.hardware import Cluster
 from runtime.batch import model_loss
 from runtime.plan import Mesh, Plan
+from runtime.tied import tie_groups
 
 STEPS = 3
 LR = 1e-3
@@ -43,6 +44,8 @@ PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 # relative-position bucket no pair of tokens falls in) is rounding noise on two ranks;
 # Adam turns it into an update of up to lr (see tests/test_runtime_numerics.py).
 ZERO_GRAD_PARAM_TOL = dict(rtol=1e-5, atol=2e-3)
+KEY_BIASES = ("k_proj.bias", "key.bias", "c_attn.bias")
+"""Biases of attention keys (alone or fused with q and v), whose exact gradient is zero."""
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -136,7 +139,7 @@ def assert_matches_reference(results: list[dict], name: str, pipeline: bool) -> 
             _close(grad, ref["grads"][n], GRAD_TOL, f"rank {rank} grad of {n}")
         for n, want in ref_params.items():
             tol = ZERO_GRAD_PARAM_TOL if ref["grads"].get(n, want).abs().max() < 1e-7 \
-                or n.endswith(("k_proj.bias", "key.bias")) else PARAM_TOL
+                or n.endswith(KEY_BIASES) else PARAM_TOL
             _close(params[n], want, tol, f"rank {rank} param {n}")
     if pipeline:
         held = set().union(*(r["params"].keys() for r in results))
@@ -146,37 +149,30 @@ def assert_matches_reference(results: list[dict], name: str, pipeline: bool) -> 
 # -- plans -----------------------------------------------------------------------------------
 
 
-def _tie_groups(model) -> list[set[str]]:
-    """Names of the parameters that one tensor goes by (a tied head and embedding)."""
-    names: dict[int, set[str]] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), set()).add(n)
-    return [group for group in names.values() if len(group) > 1]
-
-
-def _owner(layers: list[str], param: str) -> str:
-    return max((m for m in layers if param.startswith(m + ".")), key=len)
-
-
-def _mixed(model, plan: Plan) -> Plan:
-    """A different strategy for neighbouring layers; tied layers share one."""
-    cycle = ("fsdp", "replicate", "zero2")
-    strategy = {layer.module: cycle[i % 3] for i, layer in enumerate(plan.layers)}
-    modules = list(strategy)
-    for group in _tie_groups(model):
-        owners = sorted({_owner(modules, n) for n in group}, key=modules.index)
-        for other in owners[1:]:
-            strategy[other] = strategy[owners[0]]
-    return _with(plan, lambda layer: dict(strategy=strategy[layer.module]))
-
-
-def _with(plan: Plan, change, **plan_changes) -> Plan:
+def _forced(model, plan: Plan, change, **plan_changes) -> Plan:
+    """``plan`` with each layer changed by ``change(layer)`` (a dict of LayerPlan fields),
+    then made what the runtime accepts for tied modules (runtime.tied): one strategy per
+    tie, its first module's, and ``replicate`` for a tie with a module outside the plan
+    (T5's ``shared`` embedding, which runs no op of its own)."""
     plain = dict(tp_styles={}, sequence_parallel=False, offload=False, recompute="none")
-    layers = tuple(replace(layer, **{**plain, **change(layer)}) for layer in plan.layers)
+    fields = {layer.module: {**plain, **change(layer)} for layer in plan.layers}
+    for tie in tie_groups(model, fields):
+        lead = {"strategy": "replicate"} if "" in tie.modules else fields[tie.modules[0]]
+        for module in tie.modules:
+            if module:
+                fields[module] = {**fields[module], "strategy": lead["strategy"]}
+    layers = tuple(replace(layer, **fields[layer.module]) for layer in plan.layers)
     return replace(plan, layers=layers, gradient_accumulation=1, **plan_changes)
 
 
-def _tp2(model, batch: dict, plan: Plan) -> Plan:
+def _mixed(model, plan: Plan) -> Plan:
+    """A different strategy for neighbouring layers."""
+    cycle = ("fsdp", "replicate", "zero2")
+    strategy = {layer.module: cycle[i % 3] for i, layer in enumerate(plan.layers)}
+    return _forced(model, plan, lambda layer: dict(strategy=strategy[layer.module]))
+
+
+def _tp2(model, batch, plan: Plan) -> Plan:
     from passes.layer_graph import build_layer_graph
 
     graph = build_layer_graph(model, batch)
@@ -185,7 +181,7 @@ def _tp2(model, batch: dict, plan: Plan) -> Plan:
     if not splittable:  # what `autopar explain` says of a layer on a tp = 2 mesh
         tp_plan = autopar.plan(model, Cluster.local(2), batch, mesh=Mesh(dp=1, tp=2))
         raise Unavailable(format_explanation(explain(tp_plan, tp_plan.layers[0].module)))
-    return _with(plan, lambda layer: dict(
+    return _forced(model, plan, lambda layer: dict(
         strategy="tp" if layer.module in splittable else "replicate",
         tp_styles=splittable.get(layer.module, {})), mesh=Mesh(dp=1, tp=2))
 
@@ -194,32 +190,26 @@ class Unavailable(Exception):
     """A variant the model does not allow, with the reason a user would be told."""
 
 
-def pipeline_inputs(batch: dict) -> tuple | dict:
-    """The batch a pipeline trains on: the inputs without labels (the loss is the last
-    stage's ``loss_fn``), positional when the model needs only its first input."""
-    rest = {k: v for k, v in batch.items() if k != "labels"}
-    return (next(iter(rest.values())),) if len(rest) == 1 else rest
-
-
 @functools.cache
 def variant_plan(name: str, variant: str) -> tuple[str | None, str]:
     """The plan of one variant as JSON and '', or None and why the model does not allow it."""
     spec = MODELS[name]
     model, batch = spec.build(seed=0), spec.batch(BATCH)
+    inputs = planning_inputs(spec, batch)
     local = Cluster.local(2)
     try:
         if variant == "planned":
-            return autopar.plan(model, local, batch).to_json(), ""
+            return autopar.plan(model, local, inputs).to_json(), ""
         if variant == "pp2":
             return autopar.plan(model, local, pipeline_inputs(batch),
                                 mesh=Mesh(pp=2, dp=1)).to_json(), ""
-        base = autopar.plan(model, local, batch, mesh=Mesh(dp=2))
+        base = autopar.plan(model, local, inputs, mesh=Mesh(dp=2))
         plan = {
-            "fsdp": lambda: _with(base, lambda _: dict(strategy="fsdp")),
-            "zero2_full": lambda: _with(base, lambda _: dict(strategy="zero2",
-                                                              recompute="full")),
+            "fsdp": lambda: _forced(model, base, lambda _: dict(strategy="fsdp")),
+            "zero2_full": lambda: _forced(model, base, lambda _: dict(strategy="zero2",
+                                                                      recompute="full")),
             "mixed": lambda: _mixed(model, base),
-            "tp2": lambda: _tp2(model, batch, base),
+            "tp2": lambda: _tp2(model, inputs, base),
         }[variant]()
     except (Unavailable, autopar.AutoparError) as e:
         return None, str(e)
