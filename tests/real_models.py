@@ -101,7 +101,12 @@ def _mlm_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 
 def _seq2seq_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    return {"input_ids": _tokens(size, gen), "labels": _tokens(size, gen, SEQ // 2)}
+    labels = _tokens(size, gen, SEQ // 2)
+    # T5's own shift of the labels (decoder_start_token_id 0), given explicitly so that the
+    # decoder's inputs are there when the labels are not (a loss_fn's run).
+    decoder_input_ids = torch.cat([torch.zeros(size, 1, dtype=labels.dtype), labels[:, :-1]], 1)
+    return {"input_ids": _tokens(size, gen), "decoder_input_ids": decoder_input_ids,
+            "labels": labels}
 
 
 def _image_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
