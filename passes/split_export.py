@@ -264,24 +264,30 @@ def _check_crossings(gm: GraphModule, node_stage: dict[Node, int]) -> None:
         if node not in node_stage or node.op == "output":
             continue
         s = node_stage[node]
-        if not any(node_stage[u] > s for u in node.users):
-            continue
-        value = node.meta.get("val")
-        if not isinstance(value, torch.Tensor):
-            raise PlanError(
-                f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
-                f"made by `{node.format_node()}`) on a later stage, but only tensors can be "
-                "sent between pipeline stages; move the cut so that it is used where it is made"
-            )
-        if not value.is_floating_point():
-            user = next(u for u in node.users if node_stage[u] > s)
-            raise PlanError(
-                f"the cut after stage {s} sends {node.name!r}, a {value.dtype} tensor made by "
-                f"`{node.format_node()}` in {node.meta.get(K.MODULE_PATH) or 'the model'!r}, "
-                f"to a later stage ({user.meta.get(K.MODULE_PATH) or user.name!r}); pipeline "
-                "stages exchange floating-point activations only: put the layers that make "
-                "and use it on one stage"
-            )
+        later = [u for u in node.users if node_stage[u] > s]
+        if later:
+            check_sendable(node, node.meta.get("val"), s, later[0])
+
+
+def check_sendable(node: Node, value: object, s: int, user: Node) -> None:
+    """PlanError unless ``value`` (made by ``node`` on stage ``s``, used by ``user`` on a later
+    stage) may cross the cut: only floating-point tensors do. Seen with torch 2.13 on gloo:
+    an int64 position tensor sent between stages arrives as garbage (an embedding then
+    fails with an index out of range)."""
+    if not isinstance(value, torch.Tensor):
+        raise PlanError(
+            f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
+            f"made by `{node.format_node()}`) on a later stage, but only tensors can be "
+            "sent between pipeline stages; move the cut so that it is used where it is made"
+        )
+    if not value.is_floating_point():
+        raise PlanError(
+            f"the cut after stage {s} sends {node.name!r}, a {value.dtype} tensor made by "
+            f"`{node.format_node()}` in {node.meta.get(K.MODULE_PATH) or 'the model'!r}, "
+            f"to a later stage ({user.meta.get(K.MODULE_PATH) or user.name!r}); pipeline "
+            "stages exchange floating-point activations only: put the layers that make "
+            "and use it on one stage"
+        )
 
 
 # -- after the split ---------------------------------------------------------------------------

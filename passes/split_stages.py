@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.fx import GraphModule, Node
 
 from passes.group_layers import layer_names, owning_layer
-from passes.split_export import StageSplit, export_stages
+from passes.split_export import StageSplit, check_sendable, export_stages
 from passes.trace import (
     GraphCaptureError,
     explain_failure,
@@ -340,22 +340,8 @@ def _crossing(gm: GraphModule, node_stage: dict[Node, int], s: int) -> list[Node
     ]
 
 
-def _check_tensor(node: Node, value: object, s: int) -> None:
-    if not isinstance(value, torch.Tensor):
-        raise PlanError(
-            f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
-            f"made by `{node.format_node()}`) on a later stage, but only tensors can be sent "
-            "between pipeline stages; move the cut so that it is used where it is made"
-        )
-    if not value.is_floating_point():
-        # Seen with torch 2.13 on gloo: an int64 position tensor sent between stages
-        # arrives as garbage (an embedding then fails with an index out of range).
-        user = next(u for u in node.users if u.op != "output")
-        raise PlanError(
-            f"the cut after stage {s} sends {node.name!r}, a {value.dtype} tensor made by "
-            f"`{node.format_node()}`, to a later stage; pipeline stages exchange floating-point "
-            f"activations only: put the layers that make and use it ({user.name!r}) on one stage"
-        )
+def _user(node: Node) -> Node:
+    return next(u for u in node.users if u.op != "output")
 
 
 # -- 5. stage modules ------------------------------------------------------------------------
@@ -371,7 +357,7 @@ def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int]
                 env[node] = graph.node_copy(node)
     else:
         for node in _crossing(gm, node_stage, s - 1):
-            _check_tensor(node, values[node], s - 1)
+            check_sendable(node, values[node], s - 1, _user(node))
             env[node] = graph.placeholder(node.name)
 
     def arg(n: Node) -> Node:
@@ -388,7 +374,7 @@ def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int]
     else:
         sent = _crossing(gm, node_stage, s)
         for node in sent:
-            _check_tensor(node, values[node], s)
+            check_sendable(node, values[node], s, _user(node))
         graph.output(arg(sent[0]) if len(sent) == 1 else tuple(arg(n) for n in sent))
     graph.lint()
     return GraphModule(model, graph, f"{type(model).__name__}Stage{s}")

@@ -5,8 +5,8 @@ Each model of ``tests/real_models.py`` (Hugging Face Llama, GPT-2, BERT, T5, ViT
 small configs, a nanoGPT with tied embeddings, a ResNet-50 layout, a model taking a dict
 batch) is
 
-- planned on ``dgx-a100-80g`` with 1 and 4 nodes (the plan must pass the runtime's own
-  validation of that model);
+- planned on ``local`` and ``dgx-a100-80g`` with 1 and 4 nodes, every candidate checked by
+  the runtime's own validation of that model (tests/test_plans_run.py);
 - trained 3 AdamW steps on 2 gloo ranks under the planner's plan for ``local``, and under
   forced plans: every layer fsdp, every layer zero2 with full recomputation, a mixed
   per-layer plan, tp=2 and pp=2 where the model allows them;
