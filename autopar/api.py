@@ -79,13 +79,17 @@ def search_plans(
     return attach_rationale(result, graph, cluster, precision)
 
 
-def check_stage_split(model: nn.Module, plan: Plan, example_inputs: Inputs) -> None:
-    """Split ``model`` (on meta) into ``plan``'s stages as ``compile`` will; an error here
-    is the planner's, not the user's, so it says so."""
+def check_stage_split(model: nn.Module, plan: Plan, example_inputs: Inputs, *,
+                      planned: bool = True) -> None:
+    """Split ``model`` (on meta) into ``plan``'s stages as ``compile`` will. The splitter's
+    error names the cut; for a plan the planner made (``planned``) it is the planner's
+    error, not the user's, and says so."""
     part = inputs_to_meta(as_inputs(microbatch_inputs(plan, example_inputs)))
     try:
         split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
     except AutoparError as e:
+        if not planned:
+            raise
         raise AutoparError(
             f"the planner chose a pipeline ({plan.mesh.describe()}) that the runtime cannot "
             f"split into stages: {e}. Plan with a fixed mesh=Mesh(pp=1, ...) to avoid "

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import torch
 
-from autopar.api import search_plans
+from autopar.api import check_stage_split, search_plans
 from autopar.errors import AutoparError
 from autopar.lower import make_trainer
 from autopar.zoo import ModelSpec, get_model
 from cost_models.hardware import Cluster
+from runtime.batch import as_inputs
 from runtime.launch import spawn
 from runtime.plan import Plan
 from runtime.validate import check_plan
@@ -30,7 +31,12 @@ def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int
             f"the plan is for {plan.world_size} ranks (mesh {plan.mesh.describe()})"
             f" but --nproc is {nproc}; pass --nproc {plan.world_size} or re-plan"
         )
-    check_plan(spec.build("meta"), plan)  # here, not as a traceback from each rank
+    # Here, not as a traceback from each rank: what apply and the stage split refuse.
+    model = spec.build("meta")
+    check_plan(model, plan)
+    if plan.mesh.pp > 1:
+        check_stage_split(model, plan, as_inputs(spec.example_inputs(batch, seq, device="meta")),
+                          planned=False)
     results = spawn(train_worker, nproc, spec.name, plan.to_json(), steps, batch, seq, seed,
                     timeout_s=timeout_s)
     return results[0]

@@ -46,6 +46,8 @@ class GPTConfig:
     """'fused': ``F.scaled_dot_product_attention`` (flash attention on GPUs: the s×s scores
     are recomputed in backward, never stored). 'unfused': the explicit product, masked
     softmax and dropout, whose s×s intermediates autograd stores (Megatron-LM's GPT)."""
+    tie_embeddings: bool = False
+    """The LM head's weight is the token embedding's (GPT-2's and nanoGPT's tying)."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -141,6 +143,8 @@ class GPT(nn.Module):
         self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.wte.weight
         if not _on_meta(self):
             self.apply(self._init_weights)
 
@@ -287,6 +291,8 @@ MODELS: dict[str, ModelSpec] = {
     for spec in (
         _gpt("gpt-tiny", 2, 4, 64, 16, 8, "2-layer GPT for tests and quick runs",
              vocab_size=128, block_size=64),
+        _gpt("gpt-tiny-tied", 2, 4, 64, 16, 8, "gpt-tiny with its head tied to the embedding",
+             vocab_size=128, block_size=64, tie_embeddings=True),
         _gpt("gpt-small", 4, 4, 128, 64, 16, "4-layer GPT that trains on CPU ranks",
              vocab_size=512, block_size=256),
         _gpt("gpt2-small", 12, 12, 768, 1024, 8, "GPT-2 124M (Radford et al. 2019)"),

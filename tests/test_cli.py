@@ -113,3 +113,43 @@ def test_context_parallel_plan_whose_sequence_does_not_split_exits_2(tmp_path, c
     err = capsys.readouterr().err
     assert "seq_len 12 is not divisible by 2 × mesh.cp = 8" in err
     assert "Traceback" not in err
+
+
+def _write_plan(tmp_path, model: str, change) -> str:
+    """A plan the planner made for ``model`` on 2 local ranks, edited by ``change``."""
+    path = tmp_path / f"{model}.json"
+    assert main(["plan", "--model", model, "--cluster", "local", "--batch", "8",
+                 "--json", str(path)]) == 0
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+    return str(path)
+
+
+def test_run_of_a_plan_splitting_a_tie_exits_2_naming_the_modules_before_any_rank(tmp_path):
+    def split_tie(data):
+        for layer in data["layers"]:
+            layer["strategy"] = "fsdp" if layer["module"] == "wte" else "replicate"
+
+    path = _write_plan(tmp_path, "gpt-tiny-tied", split_tie)
+    result = run_cli("run", "--model", "gpt-tiny-tied", "--nproc", "2", "--plan", path)
+    assert result.returncode == 2, result.stderr
+    assert "'wte', 'lm_head' share parameter 'wte.weight' = 'lm_head.weight'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_run_of_a_pipeline_cut_the_runtime_cannot_split_exits_2_naming_the_value(tmp_path):
+    def cut_between_the_embeddings(data):
+        # Stage 1 from wpe on: the int64 positions made beside wte would cross the cut.
+        data["mesh"] = {"pp": 2, "dp": 1, "cp": 1, "tp": 1}
+        data["pipeline"] = {"schedule": "GPipe", "num_microbatches": 2, "virtual_stages": 1}
+        data["gradient_accumulation"] = 1
+        for i, layer in enumerate(data["layers"]):
+            layer["stage"] = 0 if i == 0 else 1
+            layer["strategy"] = "replicate"
+
+    path = _write_plan(tmp_path, "gpt-tiny", cut_between_the_embeddings)
+    result = run_cli("run", "--model", "gpt-tiny", "--nproc", "2", "--plan", path)
+    assert result.returncode == 2, result.stderr
+    assert "the cut after stage 0 sends" in result.stderr and "int64" in result.stderr
+    assert "Traceback" not in result.stderr
