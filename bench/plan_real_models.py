@@ -23,14 +23,14 @@ import autopar
 from cost_models.hardware import Cluster
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-from real_models import MODELS  # noqa: E402 - the test suite's zoo, not a package
+from real_models import MODELS, planning_inputs  # noqa: E402 - the suite's zoo
 
 
 def plan_once(name: str, nodes: int, batch: int) -> tuple[float, str, str]:
     spec = MODELS[name]
     with torch.device("meta"):
         model = spec.make()
-    inputs = spec.batch(batch)
+    inputs = planning_inputs(spec, spec.batch(batch))
     start = time.perf_counter()
     plan = autopar.plan(model, Cluster.preset("dgx-a100-80g", nodes=nodes), inputs)
     seconds = time.perf_counter() - start
@@ -42,11 +42,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=32)
     args = parser.parse_args()
-    print(f"{'model':<14} {'GPUs':>4} {'plan s':>6}  {'mesh':<26} strategies")
+    print(f"{'model':<16} {'GPUs':>4} {'plan s':>6}  {'mesh':<26} strategies")
     for name in MODELS:
         for nodes in (1, 4):
             seconds, mesh, strategies = plan_once(name, nodes, args.batch)
-            print(f"{name:<14} {nodes * 8:>4} {seconds:>6.2f}  {mesh:<26} {strategies}",
+            print(f"{name:<16} {nodes * 8:>4} {seconds:>6.2f}  {mesh:<26} {strategies}",
                   flush=True)
 
 
