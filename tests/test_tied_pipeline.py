@@ -158,10 +158,16 @@ def test_v_schedules_get_no_cut_that_folds_both_copies_onto_one_rank():
 # -- the planner's choices on a DGX ----------------------------------------------------------
 
 
-def _gpt2_xl(batch: int):
+def _gpt2_xl_model(batch: int):
+    """nanoGPT at GPT-2 XL's size (48 × 1600, vocabulary 50304) with its head tied to the
+    embedding, on meta, ``batch`` sequences of 1024 tokens."""
     with torch.device("meta"):
         model = TiedGPT(vocab=50304, d=1600, n_layer=48, seq=1024)
-    return build_layer_graph(model, (torch.randint(0, 50304, (batch, 1024), device="meta"),))
+    return model, (torch.randint(0, 50304, (batch, 1024), device="meta"),)
+
+
+def _gpt2_xl(batch: int):
+    return build_layer_graph(*_gpt2_xl_model(batch))
 
 
 def _outcome_keeps_the_tie(graph, outcome: PipelineOutcome) -> None:
@@ -205,6 +211,20 @@ def test_gpt2_xl_sized_tied_model_on_dgx_pipelines_with_one_strategy_per_tie(bat
         _outcome_keeps_the_tie(graph, outcome)
     untied = search(dataclasses.replace(graph, ties=()), cluster).plan
     assert plan.solver.objective_s > untied.solver.objective_s
+
+
+def test_explain_names_the_stages_holding_copies():
+    from autopar.api import search_plans
+    from autopar.explain import explain, format_explanation
+
+    model, inputs = _gpt2_xl_model(1)
+    plan = search_plans(model, Cluster.preset("dgx-a100-80g", nodes=4), inputs).plan
+    last = plan.num_stages - 1
+    ranks = stage_rank(last, plan.mesh.pp, plan.pipeline)
+    for module in ("wte", "lm_head"):
+        text = format_explanation(explain(plan, module))
+        assert (f"stages 0, {last} each hold a copy, whose gradients are all-reduced across "
+                f"pipeline ranks 0, {ranks} every step") in text, text
 
 
 def test_every_cut_offered_keeps_the_copies_on_distinct_ranks():

@@ -35,14 +35,20 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from autopar.planner.costs import LayerCost, allowed_strategies, shard_ranks
+from autopar.planner.costs import (
+    LayerCost,
+    allowed_strategies,
+    hsdp_shard_size,
+    layer_cost,
+    shard_ranks,
+)
 from autopar.planner.ilp import ClassOptions
 from cost_models.comm import Group, all_reduce_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from passes.records import LayerGraph, LayerInfo
-from runtime.plan import STRATEGIES, TP_STRATEGIES, Mesh
-from runtime.tied import owner
+from runtime.plan import STRATEGIES, TP_STRATEGIES, Mesh, Plan, stage_rank
+from runtime.tied import Tie, owner
 
 MAX_FIELDS = ("buffer_bytes", "loss_buffer_bytes", "collective_buffer_bytes")
 """Transient memory: the plan holds the largest buffer over its layers, not the sum."""
@@ -209,3 +215,37 @@ def with_sync(cost: LayerCost, role: TieRole, mesh: Mesh, cluster: Cluster, prec
                            cluster)
     return dataclasses.replace(cost, step_s=cost.step_s + seconds,
                                comm_s=cost.comm_s + seconds)
+
+
+def describe_tie(tie: Tie, plan: Plan) -> str:
+    """The tie as a plan's report states it: who shares what, and under a pipeline which
+    stages hold a copy and where their gradients are summed."""
+    text = tie.describe()
+    stages = sorted({la.stage for la in plan.layers if la.module in tie.modules})
+    if plan.pipeline is None or len(stages) < 2:
+        return text
+    ranks = [stage_rank(s, plan.mesh.pp, plan.pipeline) for s in stages]
+    return (f"{text}; stages {', '.join(map(str, stages))} each hold a copy, whose gradients "
+            f"are all-reduced across pipeline ranks {', '.join(map(str, ranks))} every step")
+
+
+def with_tied_choices(options: list[ClassOptions], graph: LayerGraph, plan: Plan,
+                      cluster: Cluster, prec: Precision) -> list[ClassOptions]:
+    """``options`` (per class, pruned as if each layer chose alone) with the option each
+    tied layer of a pipeline plan was given, where it was pruned: the tie's strategy may
+    be one its class alone would never take (the head owns no parameter of its own, so
+    every strategy costs it the same and the first is kept)."""
+    if plan.pipeline is None or not graph.ties:
+        return options
+    info = {layer.name: layer for layer in graph.layers}
+    out = []
+    for o in options:
+        costs = dict(o.costs)
+        for la in plan.layers:
+            if la.layer_class == o.name and la.option not in costs and graph.tie_of(la.module):
+                costs[la.option] = layer_cost(
+                    info[la.module], la.option, plan.mesh, cluster, prec,
+                    plan.pipeline.num_microbatches,
+                    hsdp_shard_size=hsdp_shard_size(cluster, plan.mesh.pp))
+        out.append(dataclasses.replace(o, costs=costs))
+    return out
