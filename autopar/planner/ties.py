@@ -178,8 +178,10 @@ def tie_strategies(graph: LayerGraph, mesh: Mesh, microbatches: int,
                    hsdp_shard_size: int | None) -> tuple[str, ...]:
     """The data-parallel strategies every tied layer can take on this pipeline mesh: the
     tie's one strategy, chosen per configuration so that the ranks' ILPs, solved apart,
-    agree on it. Offloading is left out: the copies' gradients are all-reduced where they
-    live, and an offloaded gradient lives on the host, out of NCCL's reach."""
+    agree on it. A model with several ties gives them all this one strategy (simpler than
+    a product over the ties; models tie one embedding, or T5's one shared matrix).
+    Offloading is left out: the copies' gradients are all-reduced where they live, and an
+    offloaded gradient lives on the host, out of NCCL's reach."""
     layers = [layer for layer in graph.layers if graph.tie_of(layer.name)]
     common = [s for s in allowed_strategies(layers[0], mesh, hsdp_shard_size=hsdp_shard_size,
                                             microbatches=microbatches)
