@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autopar.planner.search import SearchResult, class_options
+from autopar.planner.ties import describe_tie, with_tied_choices
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.records import LayerGraph
@@ -50,7 +51,9 @@ def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
     classes = tuple(
         ClassCosts(layer_class=o.name, count=o.count,
                    options=tuple(_option(c) for c in o.costs.values()))
-        for o in class_options(graph, result.plan.mesh, cluster, prec, result.plan.microbatches)
+        for o in with_tied_choices(
+            class_options(graph, result.plan.mesh, cluster, prec, result.plan.microbatches),
+            graph, result.plan, cluster, prec)
     )
     return Rationale(
         model_flops_per_step=float(sum(x.fwd_flops + x.bwd_flops for x in graph.layers)),
@@ -61,7 +64,7 @@ def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
         cluster_provenance=cluster.provenance,
         classes=classes,
         alternatives=ranked_alternatives(result)[:ALTERNATIVES_KEPT],
-        ties={m: tie.describe() for tie in graph.ties for m in tie.modules if m},
+        ties={m: describe_tie(tie, result.plan) for tie in graph.ties for m in tie.modules if m},
     )
 
 

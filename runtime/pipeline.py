@@ -240,11 +240,6 @@ class PipelineTrainer(Trainer):
         return PipelineStage(module, stage_id, plan.num_stages, self._device,
                              group=self.mesh.get_group("pp"))
 
-    def step(self) -> None:
-        """Sum tied copies' gradients across stages (runtime.tied), then ``Trainer.step``."""
-        self.tied.sync(self.stages, self.stage_ids)
-        super().step()
-
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.output_fn is not None:
             output = self.output_fn(output)
@@ -269,6 +264,9 @@ class PipelineTrainer(Trainer):
         self.schedule.step(*args, target=targets if self.has_last else None,
                            losses=losses if self.has_last else None, return_outputs=False,
                            **(batch.kwargs if self.has_first else {}))
+        # Tied copies' gradients summed here, not in ``step``: forward_backward returns
+        # the whole gradient, as one process has it (for clipping, inspection).
+        self.tied.sync(self.stages, self.stage_ids)
         local = torch.stack(losses).mean().detach() if self.has_last else torch.zeros(())
         if self.has_last and self.loss_scaler is not None:
             local = local / self.loss_scaler.get_scale()

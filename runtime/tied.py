@@ -39,6 +39,9 @@ class Tie:
     """Planned module FQNs ('' for the root: a user outside every planned module)."""
     params: tuple[str, ...]
     """Every name the shared parameters have in the model."""
+    numels: tuple[int, ...] = ()
+    """Elements of each shared parameter (each tensor once): what a pipeline stage holding
+    a copy of them holds."""
 
     def describe(self) -> str:
         names = ", ".join(repr(m) if m else "the root (no planned module)" for m in self.modules)
@@ -68,18 +71,19 @@ def tie_groups(model: nn.Module, modules: Iterable[str]) -> list[Tie]:
     """The planned ``modules`` sharing parameters, merged transitively (a chain a–b, b–c is
     one group); ties inside one module are no concern of the plan and left out."""
     modules = list(modules)
-    groups: list[tuple[set[str], list[str]]] = []
+    groups: list[tuple[set[str], list[str], list[int]]] = []
     for names in tied_parameters(model):
         users = {owner(n, modules) for n in names}
         if len(users) < 2:
             continue
         joined = [g for g in groups if g[0] & users]
         merged = (users.union(*(g[0] for g in joined)),
-                  [n for g in joined for n in g[1]] + list(names))
+                  [n for g in joined for n in g[1]] + list(names),
+                  [k for g in joined for k in g[2]] + [model.get_parameter(names[0]).numel()])
         groups = [g for g in groups if g not in joined] + [merged]
     order = {m: i for i, m in enumerate(["", *modules])}
-    return [Tie(tuple(sorted(users, key=order.__getitem__)), tuple(params))
-            for users, params in groups]
+    return [Tie(tuple(sorted(users, key=order.__getitem__)), tuple(params), tuple(numels))
+            for users, params, numels in groups]
 
 
 def check_ties(model: nn.Module, layers: Sequence[LayerPlan]) -> list[Tie]:

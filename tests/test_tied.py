@@ -1,7 +1,7 @@
 """Tied parameters end to end: the runtime shards tied modules as one FSDP2 unit and
 matches one process, refuses tied modules given different strategies before any
 collective, and sums a pipeline's tied copies' gradients; the planner gives tied modules
-one strategy on every cluster and never cuts a pipeline through a tie.
+one strategy on every cluster (pipelines: tests/test_tied_pipeline.py).
 
 Models: a nanoGPT-style model with ``lm_head.weight = wte.weight`` and Hugging Face's
 ``GPT2LMHeadModel`` (tiny config, random init, dropout off so ranks match one process).
@@ -292,7 +292,10 @@ def test_planner_gives_tied_modules_one_strategy(model, cluster, nodes, dtype):
 
     plan = autopar.plan(build(model), _cluster(cluster, nodes), batch(0)[0], precision=dtype)
     _assert_one_option(plan, TIED[model])
-    assert plan.mesh.pp == 1
+    from runtime.plan import stage_rank
+
+    stages = {la.stage for la in plan.layers if la.module in TIED[model]}
+    assert len({stage_rank(s, plan.mesh.pp, plan.pipeline) for s in stages}) == len(stages)
 
 
 def gpt2_xl_sized():
@@ -343,10 +346,9 @@ def test_explain_says_why_tied_layers_have_no_tensor_parallelism():
         explain(plan, "wte").reason
 
 
-def test_planner_offers_no_pipeline_to_tied_models():
-    import dataclasses
-
-    from autopar.errors import ConfigError
+def test_planner_pipelines_tied_models_with_one_strategy_per_tie():
+    """Each pipeline configuration of a tied model names the tie's strategy; a fixed
+    pp = 2 mesh gets a plan whose tied modules take it, on the first and last stage."""
     from autopar.planner.pipeline import pipeline_configs, pipeline_problem
     from autopar.planner.search import search
     from cost_models.hardware import Cluster
@@ -354,12 +356,16 @@ def test_planner_offers_no_pipeline_to_tied_models():
 
     graph = build_layer_graph(build("nanogpt"), batch(0)[0])
     cluster = Cluster.preset("dgx-a100-80g", nodes=4)
-    assert pipeline_configs(graph, cluster) == []
-    assert "'wte', 'lm_head' share parameter" in pipeline_problem(graph)
-    assert pipeline_configs(dataclasses.replace(graph, ties=()), cluster)
-    with pytest.raises(ConfigError, match=r"mesh pp=2 × dp=16 × tp=1: the model cannot be "
-                       r"pipelined: tied weights \('wte', 'lm_head' share parameter"):
-        search(graph, cluster, mesh=Mesh(pp=2, dp=16))
+    assert pipeline_problem(graph) is None
+    configs = pipeline_configs(graph, cluster)
+    assert configs and all(c.tie_strategy in ("replicate", "zero1", "zero2", "fsdp", "hsdp")
+                           for c in configs)
+    one_node = Cluster.preset("dgx-a100-80g", nodes=1)
+    plan = search(graph, one_node, mesh=Mesh(pp=2, dp=4)).plan
+    assert plan.mesh == Mesh(pp=2, dp=4)
+    _assert_one_option(plan, TIED["nanogpt"])
+    stages = {la.module: la.stage for la in plan.layers}
+    assert (stages["wte"], stages["lm_head"]) == (0, plan.num_stages - 1)
 
 
 def _tied_instance(seed: int):
@@ -539,10 +545,12 @@ def test_two_tied_copies_on_one_pipeline_rank_are_refused(pool2):
 
 
 def planned_json(model: str, dtype: str) -> str:
+    """The planner's plan on the local data-parallel mesh (its pipeline plans of tied
+    models are trained in tests/test_tied_pipeline.py)."""
     import autopar
 
     return autopar.plan(build(model), _cluster("local", None), batch(0)[0],
-                        precision=dtype).to_json()
+                        precision=dtype, mesh=Mesh(dp=2)).to_json()
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

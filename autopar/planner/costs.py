@@ -302,7 +302,7 @@ def layer_cost(
         tp_params = layer.param_count * (1 - frac + frac / tp)
     else:
         tp_params = float(layer.param_count)
-    shards = _shard_ranks(strategy, dp, tp, hsdp_shard_size)
+    shards = shard_ranks(strategy, dp, tp, hsdp_shard_size)
     local_params = tp_params / shards
 
     # One micro-batch is 1 / (dp · m) of the captured global batch.
@@ -391,7 +391,7 @@ def layer_cost(
     )
 
 
-def _shard_ranks(strategy: str, dp: int, tp: int, hsdp_shard_size: int | None) -> int:
+def shard_ranks(strategy: str, dp: int, tp: int, hsdp_shard_size: int | None) -> int:
     if strategy == "hsdp":
         if not hsdp_shard_size:
             raise ValueError("strategy 'hsdp' needs hsdp_shard_size")

@@ -12,6 +12,13 @@ For every configuration (tp, pp, dp, schedule, virtual stages v, micro-batches m
    transfers on the link between neighbouring stages, then add the data-parallel gradient
    sync and optimizer step, which follow the pipeline flush.
 
+Tied layers (planner/ties.py): a tie cut by a stage boundary runs as Megatron's
+embedding group, each stage holding a tied layer holds a copy of the shared parameters and
+the copies' gradients are all-reduced at the end of the step; both are in the tied layers'
+costs under each cut (``ties.pipeline_roles``). The tie's one strategy is a dimension of
+the configuration (every tied layer takes it, so the ranks' ILPs agree), and cuts that
+put two copies on one rank (V and looped schedules) are not offered.
+
 Configurations are evaluated in order of a lower bound (the busiest rank's work plus the
 slowest rank's sync) and skipped once the bound reaches the best simulated step, so the
 search is exact with respect to steps 1-3 while simulating few configurations.
@@ -31,6 +38,7 @@ from autopar.planner.costs import (
     hsdp_shard_size,
     layer_cost,
     layer_options,
+    prune_dominated,
 )
 from autopar.planner.ilp import (
     FEASIBILITY_SLACK_GIB,
@@ -41,11 +49,19 @@ from autopar.planner.ilp import (
     solve_by_buffer_cap,
 )
 from autopar.planner.liveness import pipeline_liveness
+from autopar.planner.ties import (
+    TieRole,
+    copies_share_a_rank,
+    pipeline_roles,
+    tie_strategies,
+    with_copy,
+    with_sync,
+)
 from cost_models.comm import Group, group_link, p2p_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from cost_models.schedule import StageTimes, Timeline, rank_orders, simulate, stage_ranks
-from passes.records import LayerGraph
+from passes.records import LayerGraph, LayerInfo
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Mesh, schedule_microbatch_problem
 
 PIPELINE_SCHEDULES = (  # (schedule, virtual stages per rank)
@@ -74,6 +90,8 @@ class PipelineConfig:
     schedule: str
     virtual_stages: int
     microbatches: int
+    tie_strategy: str = ""
+    """The data-parallel strategy every tied layer takes ('' for a model without ties)."""
 
     @property
     def num_stages(self) -> int:
@@ -109,7 +127,8 @@ class Infeasible:
 
 
 def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig]:
-    """Every configuration to try; none for a model with tied layers (``pipeline_problem``)."""
+    """Every configuration to try (for a model with tied layers, one per strategy the tie
+    can take); none when ``pipeline_problem`` says why."""
     world, batch, layers = cluster.world_size, graph.batch_size, len(graph.layers)
     if pipeline_problem(graph) is not None:
         return []
@@ -129,26 +148,28 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
                         continue  # interleaving advances micro-batches in groups of pp
                     if schedule_microbatch_problem(schedule, pp, m):
                         continue  # torch's schedule would refuse it
-                    out.append(PipelineConfig(mesh=Mesh(pp=pp, dp=dp, tp=tp), schedule=schedule,
-                                              virtual_stages=v, microbatches=m))
+                    mesh = Mesh(pp=pp, dp=dp, tp=tp)
+                    ties = tie_strategies(graph, mesh, m, hsdp_shard_size(cluster, pp)) \
+                        if graph.ties else ("",)
+                    out += [PipelineConfig(mesh=mesh, schedule=schedule, virtual_stages=v,
+                                           microbatches=m, tie_strategy=t) for t in ties]
     return out
 
 
 def pipeline_problem(graph: LayerGraph) -> str | None:
     """Why the planner offers no pipeline for this model, or None.
 
-    Tied layers: the rank ILPs choose each rank's options on their own, while a tie needs
-    one option for all its layers; and a tie cut by a stage boundary needs its copies'
-    gradients summed across stages (runtime/tied.py ``TiedGradSync``), which this search
-    does not cost. An embedding tied to the LM head spans the whole model, so no cut keeps
-    it on one stage either."""
+    A model that computes its own loss: a pipeline's loss is its last stage's loss_fn. A
+    layer tied to a parameter of the root (no planned module): the root's parameters are on
+    no stage of the plan, so no stage can be said to hold that copy."""
     if graph.returns_loss:
         return ("the model computes its own loss (labels=), and a pipeline computes the loss "
                 "on its last stage from the stage's output: plan with inputs without labels "
                 "and train with a loss_fn")
-    if graph.ties:
-        return (f"tied weights ({graph.ties[0].describe()}) are not pipelined by the "
-                "planner")
+    for tie in graph.ties:
+        if "" in tie.modules:
+            return (f"tied weights ({tie.describe()}): a parameter the root uses is on no "
+                    "planned stage; add the module using it to the plan")
     return None
 
 
@@ -238,16 +259,62 @@ class _Context:
         self._ilp: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
         self._ramp: dict[tuple, list[tuple[int, list[int], int, int]]] = {}
+        self._roles: dict[tuple, dict[int, TieRole]] = {}
 
-    def costs(self, layer_index: int, config: PipelineConfig) -> dict[str, LayerCost]:
+    def costs(self, layer_index: int, config: PipelineConfig,
+              stage_of: tuple[int, ...] | None = None) -> dict[str, LayerCost]:
+        """The layer's options and their costs; a tied layer's on the tie's strategy, with
+        its role under the cut ``stage_of`` (none without one: the least it can cost)."""
         layer = self.graph.layers[layer_index]
         mesh, m = config.mesh, config.microbatches
         selective = config.schedule not in SPLIT_BACKWARD_SCHEDULES
-        key = (layer.layer_class, mesh.dp, mesh.tp, m, selective)
+        role = self.role(layer_index, config, stage_of)
+        key = (layer.layer_class, mesh.dp, mesh.tp, m, selective, role)
         if key not in self._costs:
-            self._costs[key] = layer_options(layer, self.graph.seq_len, mesh, self.cluster,
-                                             self.prec, m, selective=selective)
+            if role is None:
+                self._costs[key] = layer_options(layer, self.graph.seq_len, mesh,
+                                                 self.cluster, self.prec, m,
+                                                 selective=selective)
+            else:
+                self._costs[key] = self._tied_costs(layer, config, role, selective)
         return self._costs[key]
+
+    def role(self, layer_index: int, config: PipelineConfig,
+             stage_of: tuple[int, ...] | None) -> tuple[str, TieRole] | None:
+        """A tied layer's strategy and role under the cut (None for untied layers)."""
+        if not config.tie_strategy or self.graph.tie_of(self.graph.layers[layer_index].name) \
+                is None:
+            return None
+        if stage_of is None:
+            return config.tie_strategy, TieRole()
+        pp, v = config.mesh.pp, config.virtual_stages
+        key = (config.schedule, pp, v, config.mesh.dp * config.mesh.tp, stage_of)
+        if key not in self._roles:
+            self._roles[key] = pipeline_roles(self.graph, stage_of,
+                                              stage_ranks(config.schedule, pp, pp * v),
+                                              config.mesh.dp * config.mesh.tp)
+        return config.tie_strategy, self._roles[key][layer_index]
+
+    def _tied_costs(self, layer: LayerInfo, config: PipelineConfig, role: tuple[str, TieRole],
+                    selective: bool) -> dict[str, LayerCost]:
+        """A tied layer's options on its tie's strategy, with the copy it holds and the
+        all-reduce it joins. Pruned among themselves only: the layer's options on other
+        strategies (which ``layer_options`` may prefer) are not its to take."""
+        strategy, tie_role = role
+        labels = [o for o in allowed_options(
+            layer, config.mesh, seq_len=self.graph.seq_len,
+            hsdp_shard_size=hsdp_shard_size(self.cluster, config.mesh.pp),
+            microbatches=config.microbatches, selective=selective, offload=False)
+            if o.split("+")[0] == strategy]
+        return prune_dominated({o: self.tied_cost(layer, o, config, tie_role) for o in labels})
+
+    def tied_cost(self, layer: LayerInfo, option: str, config: PipelineConfig,
+                  role: TieRole) -> LayerCost:
+        """One option of a tied layer, with the copy it holds and the all-reduce it joins."""
+        mesh, hsdp = config.mesh, hsdp_shard_size(self.cluster, config.mesh.pp)
+        cost = layer_cost(with_copy(layer, role), option, mesh, self.cluster, self.prec,
+                          config.microbatches, hsdp_shard_size=hsdp)
+        return with_sync(cost, role, mesh, self.cluster, self.prec, hsdp)
 
     def cuts(self, config: PipelineConfig) -> list[tuple[int, ...]]:
         """Candidate stage-of-layer assignments (contiguous, every stage non-empty, no stage
@@ -257,14 +324,17 @@ class _Context:
         if len(allowed) < stages - 1:
             return []
         if n <= EXHAUSTIVE_LAYERS and math.comb(len(allowed), stages - 1) <= EXHAUSTIVE_CUTS:
-            return [_assignment(n, bounds)
+            cuts = [_assignment(n, bounds)
                     for bounds in itertools.combinations(allowed, stages - 1)]
-        weights = [min(c.fwd_s + c.bwd_s + c.wgrad_s for c in self.costs(i, config).values())
-                   for i in range(n)]
-        return [_assignment(n, balanced_bounds(weights, stages, self.graph.uncuttable))]
+        else:
+            weights = [min(c.fwd_s + c.bwd_s + c.wgrad_s
+                           for c in self.costs(i, config).values()) for i in range(n)]
+            cuts = [_assignment(n, balanced_bounds(weights, stages, self.graph.uncuttable))]
+        owner = stage_ranks(config.schedule, config.mesh.pp, stages)
+        return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
 
     def fastest(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> list[LayerCost]:
-        return [min(self.costs(i, config).values(), key=lambda c: c.time_s)
+        return [min(self.costs(i, config, stage_of).values(), key=lambda c: c.time_s)
                 for i in range(len(stage_of))]
 
     def bound(self, config: PipelineConfig, stage_of: tuple[int, ...],
@@ -367,7 +437,7 @@ class _Context:
         owner = stage_ranks(config.schedule, pp, pp * v)
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
         for i, s in enumerate(stage_of):
-            options = self.costs(i, config).values()
+            options = self.costs(i, config, stage_of).values()
             fwd[s] += min(c.fwd_s for c in options)
             bwd[s] += min(c.bwd_s for c in options)
         split_w = "ZeroBubble" in config.schedule
@@ -397,7 +467,7 @@ class _Context:
             queues = {name: expand_counts(counts) for name, counts in result.items()}
             by_name = {o.name: o for o in options}
             for i in members:
-                name = _class_key(stage_of[i], self.graph.layers[i].layer_class)
+                name = self._class_key(i, config, stage_of)
                 chosen[i] = by_name[name].costs[queues[name].pop(0)]
         costs = [c for c in chosen if c is not None]
         return _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
@@ -421,12 +491,21 @@ class _Context:
         counts: dict[str, int] = {}
         first: dict[str, int] = {}
         for i in members:
-            name = _class_key(stage_of[i], self.graph.layers[i].layer_class)
+            name = self._class_key(i, config, stage_of)
             counts[name] = counts.get(name, 0) + 1
             first.setdefault(name, i)
-        return [ClassOptions(name=name, count=counts[name], costs=self.costs(first[name], config),
+        return [ClassOptions(name=name, count=counts[name],
+                             costs=self.costs(first[name], config, stage_of),
                              inflight=inflight[stage_of[first[name]]])
                 for name in counts]
+
+    def _class_key(self, layer_index: int, config: PipelineConfig,
+                   stage_of: tuple[int, ...]) -> str:
+        """Layers of one class on one stage share ILP variables, unless their tie roles
+        (and so their costs) differ."""
+        key = _class_key(stage_of[layer_index], self.graph.layers[layer_index].layer_class)
+        role = self.role(layer_index, config, stage_of)
+        return key if role is None else f"{key}|tie {role[0]} {role[1]}"
 
     def _solve(self, config: PipelineConfig, options: list[ClassOptions]
                ) -> dict[str, dict[str, int]] | None:
@@ -624,18 +703,20 @@ def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) ->
     (e.g. a hand-written plan, to set its prediction next to a measurement)."""
     if plan.pipeline is None:
         raise ValueError("evaluate_plan takes a pipeline plan (mesh.pp > 1)")
-    config = PipelineConfig(mesh=plan.mesh, schedule=plan.pipeline.schedule,
-                            virtual_stages=plan.pipeline.virtual_stages,
-                            microbatches=plan.pipeline.num_microbatches)
-    ctx = _Context(graph, cluster, prec, 10.0)
     by_name = {layer.module: layer for layer in plan.layers}
     missing = [layer.name for layer in graph.layers if layer.name not in by_name]
     if missing:
         raise ValueError(f"the plan does not place layer(s) {missing}")
+    tied = [by_name[m].strategy for tie in graph.ties for m in tie.modules if m]
+    config = PipelineConfig(mesh=plan.mesh, schedule=plan.pipeline.schedule,
+                            virtual_stages=plan.pipeline.virtual_stages,
+                            microbatches=plan.pipeline.num_microbatches,
+                            tie_strategy=tied[0] if tied else "")
+    ctx = _Context(graph, cluster, prec, 10.0)
     stage_of = tuple(by_name[layer.name].stage for layer in graph.layers)
     costs = []
     for i, layer in enumerate(graph.layers):
-        options = ctx.costs(i, config)
+        options = ctx.costs(i, config, stage_of)
         option = by_name[layer.name].option
         if option not in options:  # a dominated option, or one this mesh cannot run
             hsdp = hsdp_shard_size(cluster, config.mesh.pp)
@@ -645,8 +726,10 @@ def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) ->
                                              offload=cluster.host.offload):
                 raise ValueError(f"layer {layer.name!r}: option {option!r} is not possible on "
                                  f"this mesh (options: {', '.join(options)})")
+            role = ctx.role(i, config, stage_of)
             options = {option: layer_cost(layer, option, config.mesh, cluster, prec,
-                                          config.microbatches, hsdp_shard_size=hsdp)}
+                                          config.microbatches, hsdp_shard_size=hsdp)
+                       if role is None else ctx.tied_cost(layer, option, config, role[1])}
         costs.append(options[option])
     prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
                          lower_bound_s=ctx.bound(config, stage_of, costs))

@@ -18,16 +18,37 @@ row of the vocabulary matrix per token, small beside a block's activations.
 Tied layers take no tensor parallelism (it would split the parameter in one module and
 untie it; passes/tensor_parallel.py offers none, ``autopar explain`` says why), and a layer
 tied to a parameter of the root is 'replicate', as the root is.
+
+Under pipeline parallelism (planner/pipeline.py) a tie cut by a stage boundary runs as
+Megatron's embedding group: every stage holding a tied layer holds a copy of the shared
+parameters, and the copies' gradients are all-reduced over their pipeline ranks at the
+end of the step (runtime/tied.py ``TiedGradSync``). ``pipeline_roles`` says, per tied
+layer and cut, what that adds to its costs (``TieRole``): the copy's states on a stage
+without the owning layer, the all-reduce on every stage holding one. The runtime needs
+the copies on distinct pipeline ranks (``copies_share_a_rank``) and one strategy for them
+(the pipeline search makes it a dimension of the configuration: ``tie_strategies``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from dataclasses import dataclass
 
-from autopar.planner.costs import LayerCost
+from autopar.planner.costs import (
+    LayerCost,
+    allowed_strategies,
+    hsdp_shard_size,
+    layer_cost,
+    shard_ranks,
+)
 from autopar.planner.ilp import ClassOptions
-from passes.records import LayerGraph
-from runtime.plan import STRATEGIES, TP_STRATEGIES
+from cost_models.comm import Group, all_reduce_s
+from cost_models.hardware import Cluster
+from cost_models.memory import Precision
+from passes.records import LayerGraph, LayerInfo
+from runtime.plan import STRATEGIES, TP_STRATEGIES, Mesh, Plan, stage_rank
+from runtime.tied import Tie, owner
 
 MAX_FIELDS = ("buffer_bytes", "loss_buffer_bytes", "collective_buffer_bytes")
 """Transient memory: the plan holds the largest buffer over its layers, not the sum."""
@@ -85,4 +106,148 @@ def tied_costs(choice: dict[str, dict[str, int]], options: list[ClassOptions]
         if o.members:
             (label,) = choice[o.name]
             out.update((m, costs[label]) for m, costs in o.members.items())
+    return out
+
+
+# -- pipelines: Megatron's embedding group -----------------------------------------------
+
+
+@dataclass(frozen=True)
+class TieRole:
+    """What a tied layer adds to its own costs on its pipeline stage, under one cut."""
+
+    copy_numel: int = 0
+    """Elements of the shared parameters it holds as its stage's copy (no layer of its
+    stage owns them): their parameter, gradient and optimizer states as its strategy holds
+    them, and their optimizer step."""
+    copy_tensors: int = 0
+    shared_numel: int = 0
+    """Elements of the shared parameters whose gradient it all-reduces (with ``sync``)."""
+    sync: Group | None = None
+    """The ranks holding copies, when the tie spans several stages: its stage's copy's
+    gradient is all-reduced over them once a step, after the flush."""
+
+
+def pipeline_roles(graph: LayerGraph, stage_of: tuple[int, ...], stage_rank: list[int],
+                   ranks_per_stage: int) -> dict[int, TieRole]:
+    """Per tied layer (by index), its role under this cut. One layer per stage holding a
+    tie speaks for the stage: the owner of the shared parameters where it is there, else
+    the stage's first tied layer (which holds the copy); the others add nothing.
+
+    Pipeline ranks are ``ranks_per_stage`` (dp · tp) global ranks apart; the all-reduce's
+    group spreads its k members evenly over the span of their pipeline ranks (exact for
+    two copies, the embedding and the head)."""
+    index = {layer.name: i for i, layer in enumerate(graph.layers)}
+    out: dict[int, TieRole] = {}
+    for tie in graph.ties:
+        members = [index[m] for m in tie.modules if m]
+        first = index.get(owner(tie.params[0], index), members[0])
+        holders: dict[int, int] = {}
+        for i in sorted(members, key=lambda i: (i != first, i)):
+            holders.setdefault(stage_of[i], i)
+        ranks = sorted(stage_rank[s] for s in holders)
+        sync = None
+        if len(ranks) > 1:
+            gap = math.ceil((ranks[-1] - ranks[0]) / (len(ranks) - 1))
+            sync = Group(len(ranks), gap * ranks_per_stage)
+        numel = sum(tie.numels)
+        for i in members:
+            holds = holders[stage_of[i]] == i
+            copy = holds and i != first
+            out[i] = TieRole(copy_numel=numel if copy else 0,
+                             copy_tensors=len(tie.numels) if copy else 0,
+                             shared_numel=numel if holds and sync else 0,
+                             sync=sync if holds else None)
+    return out
+
+
+def copies_share_a_rank(graph: LayerGraph, stage_of: tuple[int, ...], stage_rank: list[int]
+                        ) -> bool:
+    """Whether a tie has copies on two stages of one pipeline rank (a looped or V schedule
+    folding the first and last stages together), which the runtime refuses: a rank holds
+    one copy per stage and ``TiedGradSync`` sums one per rank."""
+    index = {layer.name: i for i, layer in enumerate(graph.layers)}
+    for tie in graph.ties:
+        stages = {stage_of[index[m]] for m in tie.modules if m}
+        if len({stage_rank[s] for s in stages}) < len(stages):
+            return True
+    return False
+
+
+def tie_strategies(graph: LayerGraph, mesh: Mesh, microbatches: int,
+                   hsdp_shard_size: int | None) -> tuple[str, ...]:
+    """The data-parallel strategies every tied layer can take on this pipeline mesh: the
+    tie's one strategy, chosen per configuration so that the ranks' ILPs, solved apart,
+    agree on it. A model with several ties gives them all this one strategy (simpler than
+    a product over the ties; models tie one embedding, or T5's one shared matrix).
+    Offloading is left out: the copies' gradients are all-reduced where they live, and an
+    offloaded gradient lives on the host, out of NCCL's reach."""
+    layers = [layer for layer in graph.layers if graph.tie_of(layer.name)]
+    common = [s for s in allowed_strategies(layers[0], mesh, hsdp_shard_size=hsdp_shard_size,
+                                            microbatches=microbatches)
+              if s in DATA_PARALLEL]
+    for layer in layers[1:]:
+        mine = allowed_strategies(layer, mesh, hsdp_shard_size=hsdp_shard_size,
+                                  microbatches=microbatches)
+        common = [s for s in common if s in mine]
+    return tuple(common)
+
+
+def with_copy(layer: LayerInfo, role: TieRole) -> LayerInfo:
+    """The layer as its stage runs it: with the copy of the shared parameters it holds
+    (same element size as its owner's, the model's parameter dtype)."""
+    if not role.copy_numel:
+        return layer
+    element = layer.param_bytes / layer.param_count if layer.param_count else 4
+    return dataclasses.replace(
+        layer, param_count=layer.param_count + role.copy_numel,
+        param_bytes=int(layer.param_bytes + role.copy_numel * element),
+        param_tensors=layer.param_tensors + role.copy_tensors)
+
+
+def with_sync(cost: LayerCost, role: TieRole, mesh: Mesh, cluster: Cluster, prec: Precision,
+              hsdp_shard_size: int | None) -> LayerCost:
+    """``cost`` plus its copy's gradient all-reduce across the pipeline ranks (the gradient
+    as the optimizer holds it: this rank's shard, ``Precision.held_grad_bytes`` an element),
+    once a step after the flush, not overlapped."""
+    if role.sync is None:
+        return cost
+    shards = shard_ranks(cost.strategy, mesh.replicas, mesh.tp, hsdp_shard_size)
+    seconds = all_reduce_s(role.shared_numel / shards * prec.held_grad_bytes, role.sync,
+                           cluster)
+    return dataclasses.replace(cost, step_s=cost.step_s + seconds,
+                               comm_s=cost.comm_s + seconds)
+
+
+def describe_tie(tie: Tie, plan: Plan) -> str:
+    """The tie as a plan's report states it: who shares what, and under a pipeline which
+    stages hold a copy and where their gradients are summed."""
+    text = tie.describe()
+    stages = sorted({la.stage for la in plan.layers if la.module in tie.modules})
+    if plan.pipeline is None or len(stages) < 2:
+        return text
+    ranks = [stage_rank(s, plan.mesh.pp, plan.pipeline) for s in stages]
+    return (f"{text}; stages {', '.join(map(str, stages))} each hold a copy, whose gradients "
+            f"are all-reduced across pipeline ranks {', '.join(map(str, ranks))} every step")
+
+
+def with_tied_choices(options: list[ClassOptions], graph: LayerGraph, plan: Plan,
+                      cluster: Cluster, prec: Precision) -> list[ClassOptions]:
+    """``options`` (per class, pruned as if each layer chose alone) with the option each
+    tied layer of a pipeline plan was given, where it was pruned: the tie's strategy may
+    be one its class alone would never take (the head owns no parameter of its own, so
+    every strategy costs it the same and the first is kept)."""
+    if plan.pipeline is None or not graph.ties:
+        return options
+    info = {layer.name: layer for layer in graph.layers}
+    out = []
+    for o in options:
+        costs = dict(o.costs)
+        for la in plan.layers:
+            if la.layer_class == o.name and la.option not in costs and graph.tie_of(la.module):
+                costs[la.option] = layer_cost(
+                    info[la.module], la.option, plan.mesh, cluster, prec,
+                    plan.pipeline.num_microbatches,
+                    hsdp_shard_size=hsdp_shard_size(cluster, plan.mesh.pp))
+        out.append(dataclasses.replace(o, costs=costs))
     return out
