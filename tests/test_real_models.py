@@ -79,8 +79,12 @@ def reference(name: str, pipeline: bool = False) -> dict:
             grads = {n: _full(p.grad) for n, p in named if p.grad is not None}
         opt.step()
         opt.zero_grad()
+    aliases: dict[int, set[str]] = {}
+    for n, p in named:
+        aliases.setdefault(id(p), set()).add(n)
     return {"losses": losses, "grads": grads, "params": {n: _full(p) for n, p in named},
-            "names": [n for n, _ in net.named_parameters()]}
+            "names": [n for n, _ in net.named_parameters()],
+            "aliases": {n: aliases[id(p)] for n, p in named}}
 
 
 def train_job(name: str, plan_json: str) -> dict:
@@ -143,7 +147,8 @@ def assert_matches_reference(results: list[dict], name: str, pipeline: bool) -> 
             _close(params[n], want, tol, f"rank {rank} param {n}")
     if pipeline:
         held = set().union(*(r["params"].keys() for r in results))
-        assert held >= set(ref["names"]), f"no stage holds {set(ref['names']) - held}"
+        missing = [n for n in ref["names"] if not ref["aliases"][n] & held]
+        assert not missing, f"no stage holds {missing} under any of its names"
 
 
 # -- plans -----------------------------------------------------------------------------------
@@ -219,6 +224,8 @@ def variant_plan(name: str, variant: str) -> tuple[str | None, str]:
 VARIANTS = ("planned", "fsdp", "zero2_full", "mixed", "tp2", "pp2")
 UNAVAILABLE: dict[tuple[str, str], str] = {
     ("resnet50-layout", "pp2"): "BatchNorm in training mode",
+    # T5's embeddings are reached through `shared`, a module that runs no op of its own.
+    ("hf-t5", "pp2"): "a parameter the root uses is on no planned stage",
 }
 """Variants a model does not allow, and a phrase the reason given must contain."""
 CASES = [(n, v) for n in MODELS for v in VARIANTS if (n, v) not in UNAVAILABLE]
