@@ -3,6 +3,7 @@
     python bench/plan_speed.py            # the full table (about a minute on 2 cores)
     python bench/plan_speed.py --quick    # gpt2-small and gpt3-175b at 1,024 GPUs only
     python bench/plan_speed.py --baseline # + capture with torch.export first, same process
+    python bench/plan_speed.py --quick --checked  # + the search asking the runtime's validator
     python bench/plan_speed.py --megatron # Megatron-LM Table 1 rows, 32 … 3,072 GPUs
     python bench/plan_speed.py --megatron 39.1 1008.0   # only these rows (billions of params)
 
@@ -21,6 +22,7 @@ other jobs on a shared machine disturb less than the wall-clock 'search s'.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import time
@@ -31,6 +33,7 @@ from autopar.planner.published import MegatronRow, megatron_rows
 from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
+from runtime.validate import plan_problem
 
 ROWS = [
     # model, global batch, precision
@@ -116,6 +119,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--baseline", action="store_true",
                         help="also time the layer graph with torch.export tried first")
+    parser.add_argument("--checked", action="store_true",
+                        help="also time each search asking the runtime's validator about "
+                             "every feasible candidate (what autopar.plan does), same process")
     parser.add_argument("--megatron", nargs="*", metavar="PARAMS_B",
                         help="the Megatron-LM Table 1 rows (all, or those with these "
                              "parameter counts in billions) instead of the built-in models")
@@ -135,6 +141,13 @@ def main() -> None:
         print(f"{r['model']:<11} {r['gpus']:>5} {r['batch']:>5} {r['dtype']:<8} "
               f"{r['build']:>7.2f} {r['capture']:>9.2f} {r['search']:>8.2f} {r['total']:>7.2f}"
               f"  {r['outcome']}")
+    if args.checked:
+        print()
+        print("search alone vs search asking runtime.validate about every feasible candidate")
+        print(f"{'model':<11} {'GPUs':>5} {'search s':>8} {'checked s':>9} {'ratio':>6}")
+        for model, batch, dtype, gpus in rows:
+            plain, checked = time_checked_search(model, batch, dtype, gpus)
+            print(f"{model:<11} {gpus:>5} {plain:>8.2f} {checked:>9.2f} {checked / plain:>5.2f}×")
     if args.baseline:
         print()
         print("capture path: symbolic_trace first (default) vs torch.export first, same process")
@@ -144,6 +157,21 @@ def main() -> None:
             export_s = time_layer_graph(model, batch, "export")
             print(f"{model:<11} {batch:>5} {trace_s:>8.2f} {export_s:>8.2f} "
                   f"{export_s / trace_s:>11.1f}×")
+
+
+def time_checked_search(model_name: str, batch: int, dtype: str, gpus: int
+                        ) -> tuple[float, float]:
+    spec = get_model(model_name)
+    model = spec.build("meta")
+    inputs = spec.example_inputs(batch, device="meta")
+    graph = build_layer_graph(model, inputs, model_name=model_name, seq_len=inputs[0].shape[1])
+    cluster = Cluster.preset("dgx-a100-80g", nodes=gpus // 8)
+    times = []
+    for check in (None, functools.partial(plan_problem, model)):
+        start = time.perf_counter()
+        search(graph, cluster, precision_name=dtype, check=check)
+        times.append(time.perf_counter() - start)
+    return times[0], times[1]
 
 
 def time_layer_graph(model_name: str, batch: int, prefer: str) -> float:
