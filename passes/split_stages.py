@@ -5,10 +5,10 @@ Two captures, one set of rules for where the cuts go (steps 1 and 3 below):
 - **symbolic_trace** (this module): ``torch.fx`` with every layer as a leaf; each stage is
   a ``GraphModule`` that calls the user's own layer modules. Preferred where it works: it
   is shape-generic, tensor parallelism can replace the layers' ``nn.Linear`` weights, and
-  it is ten times faster: gpt-tiny with 6 blocks cut into 2 stages splits in 0.12 s
-  against 1.34 s for the export split (measured: median of 5 ``split_pipeline`` calls per
-  ``method``, torch 2.13 on 2 shared CPU cores), with the same parameters under the same
-  names per stage and the same outputs (tests/test_split_stages.py checks both).
+  it is about nine times faster: gpt-tiny with 6 blocks cut into 2 stages splits in
+  0.05 s against 0.45 s for the export split (``python bench/split_speed.py``,
+  BENCHMARKS.md), with the same parameters under the same names per stage and the same
+  outputs (tests/test_split_stages.py checks both).
 - **export** (``passes.split_export``): PyTorch's ``torch.distributed.pipelining.pipeline``
   on a ``torch.export`` capture, for what symbolic tracing cannot capture (every Hugging
   Face model, keyword inputs) and for parameters used on two stages (tied weights), which
