@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -23,7 +24,11 @@ import torch.nn.functional as F
 from resnet_layout import image_batch, resnet_layout
 from torch.distributed.tensor import DTensor
 
-from runtime.plan import LayerPlan, Mesh, Plan, PlanError
+from autopar.planner.costs import layer_cost
+from cost_models.hardware import Cluster
+from cost_models.memory import precision
+from passes.layer_graph import build_layer_graph
+from runtime.plan import LayerPlan, Mesh, Plan, PlanError, option_label
 from runtime.recompute import apply_recompute
 
 STEPS = 3
@@ -265,3 +270,50 @@ def test_inplace_layers_recomputed_train_like_one_process(pool2, name, mode):
             assert got[kind].keys() == ref[kind].keys()
             for key, want in ref[kind].items():
                 _close(got[kind][key], want, f"rank {rank} {kind} {key}")
+
+
+# -- the planner's view --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prefer", ["symbolic_trace", "export"])
+def test_layer_graph_records_the_stem_relu_modifying_its_input(prefer):
+    (images,), _ = image_batch(4)
+    graph = build_layer_graph(_resnet(), (images,), prefer=prefer)
+    assert graph.extra["capture_method"] == prefer
+    modified = {layer.name: layer.inplace_input_bytes for layer in graph.layers
+                if layer.inplace_input_bytes}
+    # bn1's output, (4, 8, 16, 16) float32; the blocks modify only their own tensors
+    assert modified == {"relu": 4 * 8 * 16 * 16 * 4}
+
+
+def test_exported_graph_shows_in_place_residual_adds():
+    """Export keeps ``x += f(x)`` as ``aten.add_``; symbolic tracing records it as ``x + y``
+    (torch.fx has no in-place operators), so only export sees the blocks modify x."""
+    graph = build_layer_graph(_stack(), _stack_batch(0)[0], prefer="export")
+    modified = {layer.name: layer.inplace_input_bytes for layer in graph.layers
+                if layer.inplace_input_bytes}
+    assert modified == {name: 8 * 16 * 4 for name in ("act", "blocks.0", "blocks.1", "blocks.2")}
+
+
+@pytest.mark.parametrize("mode", ["none", *MODES])
+def test_recomputing_a_layer_that_modifies_its_input_costs_the_copy(mode):
+    """The stem ReLU on 2 replicas keeps its input's copy (half the batch) to backward,
+    copies it twice (forward and rerun: each reads and writes it) and holds a second copy
+    while it reruns; without recomputation nothing changes."""
+    (images,), _ = image_batch(8)
+    relu = next(layer for layer in build_layer_graph(_resnet(), (images,)).layers
+                if layer.name == "relu")
+    plain = replace(relu, inplace_input_bytes=0)
+    cluster, mesh = Cluster.preset("dgx-a100-80g", nodes=1), Mesh(dp=2)
+    prec = precision("float32")
+    got, base = (layer_cost(layer, option_label("zero2", mode), mesh, cluster, prec)
+                 for layer in (relu, plain))
+    copy = relu.inplace_input_bytes / 2
+    copy_s = 2 * copy / (cluster.device.memory_bandwidth_GBps * 1e9)
+    if mode == "none":
+        assert (got.activations_bytes, got.buffer_bytes, got.compute_s) == \
+            (base.activations_bytes, base.buffer_bytes, base.compute_s)
+        return
+    assert got.activations_bytes == pytest.approx(copy)  # what a ReLU would keep anyway
+    assert got.buffer_bytes - base.buffer_bytes == pytest.approx(copy)
+    assert got.compute_s - base.compute_s == pytest.approx(2 * copy_s)
