@@ -26,6 +26,10 @@ Order (``runtime.apply``): after tensor parallelism, so TP's collectives are ins
 region (saved by the selective policy, re-run by ``full``); before FSDP2/DDP, whose
 hooks stay outside it.
 
+A layer that modifies in place an output the selective policy saves (``h = linear(x);
+h.relu_()``) gets that entry copied before the write (``_CopyOnWrite``): backward replays
+the value the matmul made, where torch's cache would refuse the changed one.
+
 Layers that modify their inputs in place (a ``ReLU(inplace=True)`` layer, ``x += f(x)``)
 are recomputed exactly, at the price of one copy of those inputs (``_Frame``). Plain
 ``checkpoint(forward, x)`` cannot run them: it keeps ``x`` to rerun the layer from, the
@@ -54,6 +58,7 @@ charges the copy (``LayerInfo.inplace_input_bytes``, autopar/planner/costs.py).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable
@@ -61,7 +66,7 @@ from collections.abc import Callable, Iterable
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
@@ -98,8 +103,72 @@ def selective_policy() -> Callable:
 
 def _context_fn(mode: str) -> Callable | None:
     if mode == "selective":
-        return functools.partial(create_selective_checkpoint_contexts, selective_policy())
+        return _selective_contexts
     return None
+
+
+def _selective_contexts() -> tuple:
+    """The selective policy's (forward, recompute) modes, the forward one with
+    ``_CopyOnWrite`` inside it."""
+    caching, cached = create_selective_checkpoint_contexts(selective_policy())
+    forward = contextlib.ExitStack()
+    forward.enter_context(caching)
+    forward.enter_context(_CopyOnWrite(caching))
+    return forward, cached
+
+
+class _CopyOnWrite(TorchDispatchMode):
+    """Before an op writes to an output the selective policy has cached (an output of
+    SELECTIVE_SAVE_OPS the layer then modifies in place, ``h = linear(x); h.relu_()``),
+    the cache's entry becomes a copy, so backward gets the value the op made; torch's
+    cache otherwise refuses the changed entry ("Tensor cached during selective
+    activation checkpoint has been mutated"). Entered inside the caching mode, it sees
+    each op first; the copy is made with both hidden, so the rerun's ops still match the
+    forward's one by one. Reads torch's cache layout (``storage``: op -> call -> outputs
+    as ``_VersionWrapper`` with ``val`` and ``version``); a layout without it is left alone.
+    """
+
+    def __init__(self, caching: TorchDispatchMode) -> None:
+        super().__init__()
+        self.storage = getattr(caching, "storage", {})
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func._schema.is_mutable:
+            written = {_storage_key(t) for t in _written(func, args, kwargs)} - {None}
+            if written:
+                self._copy_cached(written)
+        return func(*args, **kwargs)
+
+    def _copy_cached(self, written: set) -> None:
+        for calls in list(self.storage.values()):
+            for entry in list(calls.values()):
+                for wrapper in pytree.tree_leaves(entry):
+                    val = getattr(wrapper, "val", None)
+                    if isinstance(val, torch.Tensor) and _storage_key(val) in written:
+                        with _disable_current_modes():
+                            wrapper.val = val.clone()
+                        wrapper.version = wrapper.val._version
+
+
+def _written(func, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors ``func`` modifies in place (its schema's written arguments)."""
+    out: list[torch.Tensor] = []
+    for i, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = args[i] if i < len(args) else kwargs.get(arg.name)
+            out += [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+    return out
+
+
+def _storage_key(t: torch.Tensor) -> tuple | None:
+    """Identity of a tensor's storage (a DTensor's: its shard's); None for a tensor
+    subclass that has none."""
+    local = getattr(t, "_local_tensor", t)
+    try:
+        return local.device, local.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 class _Frame:

@@ -317,3 +317,32 @@ def test_recomputing_a_layer_that_modifies_its_input_costs_the_copy(mode):
     assert got.activations_bytes == pytest.approx(copy)  # what a ReLU would keep anyway
     assert got.buffer_bytes - base.buffer_bytes == pytest.approx(copy)
     assert got.compute_s - base.compute_s == pytest.approx(2 * copy_s)
+
+
+class _ModifiesSavedOutput(nn.Module):
+    """``h = fc(x); h.mul_(2); h.relu_()``: modifies the output of a matmul the selective
+    policy saves; a rerun from the modified value would double it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(4, 8), nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        h.mul_(2.0)
+        h.relu_()
+        return self.fc2(h)
+
+
+def test_selective_replays_a_saved_output_the_layer_then_modifies():
+    torch.manual_seed(0)
+    eager = nn.Sequential(_ModifiesSavedOutput())
+    recomputed = copy.deepcopy(eager)
+    apply_recompute(recomputed, [LayerPlan(module="0", recompute="selective")])
+    for step in range(2):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(step))
+        eager(x).square().sum().backward()
+        recomputed(x).square().sum().backward()
+        want, got = _grads(eager), _grads(recomputed)
+        for n in want:
+            torch.testing.assert_close(got[n], want[n], rtol=1e-6, atol=1e-7, msg=n)
