@@ -3,7 +3,8 @@
 - One process: a ``ReLU(inplace=True)`` layer and an in-place residual block (``x +=
   f(x)``) under full and selective recomputation give eager's gradients, and the caller
   still sees eager's mutation and alias; inputs changed in place where the rerun cannot
-  reproduce them are refused with a PlanError naming the layer.
+  reproduce them are refused with a PlanError naming the layer; selective recomputation
+  of a layer that modifies a saved matmul output in place gives eager's gradients.
 - Two gloo ranks: the ResNet layout (1-1-1-1, float32) with every layer, the stem's
   in-place ReLU included, recomputed under zero2, and a stack of in-place residual blocks
   recomputed under DDP, train 3 steps like one process on the global batch.
