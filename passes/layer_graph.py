@@ -17,7 +17,8 @@ keeps export as the primary method for every other use.
 What recomputation costs and saves comes from the same runs: saved bytes split by dtype
 and by the aten op that produced each saved storage, FLOPs of the ops selective
 recomputation repeats (``passes.annotate``), and the bytes of the floating tensors entering
-the layer, which full recomputation keeps (``_input_bytes``).
+the layer, which full recomputation keeps (``_input_bytes``), and of those the layer modifies
+in place, which recomputation copies (``passes.inplace``).
 
 Each layer also lists the GEMMs its forward runs (``LayerInfo.gemms``), named by module
 relative to the layer, so the cost model can map their sizes under each option.
@@ -57,6 +58,7 @@ from passes.annotate import (
 )
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
 from passes.group_layers import LayerGroup, find_ties, group_layers, owning_layer
+from passes.inplace import count_inplace_inputs, inplace_input_bytes
 from passes.memory_bound import memory_bound_bytes
 from passes.records import GemmShape, LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
@@ -147,6 +149,7 @@ class LayerCosts:
         self.num_ops = sum(1 for n in calls if n.meta[K.OP_KIND].is_kernel)
         self.output_bytes = _output_bytes(nodes)
         self.input_bytes = _input_bytes(nodes)
+        self.inplace_input_bytes = inplace_input_bytes(nodes)
         self.attention_kv_bytes = kv_bytes(nodes)
         self.attention_fwd_flops = attention_flops(nodes)
         self.gemms = _gemms(calls, layer)
@@ -159,6 +162,7 @@ def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
     count_flops(gm, group.nodes, env)
     count_saved_bytes(gm, group.nodes, env)
     count_bytes(gm, group.nodes)
+    count_inplace_inputs(gm, group.nodes, env)
     costs = LayerCosts(group.nodes, group.name)
     costs.batch_norm_channels = batch_norm_channels(model, group.name)
     return costs, find_tensor_parallel(gm, model, group)
@@ -193,6 +197,7 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
         selective_fixed_bytes=costs.selective_fixed_bytes,
         selective_fwd_flops=costs.selective_fwd_flops,
         input_bytes=costs.input_bytes,
+        inplace_input_bytes=costs.inplace_input_bytes,
         attention_kv_bytes=costs.attention_kv_bytes,
         attention_fwd_flops=costs.attention_fwd_flops,
         gemms=costs.gemms,

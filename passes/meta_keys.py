@@ -44,6 +44,9 @@ it in training), written by ``annotate.mark_needs_grad``."""
 ATTENTION_KERNEL = "autopar.attention_kernel"
 """str, on scaled dot-product attention nodes: the kernel costed for training ('flash',
 'efficient' or 'math', see ``annotate.attention_kernel``), written by the cost passes."""
+INPLACE_INPUTS = "autopar.inplace_inputs"
+"""int: floating bytes of the layer's inputs the node is the first to modify in place,
+written by ``inplace.count_inplace_inputs``."""
 TP_STYLE = "autopar.tp_style"
 """str (a runtime.plan.TP_STYLES entry), on linear/embedding nodes of a layer's
 representative, written by ``tensor_parallel.find_tensor_parallel``."""

@@ -147,6 +147,10 @@ class LayerInfo:
     runs again (the attention products; norms and element-wise ops count no FLOPs)."""
     input_bytes: int = 0
     """Bytes of the layer's floating inputs: what full recomputation keeps (its checkpoint)."""
+    inplace_input_bytes: int = 0
+    """Bytes of the floating inputs the layer's forward modifies in place (a
+    ``ReLU(inplace=True)`` layer): recomputing it keeps a copy of them to rerun from, which
+    no other layer shares, and copies them twice (runtime/recompute.py)."""
     attention_kv_bytes: int = 0
     """Bytes of the keys and values the layer's F.scaled_dot_product_attention reads: what
     context parallelism's ring passes between ranks (passes/context_parallel.py)."""

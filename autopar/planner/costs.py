@@ -74,6 +74,9 @@ rest again in backward (attention products, norms, activations, dropout); ``full
 the layer's input and runs the whole forward (TP collectives included) again in backward.
 Either way the freed activations come back, one layer at a time, during that layer's
 backward: a transient.
+A layer that modifies its inputs in place (``LayerInfo.inplace_input_bytes``) is recomputed
+from a copy of them made before its forward, which nothing else holds: it keeps at least
+that copy, made in its forward, and copies them once more for the rerun.
 
 The loss is charged to the layer producing the model's output: one float32 copy of the
 logits kept per micro-batch, two more as a transient in its backward (``loss_costs.loss_bytes``),
@@ -321,7 +324,12 @@ def layer_cost(
     fwd_matmul = roofline_s(fwd_flops + short, mem, layer.num_ops, device, dtype)
     fwd_alone = roofline_s(0.0, alone, 0, device, dtype)
     loss_fwd, loss_bwd = loss_s(layer, dp * m, prec, device)
-    fwd_compute = fwd_matmul + fwd_alone + loss_fwd
+    # Recomputing a layer that modifies its inputs in place copies them before its forward
+    # and again for the rerun (runtime/recompute.py); each copy reads and writes them.
+    inplace = (0.0 if recompute == "none" else
+               layer.inplace_input_bytes * act_scale / (dp * m) / (tp if sp else 1))
+    copy_s = roofline_s(0.0, 2 * inplace, 0, device, dtype) if inplace else 0.0
+    fwd_compute = fwd_matmul + fwd_alone + loss_fwd + copy_s
     bwd_compute = (roofline_s(layer.bwd_flops * ratio + bwd_short, 2 * mem, 2 * layer.num_ops,
                               device, dtype)
                    + roofline_s(0.0, 2 * alone, 0, device, dtype) + loss_bwd)
@@ -333,6 +341,9 @@ def layer_cost(
     tp_fwd, tp_bwd = tp_fwd + batch_norm, tp_bwd + batch_norm
     activations, rematerialized, recompute_s, recompute_comm = _activations(
         layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
+    if inplace:  # the copy is the layer's alone, held to backward; the rerun copies it again
+        activations, rematerialized = max(activations, inplace), rematerialized + inplace
+        recompute_s += copy_s
     loss_kept, loss_transient = loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
     dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
     host = _offload_s(local_params, layer.param_tensors, prec, cluster) if offload else (
