@@ -28,6 +28,35 @@ def single_process_losses(name: str, *, steps: int, seed: int = 0) -> list[float
     return losses
 
 
+def full_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A (possibly sharded) tensor's full value, detached, on CPU. Collective for DTensors."""
+    from torch.distributed.tensor import DTensor
+
+    t = t.detach()
+    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
+
+
+def train_one_process(model: nn.Module, step_loss, *, steps: int, lr: float,
+                      names=None) -> dict:
+    """The one-process reference the runtime tests compare with: AdamW(lr) for ``steps``,
+    ``step_loss(model, step)`` the loss of each step's global batch. Returns the losses, the
+    first step's gradients and the final parameters, by name: ``names`` (default
+    ``model.named_parameters()``) lists the (name, parameter) pairs to report."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    named = list(model.named_parameters() if names is None else names)
+    losses, grads = [], {}
+    for step in range(steps):
+        loss = step_loss(model, step)
+        loss.backward()
+        losses.append(loss.item())
+        if step == 0:
+            grads = {n: full_tensor(p.grad) for n, p in named if p.grad is not None}
+        opt.step()
+        opt.zero_grad()
+    return {"losses": losses, "grads": grads,
+            "params": {n: full_tensor(p) for n, p in named}}
+
+
 def hf_gpt2(use_cache: bool = False) -> nn.Module:
     """A 2-layer Hugging Face GPT-2 (fused qkv Conv1D), seeded."""
     import transformers

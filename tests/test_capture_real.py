@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import train_one_process
 from resnet_layout import LAYOUT, image_batch, resnet_layout
 
 import autopar
@@ -329,18 +330,13 @@ def unsynchronised_job(name: str) -> dict:
 @functools.cache
 def reference(name: str) -> dict:
     model = _build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(STEPS):
+
+    def step_loss(net: nn.Module, step: int) -> torch.Tensor:
         (x,), y = _batch(name, step)
-        loss = _loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return _record(model, losses, grads)
+        return _loss(net(x), y)
+
+    result = train_one_process(model, step_loss, steps=STEPS, lr=LR)
+    return _record(model, result["losses"], result["grads"])
 
 
 def _close(got, want, tol: dict, label: str) -> None:

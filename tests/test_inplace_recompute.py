@@ -22,6 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import train_one_process
 from resnet_layout import image_batch, resnet_layout
 from torch.distributed.tensor import DTensor
 
@@ -239,18 +240,13 @@ def train_job(name: str, plan_json: str) -> dict:
 def reference(name: str) -> dict:
     build, batch, _ = MODELS[name]
     model = build()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(STEPS):
+
+    def step_loss(net: nn.Module, step: int) -> torch.Tensor:
         (x,), y = batch(step)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = _grads(model)
-        opt.step()
-        opt.zero_grad()
-    return _record(model, losses, grads)
+        return F.cross_entropy(net(x), y)
+
+    result = train_one_process(model, step_loss, steps=STEPS, lr=LR)
+    return _record(model, result["losses"], result["grads"])
 
 
 def _close(got, want, label: str) -> None:

@@ -21,8 +21,9 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from reference import train_one_process
 from test_pipeline_numerics import PARAM_TOL, _full_grads
-from test_runtime_numerics import GRAD_TOL, LOSS_TOL, LR, STEPS, _close, _full
+from test_runtime_numerics import GRAD_TOL, LOSS_TOL, LR, STEPS, _close
 
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, PlanError
 
@@ -103,20 +104,11 @@ def pipeline_job(name: str, plan_json: str) -> dict:
 
 @functools.cache
 def reference(name: str) -> dict:
-    model = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(STEPS):
+    def step_loss(model: nn.Module, step: int) -> torch.Tensor:
         (x,), y = batch(step)
-        loss = next_token_loss(model(x), y)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-    return {"losses": losses, "grads": grads,
-            "params": {n: _full(p) for n, p in model.named_parameters()}}
+        return next_token_loss(model(x), y)
+
+    return train_one_process(build(name), step_loss, steps=STEPS, lr=LR)
 
 
 def assert_matches_reference(results: list[dict], name: str) -> None:

@@ -25,7 +25,7 @@ from dataclasses import replace
 import pytest
 import torch
 from real_models import MODELS, RealModel, pipeline_inputs, planning_inputs
-from torch.distributed.tensor import DTensor
+from reference import full_tensor, train_one_process
 
 import autopar
 from autopar.explain import explain, format_explanation
@@ -48,11 +48,6 @@ KEY_BIASES = ("k_proj.bias", "key.bias", "c_attn.bias")
 """Biases of attention keys (alone or fused with q and v), whose exact gradient is zero."""
 
 
-def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach()
-    return (t.full_tensor() if isinstance(t, DTensor) else t).cpu().clone()
-
-
 def _loss(spec: RealModel, net, batch: dict, pipeline: bool):
     if pipeline or not spec.returns_loss:
         inputs = pipeline_inputs(batch)
@@ -69,21 +64,13 @@ def reference(name: str, pipeline: bool = False) -> dict:
     spec = MODELS[name]
     net = spec.build(seed=0)
     named = list(net.named_parameters(remove_duplicate=False))
-    opt = torch.optim.AdamW(net.parameters(), lr=LR)
-    losses, grads = [], {}
-    for step in range(STEPS):
-        loss = _loss(spec, net, spec.batch(BATCH, seed=step), pipeline)
-        loss.backward()
-        losses.append(loss.item())
-        if step == 0:
-            grads = {n: _full(p.grad) for n, p in named if p.grad is not None}
-        opt.step()
-        opt.zero_grad()
+    result = train_one_process(
+        net, lambda model, step: _loss(spec, model, spec.batch(BATCH, seed=step), pipeline),
+        steps=STEPS, lr=LR, names=named)
     aliases: dict[int, set[str]] = {}
     for n, p in named:
         aliases.setdefault(id(p), set()).add(n)
-    return {"losses": losses, "grads": grads, "params": {n: _full(p) for n, p in named},
-            "names": [n for n, _ in net.named_parameters()],
+    return {**result, "names": [n for n, _ in net.named_parameters()],
             "aliases": {n: aliases[id(p)] for n, p in named}}
 
 
@@ -111,7 +98,7 @@ def train_job(name: str, plan_json: str) -> dict:
             inputs, targets = trainer.shard_batch(batch)
         losses.append(trainer.forward_backward(inputs, targets).item())
         if step == 0:
-            grads = {n: _full(p.grad) for n, p in _named_parameters(trainer)
+            grads = {n: full_tensor(p.grad) for n, p in _named_parameters(trainer)
                      if p.grad is not None}
         trainer.step()
     return {"losses": losses, "grads": grads, "params": trainer.full_state_dict()}
