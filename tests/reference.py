@@ -57,6 +57,21 @@ def train_one_process(model: nn.Module, step_loss, *, steps: int, lr: float,
             "params": {n: full_tensor(p) for n, p in named}}
 
 
+def train_under_plan(trainer, step_batch, first_grads, *, steps: int) -> dict:
+    """Each rank's side of ``train_one_process``: ``trainer`` (a ``Trainer`` or
+    ``PipelineTrainer``) takes ``steps`` steps, ``step_batch(step)`` giving the arguments of
+    ``shard_batch`` (a global batch); returns the global losses, ``first_grads(trainer)``
+    after the first backward, and the final full parameters."""
+    losses, grads = [], {}
+    for step in range(steps):
+        inputs, targets = trainer.shard_batch(*step_batch(step))
+        losses.append(trainer.forward_backward(inputs, targets).item())
+        if step == 0:
+            grads = first_grads(trainer)
+        trainer.step()
+    return {"losses": losses, "grads": grads, "params": trainer.full_state_dict()}
+
+
 def hf_gpt2(use_cache: bool = False) -> nn.Module:
     """A 2-layer Hugging Face GPT-2 (fused qkv Conv1D), seeded."""
     import transformers

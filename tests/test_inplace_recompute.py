@@ -22,7 +22,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import train_one_process
+from reference import train_one_process, train_under_plan
 from resnet_layout import image_batch, resnet_layout
 from torch.distributed.tensor import DTensor
 
@@ -226,14 +226,9 @@ def train_job(name: str, plan_json: str) -> dict:
     model = build()
     trainer = Trainer(model, Plan.from_json(plan_json), F.cross_entropy,
                       lambda params: torch.optim.AdamW(params, lr=LR))
-    losses, grads = [], {}
-    for step in range(STEPS):
-        inputs, targets = trainer.shard_batch(*batch(step))
-        losses.append(trainer.forward_backward(inputs, targets).item())
-        if step == 0:
-            grads = {n: _full(p.grad) for n, p in model.named_parameters()}
-        trainer.step()
-    return _record(model, losses, grads)
+    return train_under_plan(
+        trainer, batch, lambda t: {n: _full(p.grad) for n, p in model.named_parameters()},
+        steps=STEPS)
 
 
 @functools.cache

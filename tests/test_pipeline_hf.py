@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import train_one_process
+from reference import train_one_process, train_under_plan
 from test_pipeline_numerics import PARAM_TOL, _full_grads
 from test_runtime_numerics import GRAD_TOL, LOSS_TOL, LR, STEPS, _close
 
@@ -89,17 +89,10 @@ def pipeline_job(name: str, plan_json: str) -> dict:
     example = (torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta"),)
     trainer = make_trainer(build(name), plan, next_token_loss, example,
                            lambda params: torch.optim.AdamW(params, lr=LR))
-    losses, grads = [], {}
-    for step in range(STEPS):
-        inputs, targets = trainer.shard_batch(*batch(step))
-        losses.append(trainer.forward_backward(inputs, targets).item())
-        if step == 0:
-            grads = _full_grads(trainer)
-        trainer.step()
+    result = train_under_plan(trainer, batch, _full_grads, steps=STEPS)
     exported = all(any("InterpreterModule" in type(sub).__name__ for sub in m.modules())
                    for m in trainer.stages)
-    return {"losses": losses, "grads": grads, "params": trainer.full_state_dict(),
-            "exported": exported}
+    return {**result, "exported": exported}
 
 
 @functools.cache

@@ -25,7 +25,7 @@ from dataclasses import replace
 import pytest
 import torch
 from real_models import MODELS, RealModel, pipeline_inputs, planning_inputs
-from reference import full_tensor, train_one_process
+from reference import full_tensor, train_one_process, train_under_plan
 
 import autopar
 from autopar.explain import explain, format_explanation
@@ -89,19 +89,18 @@ def train_job(name: str, plan_json: str) -> dict:
     else:
         loss_fn = None if spec.returns_loss else spec.logits_loss
         trainer = make_trainer(spec.build(seed=0), plan, loss_fn, batch0, optimizer)
-    losses, grads = [], {}
-    for step in range(STEPS):
+
+    def step_batch(step: int) -> tuple:
         batch = spec.batch(BATCH, seed=step)
         if pipeline or not spec.returns_loss:
-            inputs, targets = trainer.shard_batch(pipeline_inputs(batch), batch["labels"])
-        else:
-            inputs, targets = trainer.shard_batch(batch)
-        losses.append(trainer.forward_backward(inputs, targets).item())
-        if step == 0:
-            grads = {n: full_tensor(p.grad) for n, p in _named_parameters(trainer)
-                     if p.grad is not None}
-        trainer.step()
-    return {"losses": losses, "grads": grads, "params": trainer.full_state_dict()}
+            return pipeline_inputs(batch), batch["labels"]
+        return (batch,)
+
+    return train_under_plan(trainer, step_batch, _first_grads, steps=STEPS)
+
+
+def _first_grads(trainer) -> dict:
+    return {n: full_tensor(p.grad) for n, p in _named_parameters(trainer) if p.grad is not None}
 
 
 def _named_parameters(trainer):
