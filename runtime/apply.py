@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from runtime.batch_norm import apply_batch_norm
+from runtime.batch_norm import convert_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
 from runtime.mesh import build_mesh, data_parallel_meshes
@@ -106,7 +106,7 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> AppliedP
     model.to(device)
     mesh = build_mesh(plan.mesh, device_type)
     logger.info("mesh %s on %s", plan.mesh.describe(), device_type)
-    apply_batch_norm(model, plan, mesh)
+    convert_batch_norm(model, mesh.get_group("dp"))  # validate_plan checked the plan
     layers = list(plan.layers)
     cp = _context_parallel(model, mesh, layers, position_arg)
     if uses_ddp(layers, mixed_precision=is_mixed(plan)):

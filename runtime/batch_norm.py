@@ -37,7 +37,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed._functional_collectives import all_reduce
-from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from runtime.plan import Plan, PlanError
@@ -132,13 +131,6 @@ class DataParallelBatchNorm(_BatchNorm):
         unbiased = var * (n / (n - 1).clamp(min=1))
         self.running_mean.copy_(factor * mean + (1 - factor) * self.running_mean)
         self.running_var.copy_(factor * unbiased + (1 - factor) * self.running_var)
-
-
-def apply_batch_norm(model: nn.Module, plan: Plan, mesh: DeviceMesh) -> list[str]:
-    """Refuse plans that change batch statistics (``check_batch_statistics``), then take
-    every BatchNorm's statistics over the mesh's dp axis; return the converted paths."""
-    check_batch_statistics(model, plan)
-    return convert_batch_norm(model, mesh.get_group("dp"))
 
 
 def convert_batch_norm(model: nn.Module, group: dist.ProcessGroup) -> list[str]:
