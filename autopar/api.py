@@ -110,7 +110,7 @@ def compile(  # noqa: A001 - the public name the architecture promises
     loss_fn: LossFn | None = None,
     optimizer_factory: OptimizerFactory | None = None,
     plan: Plan | None = None,
-    device_type: str = "cpu",
+    device_type: str = "auto",
     **plan_kwargs,
 ) -> Trainer:
     """Plan (on rank 0, shared with every rank) unless ``plan`` is given, then apply it.

@@ -38,7 +38,7 @@ def make_trainer(
     loss_fn: LossFn | None,
     example_inputs: object,
     optimizer_factory: OptimizerFactory | None = None,
-    device_type: str = "cpu",
+    device_type: str = "auto",
 ) -> Trainer:
     """A trainer for ``plan`` on every rank of an initialised process group.
 

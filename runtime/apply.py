@@ -31,6 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.batch_norm import convert_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
+from runtime.device import rank_device
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import LayerPlan, Plan, PlanError
@@ -93,19 +94,13 @@ def validate_plan(model: nn.Module, plan: Plan) -> str | None:
     return position_argument(model) if plan.mesh.cp > 1 else None
 
 
-def _device(device_type: str) -> torch.device:
-    if device_type == "cuda":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device(device_type)
-
-
-def apply(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> AppliedPlan:
+def apply(model: nn.Module, plan: Plan, *, device_type: str = "auto") -> AppliedPlan:
     """Validate, then parallelize ``model`` in place; see the module docstring for the order."""
     position_arg = validate_plan(model, plan)
-    device = _device(device_type)
+    device = rank_device(device_type)
     model.to(device)
-    mesh = build_mesh(plan.mesh, device_type)
-    logger.info("mesh %s on %s", plan.mesh.describe(), device_type)
+    mesh = build_mesh(plan.mesh, device.type)
+    logger.info("mesh %s on %s", plan.mesh.describe(), device)
     convert_batch_norm(model, mesh.get_group("dp"))  # validate_plan checked the plan
     layers = list(plan.layers)
     cp = _context_parallel(model, mesh, layers, position_arg)
@@ -135,7 +130,7 @@ def _context_parallel(model: nn.Module, mesh: DeviceMesh, layers: list[LayerPlan
     return cp
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, device_type: str = "cpu") -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan, *, device_type: str = "auto") -> nn.Module:
     """Parallelize ``model`` according to ``plan``; return the module to train.
 
     Raises PlanError, before any collective, if the plan does not fit the model or world.

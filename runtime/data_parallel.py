@@ -42,9 +42,10 @@ With one micro-batch zero1 and zero2 are the same program: ZeRO-3 without reshar
 forward. Under pipelining the schedule drives these flags itself (every FSDP2 module of a
 stage accumulates unsharded and reduces once, see ``runtime.pipeline``).
 
-``offload`` (``fsdp``/``tp_fsdp`` layers): ``CPUOffloadPolicy(pin_memory=False)``; FSDP2
-keeps the sharded parameters and gradients in host memory and the optimizer steps them
-there. Pinned memory (the default) fails on machines without an accelerator.
+``offload`` (``fsdp``/``tp_fsdp`` layers): ``CPUOffloadPolicy``; FSDP2 keeps the sharded
+parameters and gradients in host memory and the optimizer steps them there. The host
+memory is pinned on CUDA ranks (so copies overlap compute) and not on CPU ranks, where
+pinning fails without an accelerator.
 
 Mixed precision: every ``fully_shard`` takes ``runtime.precision.fsdp_policies``.
 
@@ -127,8 +128,12 @@ RESHARD_AFTER_FORWARD = ("fsdp", "hsdp", "tp_fsdp")
 """Strategies that free gathered parameters after forward (ZeRO-3); zero1/zero2 keep them."""
 
 
-def _offload(layer: LayerPlan) -> OffloadPolicy:
-    return CPUOffloadPolicy(pin_memory=False) if layer.offload else OffloadPolicy()
+def _offload(layer: LayerPlan, device: torch.device) -> OffloadPolicy:
+    """Offloaded states live in host memory, pinned when the device is a GPU (pinned
+    pages let the copies overlap compute; on a CPU rank there is nothing to pin for)."""
+    if not layer.offload:
+        return OffloadPolicy()
+    return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
 def apply_fsdp(
@@ -154,7 +159,7 @@ def apply_fsdp(
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=_mesh_for(layer, meshes),
                     reshard_after_forward=layer.strategy in RESHARD_AFTER_FORWARD,
                     mp_policy=mp_policy or MixedPrecisionPolicy(),
-                    offload_policy=_offload(layer))
+                    offload_policy=_offload(layer, torch.device(meshes.world.device_type)))
         key = layer.strategy + (" offloaded" if layer.offload else "")
         counts[key] = counts.get(key, 0) + len(unit)
     # The root holds every parameter outside the planned layers; replicate them.

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from cost_models.errors import AutoparError
+from runtime.device import backend_for, rank_device
 
 logger = logging.getLogger(__name__)
 
@@ -159,13 +160,11 @@ def init_from_env(*, timeout_s: float = 600) -> str:
             f"environment variable(s) {missing} not set; start the script with torchrun "
             "(e.g. `torchrun --nproc-per-node 4 train.py`) or use runtime.launch.spawn"
         )
-    device_type = "cuda" if torch.cuda.is_available() else "cpu"
-    if device_type == "cuda":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = rank_device("auto")  # cuda:LOCAL_RANK, made current, or cpu
+    device_type = device.type
     if not dist.is_initialized():
         dist.init_process_group(
-            "nccl" if device_type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=timeout_s),
+            backend_for(device_type), timeout=datetime.timedelta(seconds=timeout_s),
         )
     logger.info(
         "rank %d/%d initialised (%s, %s)",

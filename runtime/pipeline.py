@@ -60,9 +60,10 @@ from torch.distributed.pipelining.schedules import (
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from runtime.apply import _device, check_world
+from runtime.apply import check_world
 from runtime.batch import as_inputs, batch_size, check_splits
 from runtime.data_parallel import apply_fsdp
+from runtime.device import rank_device
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
@@ -179,7 +180,7 @@ class PipelineTrainer(Trainer):
         loss_fn: LossFn,
         optimizer_factory: OptimizerFactory = _adamw,
         *,
-        device_type: str = "cpu",
+        device_type: str = "auto",
         scale_grads: bool = True,
         tied: Sequence[Mapping[int, str]] = (),
         output_fn: Callable[[object], object] | None = None,
@@ -188,8 +189,8 @@ class PipelineTrainer(Trainer):
         self.plan = plan
         self.output_fn = output_fn
         self.loss_fn = loss_fn
-        self._device = _device(device_type)
-        self.mesh = build_mesh(plan.mesh, device_type)
+        self._device = rank_device(device_type)
+        self.mesh = build_mesh(plan.mesh, self._device.type)
         self.pp_rank = self.mesh.get_local_rank("pp")
         self.dp_rank = self.mesh.get_local_rank("dp")
         self.dp_size = plan.mesh.dp

@@ -72,7 +72,7 @@ class Trainer:
         loss_fn: LossFn | None = None,
         optimizer_factory: OptimizerFactory = _adamw,
         *,
-        device_type: str = "cpu",
+        device_type: str = "auto",
     ) -> None:
         self.applied = apply(model, plan, device_type=device_type)
         self.plan = plan
