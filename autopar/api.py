@@ -111,6 +111,7 @@ def compile(  # noqa: A001 - the public name the architecture promises
     optimizer_factory: OptimizerFactory | None = None,
     plan: Plan | None = None,
     device_type: str = "auto",
+    seed: int | None = None,
     **plan_kwargs,
 ) -> Trainer:
     """Plan (on rank 0, shared with every rank) unless ``plan`` is given, then apply it.
@@ -121,6 +122,14 @@ def compile(  # noqa: A001 - the public name the architecture promises
     ``loss_fn(output, targets)`` gets the model's output as it is; without one the model's
     own loss (``output.loss``, as Hugging Face models return with ``labels=``) is trained
     and ``train_step(inputs)`` needs no targets.
+
+    ``model`` may be built on the meta device (``with torch.device("meta"): ...``) when it
+    fits no single device: it is parallelized on meta and each rank then allocates and
+    initialises only its own shards (pipeline ranks only their own stages) with the model's
+    ``init_weights()`` or its modules' ``reset_parameters()``, the same on every rank and
+    equal to ``runtime.materialize.materialize`` on one process for ``seed`` (rank 0's
+    seed when None). A model built with real weights trains rank 0's weights.
+    ``device_type`` "auto" is CUDA on ``LOCAL_RANK`` when available, else CPU.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(
@@ -145,4 +154,4 @@ def compile(  # noqa: A001 - the public name the architecture promises
         assert isinstance(payload[0], str)
         plan = Plan.from_json(payload[0], source="plan from rank 0")
     return make_trainer(model, plan, loss_fn, example_inputs, optimizer_factory,
-                        device_type=device_type)
+                        device_type=device_type, seed=seed)

@@ -17,6 +17,7 @@ import torch.nn as nn
 from passes.split_stages import split_pipeline
 from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.pipeline import PipelineTrainer
+from runtime.materialize import broadcast_weights, check_initializable, on_meta
 from runtime.plan import Plan, PlanError
 from runtime.train import LossFn, OptimizerFactory, Trainer
 from runtime.validate import check_plan
@@ -39,6 +40,7 @@ def make_trainer(
     example_inputs: object,
     optimizer_factory: OptimizerFactory | None = None,
     device_type: str = "auto",
+    seed: int | None = None,
 ) -> Trainer:
     """A trainer for ``plan`` on every rank of an initialised process group.
 
@@ -56,9 +58,15 @@ def make_trainer(
         )
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
     if plan.mesh.pp == 1:
-        return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
+        return Trainer(model, plan, loss_fn, device_type=device_type, seed=seed, **kwargs)
     check_plan(model, plan)  # before splitting: a clear error, not a wrong run
+    meta = on_meta(model)
+    if meta:
+        check_initializable(model)
+    else:
+        broadcast_weights(model)  # ranks seeded differently split one model
     part = as_inputs(microbatch_inputs(plan, example_inputs))
     split = split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
     return PipelineTrainer(split.modules, plan, loss_fn, device_type=device_type,
-                           tied=split.tied, output_fn=split.output_fn, **kwargs)
+                           tied=split.tied, output_fn=split.output_fn,
+                           model=model if meta else None, seed=seed, **kwargs)

@@ -75,11 +75,9 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.unfused = cfg.attention == "unfused"
         if self.unfused:
-            # True above the diagonal: the later positions a query may not attend to. A
-            # buffer as in nanoGPT (built once, like Megatron's mask input); not persistent,
-            # as it is no state to checkpoint.
-            future = torch.ones(cfg.block_size, cfg.block_size, dtype=torch.bool).triu(1)
-            self.register_buffer("future", future, persistent=False)
+            # A buffer as in nanoGPT (built once, like Megatron's mask input); not
+            # persistent, as it is no state to checkpoint.
+            self.register_buffer("future", _future_mask(cfg.block_size), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
@@ -148,6 +146,17 @@ class GPT(nn.Module):
         if not _on_meta(self):
             self.apply(self._init_weights)
 
+    def init_weights(self) -> None:
+        """Initialise every parameter and buffer as the constructor does: what a model
+        built on the meta device runs once its shards are allocated (torchtitan's
+        convention, ``runtime.materialize``)."""
+        for module in self.modules():
+            if isinstance(module, nn.LayerNorm):
+                module.reset_parameters()
+            if isinstance(module, CausalSelfAttention) and module.unfused:
+                module.future.copy_(_future_mask(module.future.shape[0]))
+        self.apply(self._init_weights)
+
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         # GPT-2 initialisation, as in nanoGPT.
@@ -202,6 +211,11 @@ class MLPNet(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+def _future_mask(block_size: int) -> torch.Tensor:
+    """True above the diagonal: the later positions a query may not attend to."""
+    return torch.ones(block_size, block_size, dtype=torch.bool).triu(1)
 
 
 def _on_meta(module: nn.Module) -> bool:

@@ -9,6 +9,9 @@ The order is torchtitan's, written down once here:
     4. recompute       checkpoint the layers' forwards             (runtime.recompute)
     5. data parallel   DDP, or FSDP2 per layer then the root,      (runtime.data_parallel)
                        with the plan's precision policy            (runtime.precision)
+    6. materialize     a model built on meta: each rank allocates  (runtime.materialize)
+                       and initialises its own shards only; a model with real weights
+                       is broadcast from rank 0 before step 3 instead
 
 TP comes before FSDP because FSDP2 shards DTensor parameters that TP has already
 distributed (the 2-D pattern); checkpointing wraps forwards before FSDP hooks the
@@ -33,6 +36,13 @@ from runtime.batch_norm import convert_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
 from runtime.device import rank_device
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
+from runtime.materialize import (
+    broadcast_weights,
+    check_initializable,
+    common_seed,
+    materialize,
+    on_meta,
+)
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.precision import fsdp_policies, is_mixed
@@ -84,21 +94,26 @@ def validate_plan(model: nn.Module, plan: Plan) -> str | None:
             "stage modules to runtime.pipeline.PipelineTrainer"
         )
     check_world(plan)
-    meta = [name for name, p in model.named_parameters() if p.is_meta]
-    if meta:
-        raise PlanError(
-            f"{len(meta)} parameter(s) are on the meta device (first: {meta[0]!r}); build "
-            "or load the model with real weights (e.g. spec.build(seed=0)) before applying a plan"
-        )
+    if on_meta(model):
+        check_initializable(model)
     check_plan(model, plan)
     return position_argument(model) if plan.mesh.cp > 1 else None
 
 
-def apply(model: nn.Module, plan: Plan, *, device_type: str = "auto") -> AppliedPlan:
-    """Validate, then parallelize ``model`` in place; see the module docstring for the order."""
+def apply(model: nn.Module, plan: Plan, *, device_type: str = "auto",
+          seed: int | None = None) -> AppliedPlan:
+    """Validate, then parallelize ``model`` in place; see the module docstring for the order.
+
+    A model on the meta device is parallelized on meta and then materialized, each rank
+    allocating and initialising only its own shards from ``seed`` (rank 0's seed when
+    None; ``runtime.materialize``). A model with real weights gets rank 0's.
+    """
     position_arg = validate_plan(model, plan)
     device = rank_device(device_type)
-    model.to(device)
+    meta = on_meta(model)
+    seed = common_seed(seed) if meta else None
+    if not meta:
+        model.to(device)
     mesh = build_mesh(plan.mesh, device.type)
     logger.info("mesh %s on %s", plan.mesh.describe(), device)
     convert_batch_norm(model, mesh.get_group("dp"))  # validate_plan checked the plan
@@ -106,12 +121,18 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "auto") -> Applied
     cp = _context_parallel(model, mesh, layers, position_arg)
     if uses_ddp(layers, mixed_precision=is_mixed(plan)):
         apply_recompute(model, layers)
+        if meta:
+            materialize(model, device, seed)
         return AppliedPlan(apply_ddp(model, device), model, mesh, plan, device, cp)
+    if not meta:
+        broadcast_weights(model)  # FSDP2 and TP keep each rank's own values
     meshes = data_parallel_meshes(mesh, plan.hsdp_shard_size)
     apply_tensor_parallel(model, layers, meshes.tp)
     apply_recompute(model, layers)
     layer_policy, root_policy = fsdp_policies(plan)
     apply_fsdp(model, layers, meshes, mp_policy=layer_policy, root_mp_policy=root_policy)
+    if meta:
+        materialize(model, device, seed)
     return AppliedPlan(model, model, mesh, plan, device, cp)
 
 
@@ -130,9 +151,10 @@ def _context_parallel(model: nn.Module, mesh: DeviceMesh, layers: list[LayerPlan
     return cp
 
 
-def apply_plan(model: nn.Module, plan: Plan, *, device_type: str = "auto") -> nn.Module:
+def apply_plan(model: nn.Module, plan: Plan, *, device_type: str = "auto",
+               seed: int | None = None) -> nn.Module:
     """Parallelize ``model`` according to ``plan``; return the module to train.
 
     Raises PlanError, before any collective, if the plan does not fit the model or world.
     """
-    return apply(model, plan, device_type=device_type).module
+    return apply(model, plan, device_type=device_type, seed=seed).module

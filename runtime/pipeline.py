@@ -64,6 +64,7 @@ from runtime.apply import check_world
 from runtime.batch import as_inputs, batch_size, check_splits
 from runtime.data_parallel import apply_fsdp
 from runtime.device import rank_device
+from runtime.materialize import check_initializable, common_seed, materialize, on_meta
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
@@ -90,7 +91,8 @@ def local_stage_ids(plan: Plan, pp_rank: int) -> list[int]:
             if stage_rank(s, plan.mesh.pp, plan.pipeline) == pp_rank]
 
 
-def validate_pipeline(stages: Sequence[nn.Module], plan: Plan) -> None:
+def validate_pipeline(stages: Sequence[nn.Module], plan: Plan, model: nn.Module | None = None
+                      ) -> None:
     """Raise PlanError if the stage modules cannot run ``plan`` here. Local: no collective."""
     if plan.mesh.pp < 2 or plan.pipeline is None:
         raise PlanError(
@@ -98,18 +100,16 @@ def validate_pipeline(stages: Sequence[nn.Module], plan: Plan) -> None:
             "run pp=1 plans with runtime.train.Trainer"
         )
     check_world(plan)
+    if any(on_meta(m) for m in stages):
+        if model is None:
+            raise PlanError("stage modules on the meta device need model=, the model they "
+                            "were split from, whose initialisation fills them")
+        check_initializable(model)
     if len(stages) != plan.num_stages:
         raise PlanError(
             f"got {len(stages)} stage module(s) but the plan has {plan.num_stages} stages "
             "(mesh.pp × pipeline.virtual_stages); split the model with the same plan"
         )
-    for s, module in enumerate(stages):
-        meta = [name for name, p in module.named_parameters() if p.is_meta]
-        if meta:
-            raise PlanError(
-                f"stage {s}: {len(meta)} parameter(s) are on the meta device (first: "
-                f"{meta[0]!r}); build the model with real weights before applying a plan"
-            )
     for layer in plan.layers:
         module = stages[layer.stage]
         try:
@@ -184,8 +184,10 @@ class PipelineTrainer(Trainer):
         scale_grads: bool = True,
         tied: Sequence[Mapping[int, str]] = (),
         output_fn: Callable[[object], object] | None = None,
+        model: nn.Module | None = None,
+        seed: int | None = None,
     ) -> None:
-        validate_pipeline(stages, plan)
+        validate_pipeline(stages, plan, model)
         self.plan = plan
         self.output_fn = output_fn
         self.loss_fn = loss_fn
@@ -209,7 +211,13 @@ class PipelineTrainer(Trainer):
         if self.loss_scaler is not None:
             # Creates the scale on every rank; only the last stage scales a loss.
             self.loss_scaler.scale(torch.ones((), device=self._device))
-        pipe_stages = [self._parallelize(s, module)
+        meta = any(on_meta(m) for m in stages)
+        for s, module in zip(self.stage_ids, self.stages, strict=True):
+            self._parallelize(s, module, meta)
+        if meta:
+            materialize(model, self._device, common_seed(seed), stages=self.stages)
+        pipe_stages = [PipelineStage(module, s, plan.num_stages, self._device,
+                                     group=self.mesh.get_group("pp"))
                        for s, module in zip(self.stage_ids, self.stages, strict=True)]
         self.schedule = _schedule(plan, pipe_stages, self._scaled_loss, scale_grads)
         self.has_first = 0 in self.stage_ids
@@ -219,14 +227,17 @@ class PipelineTrainer(Trainer):
                     plan.pipeline.schedule, self.pp_rank, self.stage_ids,
                     plan.pipeline.num_microbatches)
 
-    def _parallelize(self, stage_id: int, module: nn.Module) -> PipelineStage:
-        """TP, recompute and FSDP2 on one stage module (in place); its PipelineStage."""
+    def _parallelize(self, stage_id: int, module: nn.Module, meta: bool) -> None:
+        """TP, recompute and FSDP2 on one stage module (in place; on meta, allocated
+        afterwards by ``runtime.materialize``)."""
         plan = self.plan
-        if isinstance(module, torch.fx.GraphModule) and self._device.type != "cpu":
+        if isinstance(module, torch.fx.GraphModule) and (meta or self._device.type != "cpu"):
             # An exported stage has the capture's device baked into its factory ops
-            # (arange, ones); what Pipe.build_stage does before making a stage.
+            # (arange, ones), meta for a model built on meta; what Pipe.build_stage does
+            # before making a stage.
             _modify_graph_op_device(module, self._device)
-        module.to(self._device)
+        if not meta:
+            module.to(self._device)
         meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)
         layers = [la for la in plan.layers if la.stage == stage_id]
         apply_tensor_parallel(module, layers, meshes.tp)
@@ -238,8 +249,6 @@ class PipelineTrainer(Trainer):
         _keep_unsharded_through_step(module)
         if plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
             module.register_forward_hook(_outputs_own_their_storage)
-        return PipelineStage(module, stage_id, plan.num_stages, self._device,
-                             group=self.mesh.get_group("pp"))
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.output_fn is not None:

@@ -73,8 +73,9 @@ class Trainer:
         optimizer_factory: OptimizerFactory = _adamw,
         *,
         device_type: str = "auto",
+        seed: int | None = None,
     ) -> None:
-        self.applied = apply(model, plan, device_type=device_type)
+        self.applied = apply(model, plan, device_type=device_type, seed=seed)
         self.plan = plan
         self.module = self.applied.module
         self.loss_fn = loss_fn

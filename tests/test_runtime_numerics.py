@@ -320,6 +320,8 @@ def bad_plan_job(model: tuple, plan_json: str) -> str:
         return ""
     spec = _spec(model)
     net = spec.build("meta" if plan_json.endswith("#meta") else "cpu", seed=0)
+    if plan_json.endswith("#meta"):
+        net.init_weights = None  # a model that cannot initialise its mask buffer
     try:
         with collectives_trapped((runtime.apply, "build_mesh")):
             apply_plan(net, Plan.from_json(plan_json.removesuffix("#meta")))
@@ -364,8 +366,9 @@ BAD_PLANS = {
                    LayerPlan(module="h.0.mlp", strategy="replicate")),
         ["'h.0' and 'h.0.mlp' nest"],
     ),
-    "meta parameters": (
-        GPT, _plan(2, 1, 8) + "#meta", ["meta device", "real weights"],
+    "meta buffer without initialisation": (
+        ("gpt-tiny", (("attention", "unfused"),), 8, 16), _plan(2, 1, 8) + "#meta",
+        ["'h.0.attn' (CausalSelfAttention) holds 'future' on the meta device", "init_weights()"],
     ),
 }
 

@@ -1,0 +1,280 @@
+"""Give a model built on the meta device its weights, each rank only its own shards.
+
+A model too large for one device is built with ``with torch.device("meta"): model = …``;
+``runtime.apply`` parallelizes it on meta (TP, recompute, FSDP2 all accept meta
+parameters) and then calls ``materialize``: ``to_empty`` allocates each rank's local
+shards on its device, and the model's own initialisation fills them —
+
+    1. ``model.init_weights()`` when the model has one (torchtitan's convention; a Hugging
+       Face ``PreTrainedModel`` has it too and re-runs its ``_init_weights`` per module),
+    2. else every module's ``reset_parameters()`` (``nn.Linear``, ``nn.Embedding``,
+       norms, ``BatchNorm``'s running statistics …).
+
+A module that owns meta parameters or buffers and has neither is refused before anything
+is allocated (``check_initializable``), naming the module.
+
+**The same weights on every rank, whatever its seed, equal to one process's.** Each
+random fill of a parameter or buffer (``normal_``, ``uniform_`` … as ``nn.init`` calls
+them) is intercepted (``SeededInit``, a ``TorchFunctionMode``) and drawn on the CPU from a
+generator seeded by ``(seed, the tensor's fully-qualified name, how many fills it had)``;
+each rank keeps the slice its shard covers (``distribute_tensor`` with no source rank:
+every rank holds the same full tensor, so it only slices). So a parameter's values depend
+on the seed and its name only: not on the rank, the plan, the device, or the order the
+ranks initialise in, and a pipeline rank initialises only its own stages. One process
+calling ``materialize(model, "cpu", seed)`` gets exactly the weights the ranks hold
+together. The cost is one full parameter at a time in host memory: the stated overhead
+of ``bench/materialize.py``. DTensor's own random-number tracker would avoid it but runs
+on CUDA only and gives values that depend on the sharding.
+
+A model built with real weights is broadcast from rank 0 instead (``broadcast_weights``),
+so ranks seeded differently still train one model.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import inspect
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.overrides import TorchFunctionMode
+
+from runtime.plan import PlanError
+
+logger = logging.getLogger(__name__)
+
+RANDOM_FILLS = frozenset({
+    torch.Tensor.normal_, torch.Tensor.uniform_, torch.Tensor.bernoulli_,
+    torch.Tensor.exponential_, torch.Tensor.geometric_, torch.Tensor.log_normal_,
+    torch.Tensor.cauchy_, torch.Tensor.random_,
+})
+"""In-place random fills: every ``nn.init`` initialiser ends in one of these."""
+
+
+def on_meta(model: nn.Module) -> bool:
+    """Whether any parameter or buffer of ``model`` is on the meta device."""
+    return any(t.is_meta for t in _tensors(model))
+
+
+def _tensors(model: nn.Module) -> Iterator[torch.Tensor]:
+    yield from model.parameters()
+    yield from (b for b in model.buffers() if b is not None)
+
+
+def _initializer(model: nn.Module) -> str:
+    """How ``model`` initialises itself: 'init_weights' or 'reset_parameters'."""
+    return "init_weights" if callable(getattr(model, "init_weights", None)) else "reset_parameters"
+
+
+def check_initializable(model: nn.Module) -> None:
+    """Raise PlanError, before anything is allocated, when a meta parameter or buffer has
+    no initialisation: the model has no ``init_weights()`` and the module owning it no
+    ``reset_parameters()``."""
+    if _initializer(model) == "init_weights":
+        return
+    for path, module in model.named_modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            continue
+        owned = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        meta = [name for name, t in owned if t is not None and t.is_meta]
+        if meta:
+            raise PlanError(
+                f"module {path or '(root)'!r} ({type(module).__name__}) holds {meta[0]!r} on "
+                "the meta device and has no reset_parameters(), and the model has no "
+                "init_weights(); give the model an init_weights() that initialises every "
+                "parameter and buffer (as torchtitan's models do), or build it with real "
+                "weights"
+            )
+
+
+def _address(t: torch.Tensor) -> int:
+    """Where a tensor's values live: the same for a parameter, its ``.data`` and its
+    DTensor's local shard, so a fill through any of them is recognised."""
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    return local.data_ptr()
+
+
+def _seed_for(seed: int, name: str) -> int:
+    digest = hashlib.blake2b(f"{seed}/{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+class SeededInit(TorchFunctionMode):
+    """Random fills of the named tensors drawn from per-name generators (module docstring).
+
+    ``names`` maps ``_address(tensor)`` to the tensor's fully-qualified name. A fill of
+    anything else (a temporary an initialiser makes) uses the global generator, which
+    ``materialize`` seeds alike on every rank.
+    """
+
+    def __init__(self, names: Mapping[int, str], seed: int) -> None:
+        super().__init__()
+        self.names = dict(names)
+        self.seed = seed
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        # ``nn.init`` functions reach a mode as themselves (they check for overrides
+        # first), a direct ``p.data.normal_()`` as the tensor method.
+        target = kwargs.get("tensor", args[0] if args else None)
+        name = None
+        if _is_fill(func) and isinstance(target, torch.Tensor) and target.numel():
+            name = self.names.get(_address(target))
+        if name is None:
+            return func(*args, **kwargs)
+        full = torch.empty(target.shape, dtype=target.dtype)
+        if "tensor" in kwargs:
+            kwargs["tensor"] = full
+        else:
+            args = (full, *args[1:])
+        if _takes_generator(func):
+            kwargs["generator"] = torch.Generator().manual_seed(_seed_for(self.seed, name))
+        func(*args, **kwargs)
+        with torch.no_grad():
+            if isinstance(target, DTensor):
+                mine = distribute_tensor(full.to(target.device), target.device_mesh,
+                                         target.placements, src_data_rank=None)
+                target._local_tensor.copy_(mine.to_local())
+            else:
+                target.copy_(full)
+        return target
+
+
+def _is_fill(func) -> bool:
+    """A random fill, or any ``nn.init`` initialiser (deterministic ones are harmless to
+    run on the full tensor: they only write)."""
+    return func in RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+
+
+@functools.cache
+def _takes_generator(func) -> bool:
+    if func in RANDOM_FILLS:
+        return True
+    try:
+        return "generator" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def materialize(model: nn.Module, device: torch.device | str, seed: int,
+                stages: Sequence[nn.Module] | None = None) -> None:
+    """Allocate ``model``'s meta tensors on ``device`` (each rank its own shards) and
+    initialise them with the model's own initialisation, drawn as the module docstring
+    says. Raises PlanError naming a module that has no initialisation, before allocating.
+
+    ``stages``: a pipeline rank's own stage modules, split from ``model`` and keeping its
+    fully-qualified names (``passes.split_stages``); only they are allocated. Their
+    tensors are put in ``model`` under those names, so the model's own ``init_weights()``
+    reaches them, while the other stages' tensors stay on meta, where every fill is free.
+    """
+    check_initializable(model)
+    first = first_names(model)
+    if stages is None:
+        model.to_empty(device=device)
+        _retie(model, first)
+    else:
+        for stage in stages:
+            stage.to_empty(device=device)
+            _graft(model, stage)
+    addresses = {
+        _address(t): first.get(name, name)
+        for name, t in _named_tensors(model) if not t.is_meta and t.numel()
+    }
+    how = _initializer(model)
+    devices = [torch.device(device)] if torch.device(device).type == "cuda" else []
+    with torch.random.fork_rng(devices=devices), torch.no_grad():
+        torch.manual_seed(seed)
+        with SeededInit(addresses, seed):
+            if how == "init_weights":
+                _forget_hf_initialized(model)
+                model.init_weights()
+            else:
+                for module in model.modules():
+                    if callable(getattr(module, "reset_parameters", None)):
+                        module.reset_parameters()
+    logger.info("materialized %s on %s (%s, seed %d)",
+                "the model" if stages is None else f"{len(stages)} stage(s)", device, how, seed)
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every name of every parameter and buffer (a tied tensor under each of its names)."""
+    return [(n, t) for n, t in [*model.named_parameters(remove_duplicate=False),
+                                *model.named_buffers(remove_duplicate=False)] if t is not None]
+
+
+def first_names(model: nn.Module) -> dict[str, str]:
+    """Each name of a tensor to the tensor's first name: the copies a pipeline makes of a
+    tied weight (``lm_head.weight`` on the last stage of ``wte.weight``) are filled under
+    one name, so they start equal, and equal to the one tensor of one process."""
+    first: dict[int, str] = {}
+    return {name: first.setdefault(id(t), name) for name, t in _named_tensors(model)}
+
+
+def _retie(model: nn.Module, first: Mapping[str, str]) -> None:
+    """``to_empty`` gives each name of a tied parameter its own tensor; share them again."""
+    for name, first_name in first.items():
+        if name != first_name:
+            prefix, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(prefix)
+            slots = owner._parameters if leaf in owner._parameters else owner._buffers
+            slots[leaf] = _get(model, first_name)
+
+
+def _get(model: nn.Module, name: str) -> torch.Tensor:
+    prefix, _, leaf = name.rpartition(".")
+    owner = model.get_submodule(prefix)
+    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+
+
+def _graft(model: nn.Module, stage: nn.Module) -> None:
+    """Put a stage's tensors into ``model`` under the same names."""
+    for name, t in _named_tensors(stage):
+        prefix, _, leaf = name.rpartition(".")
+        try:
+            owner = model.get_submodule(prefix)
+        except AttributeError:
+            owner = None
+        slots = None if owner is None else (
+            owner._parameters if leaf in owner._parameters else
+            owner._buffers if leaf in owner._buffers else None)
+        if slots is None:
+            raise PlanError(
+                f"pipeline stage tensor {name!r} has no counterpart in the model, so the "
+                "model's initialisation cannot reach it; build the model with real weights "
+                "for this plan, or plan it without a pipeline"
+            )
+        slots[leaf] = t
+
+
+def _forget_hf_initialized(model: nn.Module) -> None:
+    """Hugging Face models skip modules and tensors flagged as initialised; after
+    ``to_empty`` nothing is, whatever the flags say."""
+    for module in model.modules():
+        if "_is_hf_initialized" in module.__dict__:
+            del module._is_hf_initialized
+    for t in _tensors(model):
+        if "_is_hf_initialized" in t.__dict__:
+            del t._is_hf_initialized
+
+
+def common_seed(seed: int | None) -> int:
+    """``seed``, or rank 0's ``torch.initial_seed()`` shared with every rank. Collective
+    when ``seed`` is None."""
+    if seed is not None:
+        return seed
+    shared = [torch.initial_seed() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(shared, src=0)
+    return int(shared[0])
+
+
+def broadcast_weights(model: nn.Module) -> None:
+    """Every rank gets rank 0's parameters and buffers (a model built with real weights
+    on ranks seeded differently). Collective over the default group."""
+    with torch.no_grad():
+        for t in _tensors(model):
+            dist.broadcast(t.data, src=0)
