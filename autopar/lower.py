@@ -16,8 +16,8 @@ import torch.nn as nn
 
 from passes.split_stages import split_pipeline
 from runtime.batch import Inputs, as_inputs, first_rows
-from runtime.pipeline import PipelineTrainer
 from runtime.materialize import broadcast_weights, check_initializable, on_meta
+from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan, PlanError
 from runtime.train import LossFn, OptimizerFactory, Trainer
 from runtime.validate import check_plan

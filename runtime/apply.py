@@ -34,8 +34,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from runtime.batch_norm import convert_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
-from runtime.device import rank_device
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
+from runtime.device import rank_device
 from runtime.materialize import (
     broadcast_weights,
     check_initializable,

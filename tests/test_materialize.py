@@ -12,12 +12,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from reference import full_tensor, hf_gpt2, train_one_process
+from test_runtime_numerics import BLOCK_TP
 
 from autopar.zoo import get_model
-from reference import full_tensor, hf_gpt2, train_one_process
 from runtime.materialize import check_initializable, first_names, materialize, on_meta
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, PlanError
-from test_runtime_numerics import BLOCK_TP
 
 SEED = 7
 STEPS = 3
