@@ -10,6 +10,7 @@ the plan with torch.distributed.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterable
 
 import torch.distributed as dist
@@ -112,6 +113,7 @@ def compile(  # noqa: A001 - the public name the architecture promises
     plan: Plan | None = None,
     device_type: str = "auto",
     seed: int | None = None,
+    weights: str | os.PathLike | None = None,
     **plan_kwargs,
 ) -> Trainer:
     """Plan (on rank 0, shared with every rank) unless ``plan`` is given, then apply it.
@@ -129,6 +131,8 @@ def compile(  # noqa: A001 - the public name the architecture promises
     ``init_weights()`` or its modules' ``reset_parameters()``, the same on every rank and
     equal to ``runtime.materialize.materialize`` on one process for ``seed`` (rank 0's
     seed when None). A model built with real weights trains rank 0's weights.
+    ``weights``: a directory of Hugging Face safetensors shards or an autopar checkpoint,
+    read straight into each rank's shards (``runtime.weights``).
     ``device_type`` "auto" is CUDA on ``LOCAL_RANK`` when available, else CPU.
     """
     if not dist.is_available() or not dist.is_initialized():
@@ -154,4 +158,4 @@ def compile(  # noqa: A001 - the public name the architecture promises
         assert isinstance(payload[0], str)
         plan = Plan.from_json(payload[0], source="plan from rank 0")
     return make_trainer(model, plan, loss_fn, example_inputs, optimizer_factory,
-                        device_type=device_type, seed=seed)
+                        device_type=device_type, seed=seed, weights=weights)

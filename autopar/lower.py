@@ -12,15 +12,18 @@ the same methods (``train_step``, ``forward_backward``, ``step``, ``shard_batch`
 
 from __future__ import annotations
 
+import os
+
 import torch.nn as nn
 
 from passes.split_stages import split_pipeline
 from runtime.batch import Inputs, as_inputs, first_rows
-from runtime.materialize import broadcast_weights, check_initializable, on_meta
+from runtime.materialize import check_initializable, first_names, on_meta
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan, PlanError
 from runtime.train import LossFn, OptimizerFactory, Trainer
 from runtime.validate import check_plan
+from runtime.weights import load_weights
 
 
 def microbatch_inputs(plan: Plan, example_inputs: object) -> tuple | Inputs:
@@ -41,14 +44,18 @@ def make_trainer(
     optimizer_factory: OptimizerFactory | None = None,
     device_type: str = "auto",
     seed: int | None = None,
+    weights: str | os.PathLike | None = None,
 ) -> Trainer:
     """A trainer for ``plan`` on every rank of an initialised process group.
 
     ``example_inputs``: a batch of real or meta tensors (only shapes and types are used;
     a pipeline is traced on one micro-batch of it, and one split from a ``torch.export``
     capture then runs at that micro-batch's shapes only: the plan's global batch and these
-    inputs' other dims, such as the sequence length). ``model`` is parallelized in place.
-    Raises PlanError before any collective when the plan does not fit.
+    inputs' other dims, such as the sequence length). ``model`` is parallelized in place;
+    on the meta device, each rank allocates only its own shards (``runtime.materialize``).
+    ``weights``: a directory of Hugging Face safetensors or an autopar checkpoint, read
+    into the shards (``runtime.weights``). Raises PlanError before any collective when the
+    plan does not fit.
     """
     if loss_fn is None and plan.mesh.pp > 1:
         raise PlanError(
@@ -57,14 +64,27 @@ def make_trainer(
             "computes its own loss (labels=) trains under plans with pp=1"
         )
     kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
+    first = first_names(model)
     if plan.mesh.pp == 1:
-        return Trainer(model, plan, loss_fn, device_type=device_type, seed=seed, **kwargs)
+        trainer = Trainer(model, plan, loss_fn, device_type=device_type, seed=seed, **kwargs)
+    else:
+        trainer = _pipeline_trainer(model, plan, loss_fn, example_inputs, device_type, seed,
+                                    kwargs)
+    if weights is not None:
+        modules = trainer.stages if isinstance(trainer, PipelineTrainer) else [trainer.applied.model]
+        load_weights(modules, weights, first)
+    return trainer
+
+
+def _pipeline_trainer(model: nn.Module, plan: Plan, loss_fn: LossFn | None,
+                      example_inputs: object, device_type: str, seed: int | None,
+                      kwargs: dict) -> PipelineTrainer:
+    """Split ``model`` into the plan's stages and build this rank's (on meta, allocated
+    only for this rank's stages)."""
     check_plan(model, plan)  # before splitting: a clear error, not a wrong run
     meta = on_meta(model)
     if meta:
         check_initializable(model)
-    else:
-        broadcast_weights(model)  # ranks seeded differently split one model
     part = as_inputs(microbatch_inputs(plan, example_inputs))
     split = split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
     return PipelineTrainer(split.modules, plan, loss_fn, device_type=device_type,

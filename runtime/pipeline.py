@@ -64,7 +64,13 @@ from runtime.apply import check_world
 from runtime.batch import as_inputs, batch_size, check_splits
 from runtime.data_parallel import apply_fsdp
 from runtime.device import rank_device
-from runtime.materialize import check_initializable, common_seed, materialize, on_meta
+from runtime.materialize import (
+    broadcast_weights,
+    check_initializable,
+    common_seed,
+    materialize,
+    on_meta,
+)
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
@@ -212,6 +218,9 @@ class PipelineTrainer(Trainer):
             # Creates the scale on every rank; only the last stage scales a loss.
             self.loss_scaler.scale(torch.ones((), device=self._device))
         meta = any(on_meta(m) for m in stages)
+        if not meta:  # ranks seeded differently: every stage of every rank holds rank 0's
+            for module in stages:
+                broadcast_weights(module)
         for s, module in zip(self.stage_ids, self.stages, strict=True):
             self._parallelize(s, module, meta)
         if meta:

@@ -226,3 +226,92 @@ def test_real_weights_seeded_differently_train_rank_zeros(pool2, kind):
     for rank, state in enumerate(pool2.run(real_weights_job, _plan(kind).to_json())):
         for name, value in state.items():
             assert torch.equal(value, rank0[name].detach()), f"rank {rank} {name}"
+
+
+# -- weights read straight into the shards -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A Hugging Face GPT-2 saved as safetensors (lm_head tied: saved once)."""
+    path = tmp_path_factory.mktemp("gpt2")
+    hf_gpt2().save_pretrained(path)
+    return path
+
+
+def _meta_gpt2():
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.GPT2LMHeadModel(hf_gpt2().config)
+
+
+def test_safetensors_load_into_one_process(gpt2_dir):
+    from runtime.weights import load_weights
+
+    saved = hf_gpt2()
+    model = _meta_gpt2()
+    first = first_names(model)
+    materialize(model, "cpu", SEED)
+    load_weights([model], gpt2_dir, first)
+    for name, value in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert model.lm_head.weight is model.transformer.wte.weight
+
+
+def test_weights_of_another_model_are_refused(gpt2_dir):
+    from runtime.checkpoint_format import CheckpointError
+    from runtime.weights import load_weights
+
+    model = get_model("gpt-tiny").build()
+    with pytest.raises(CheckpointError, match=r"no weights for 37 tensor.*'h.0.attn.k_proj.bias'.*another model"):
+        load_weights([model], gpt2_dir)
+    with pytest.raises(CheckpointError, match="no such file"):
+        load_weights([model], gpt2_dir / "missing")
+
+
+def hf_weights_job(path: str) -> dict:
+    import torch.distributed as dist
+
+    from autopar.lower import make_trainer
+
+    torch.manual_seed(dist.get_rank())
+    plan = Plan(global_batch=4, mesh=Mesh(dp=2), layers=tuple(
+        LayerPlan(module=f"transformer.h.{i}", strategy="fsdp") for i in range(2)))
+    model = _meta_gpt2()
+    ids = torch.zeros(4, 8, dtype=torch.long)
+    trainer = make_trainer(model, plan, None, {"input_ids": ids, "labels": ids}, weights=path)
+    local = sum(_local_bytes(p) for p in trainer.applied.model.transformer.h.parameters())
+    return {"state": trainer.full_state_dict(), "local": local}
+
+
+def test_safetensors_load_into_fsdp_shards(pool2, gpt2_dir):
+    saved = dict(hf_gpt2().named_parameters())
+    blocks = sum(p.numel() * 4 for n, p in saved.items() if n.startswith("transformer.h."))
+    for res in pool2.run(hf_weights_job, str(gpt2_dir)):
+        assert res["local"] == blocks // 2  # each rank read only its half of the blocks
+        for name, value in res["state"].items():
+            assert torch.equal(value, saved[name].detach()), name
+
+
+def checkpoint_roundtrip_job(root: str) -> dict:
+    """Save a real-weight model under FSDP, then read it into a meta model under a
+    pipeline plan."""
+    from autopar.lower import make_trainer
+    from runtime.checkpoint import save
+
+    spec = get_model("gpt-tiny-tied")
+    src = make_trainer(spec.build(seed=3), _plan("fsdp"), spec.loss_fn, spec.example_inputs(BATCH, SEQ))
+    save(src, root, step=1)
+    dst = make_trainer(spec.build("meta"), _plan("pp"), spec.loss_fn,
+                       spec.example_inputs(BATCH, SEQ), weights=root)
+    return dst.full_state_dict()
+
+
+def test_autopar_checkpoint_loads_into_pipeline_stages(pool2, tmp_path):
+    saved = dict(get_model("gpt-tiny-tied").build(seed=3).named_parameters(remove_duplicate=False))
+    states = pool2.run(checkpoint_roundtrip_job, str(tmp_path / "ckpt"))
+    assert {"wte.weight", "lm_head.weight"} <= set(states[0]) | set(states[1])
+    for state in states:
+        for name, value in state.items():
+            assert torch.equal(value, saved[name].detach()), name
