@@ -41,7 +41,8 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
 
 from runtime.plan import PlanError
@@ -137,12 +138,36 @@ class SeededInit(TorchFunctionMode):
         func(*args, **kwargs)
         with torch.no_grad():
             if isinstance(target, DTensor):
-                mine = distribute_tensor(full.to(target.device), target.device_mesh,
-                                         target.placements, src_data_rank=None)
-                target._local_tensor.copy_(mine.to_local())
+                _copy_local_shard(target, full)
             else:
                 target.copy_(full)
         return target
+
+
+def _copy_local_shard(target: DTensor, full: torch.Tensor) -> None:
+    """Copy this rank's shard of ``full`` into ``target``'s local tensor, slicing ``full``
+    in place as ``torch.chunk`` does: no copy of the shard (``bench/materialize.py``
+    measures what compile holds). FSDP2's strided shard over a TP shard (2-D) splits the
+    TP shard, so plain shards are cut first; anything else goes through
+    ``distribute_tensor``."""
+    local = target._local_tensor
+    mesh, coordinate = target.device_mesh, target.device_mesh.get_coordinate()
+    order = sorted(range(len(target.placements)),
+                   key=lambda d: type(target.placements[d]) is _StridedShard)
+    view = full
+    for mesh_dim in order:
+        placement = target.placements[mesh_dim]
+        if type(placement) in (Shard, _StridedShard):
+            chunks = torch.chunk(view, mesh.size(mesh_dim), dim=placement.dim)
+            index = coordinate[mesh_dim]
+            view = chunks[index] if index < len(chunks) else view.narrow(placement.dim, 0, 0)
+        elif not placement.is_replicate():
+            view = None
+            break
+    if view is None or view.shape != local.shape:
+        view = distribute_tensor(full.to(target.device), mesh, target.placements,
+                                 src_data_rank=None).to_local()
+    local.copy_(view)
 
 
 def _is_fill(func) -> bool:
