@@ -170,10 +170,17 @@ def _copy_local_shard(target: DTensor, full: torch.Tensor) -> None:
     local.copy_(view)
 
 
+INITIALISERS = frozenset(name for name in dir(nn.init)
+                         if name.endswith("_") and not name.startswith("_"))
+"""``nn.init``'s initialisers by name: a library may patch them (Hugging Face's
+``guard_torch_init_functions`` puts its own ``normal_`` in ``torch.nn.init`` while it
+initialises), and the patched function is what reaches the mode."""
+
+
 def _is_fill(func) -> bool:
     """A random fill, or any ``nn.init`` initialiser (deterministic ones are harmless to
     run on the full tensor: they only write)."""
-    return func in RANDOM_FILLS or getattr(func, "__module__", None) == "torch.nn.init"
+    return func in RANDOM_FILLS or getattr(func, "__name__", None) in INITIALISERS
 
 
 @functools.cache

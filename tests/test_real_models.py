@@ -31,10 +31,13 @@ import autopar
 from autopar.explain import explain, format_explanation
 from cost_models.hardware import Cluster
 from runtime.batch import model_loss
+from runtime.materialize import materialize
 from runtime.plan import Mesh, Plan
 from runtime.tied import tie_groups
 
 STEPS = 3
+SEED = 7
+"""Of a model built on meta (each rank is seeded otherwise, on purpose)."""
 LR = 1e-3
 BATCH = 8
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -57,12 +60,23 @@ def _loss(spec: RealModel, net, batch: dict, pipeline: bool):
 
 
 @functools.cache
-def reference(name: str, pipeline: bool = False) -> dict:
+def _build(spec: RealModel, meta: bool):
+    """The seeded model, or (``meta``) the model built on meta: the runtime materialises
+    it with seed ``SEED`` (runtime.materialize), the one-process reference here."""
+    if not meta:
+        return spec.build(seed=0)
+    with torch.device("meta"):
+        return spec.build(seed=0)
+
+
+def reference(name: str, pipeline: bool = False, meta: bool = False) -> dict:
     """One process, the whole batch: losses, first gradients and final parameters, under
     every name a parameter has (pipeline stages hold a tied parameter under each stage's
     own name: the head's weight where the embedding's is shared with it)."""
     spec = MODELS[name]
-    net = spec.build(seed=0)
+    net = _build(spec, meta)
+    if meta:
+        materialize(net, "cpu", SEED)
     named = list(net.named_parameters(remove_duplicate=False))
     result = train_one_process(
         net, lambda model, step: _loss(spec, model, spec.batch(BATCH, seed=step), pipeline),
@@ -74,21 +88,25 @@ def reference(name: str, pipeline: bool = False) -> dict:
             "aliases": {n: aliases[id(p)] for n, p in named}}
 
 
-def train_job(name: str, plan_json: str) -> dict:
-    """On every rank: train STEPS steps under the plan, as a user would."""
+def train_job(name: str, plan_json: str, meta: bool = False) -> dict:
+    """On every rank: train STEPS steps under the plan, as a user would (``meta``: from
+    the model built on meta, each rank seeded differently)."""
+    import torch.distributed as dist
+
     from autopar.lower import make_trainer
 
     spec = MODELS[name]
+    torch.manual_seed(100 + dist.get_rank())
     plan = Plan.from_json(plan_json)
     pipeline = plan.mesh.pp > 1
     batch0 = spec.batch(BATCH, seed=0)
     optimizer = lambda params: torch.optim.AdamW(params, lr=LR)  # noqa: E731
     if pipeline:
-        trainer = make_trainer(spec.build(seed=0), plan, spec.logits_loss,
-                               pipeline_inputs(batch0), optimizer)
+        trainer = make_trainer(_build(spec, meta), plan, spec.logits_loss,
+                               pipeline_inputs(batch0), optimizer, seed=SEED)
     else:
         loss_fn = None if spec.returns_loss else spec.logits_loss
-        trainer = make_trainer(spec.build(seed=0), plan, loss_fn, batch0, optimizer)
+        trainer = make_trainer(_build(spec, meta), plan, loss_fn, batch0, optimizer, seed=SEED)
 
     def step_batch(step: int) -> tuple:
         batch = spec.batch(BATCH, seed=step)
@@ -115,8 +133,9 @@ def _close(got, want, tol: dict, label: str) -> None:
         raise AssertionError(f"{label}: {e}") from None
 
 
-def assert_matches_reference(results: list[dict], name: str, pipeline: bool) -> None:
-    ref = reference(name, pipeline)
+def assert_matches_reference(results: list[dict], name: str, pipeline: bool,
+                             meta: bool = False) -> None:
+    ref = reference(name, pipeline, meta)
     for rank, got in enumerate(results):
         _close(got["losses"], ref["losses"], LOSS_TOL, f"rank {rank} losses")
         params = got["params"]
@@ -231,3 +250,15 @@ def test_unavailable_variant_says_why(name, variant):
     plan, why = variant_plan(name, variant)
     assert plan is None, f"{name} allows {variant} now: move it to the trained cases"
     assert UNAVAILABLE[name, variant] in why
+
+
+META_CASES = [(n, v) for n in MODELS for v in ("fsdp", "tp2", "pp2") if (n, v) not in UNAVAILABLE]
+"""Each model built on the meta device: compile allocates each rank's shards (a pipeline
+rank's stages) and initialises them as one process does."""
+
+
+@pytest.mark.parametrize(("name", "variant"), META_CASES, ids=[f"{n}-{v}" for n, v in META_CASES])
+def test_built_on_meta_trains_like_one_process(pool2, name, variant):
+    plan, _ = variant_plan(name, variant)
+    pipeline = Plan.from_json(plan).mesh.pp > 1
+    assert_matches_reference(pool2.run(train_job, name, plan, True), name, pipeline, meta=True)
