@@ -26,7 +26,7 @@ from passes.split_stages import split_pipeline
 from passes.trace import inputs_to_meta, to_meta
 from runtime.batch import Inputs, as_inputs
 from runtime.plan import Mesh, Plan
-from runtime.train import LossFn, OptimizerFactory, Trainer
+from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer
 from runtime.validate import plan_problem
 
 
@@ -109,6 +109,7 @@ def compile(  # noqa: A001 - the public name the architecture promises
     *,
     loss_fn: LossFn | None = None,
     optimizer_factory: OptimizerFactory | None = None,
+    lr_scheduler_factory: SchedulerFactory | None = None,
     plan: Plan | None = None,
     device_type: str = "auto",
     **plan_kwargs,
@@ -121,6 +122,11 @@ def compile(  # noqa: A001 - the public name the architecture promises
     ``loss_fn(output, targets)`` gets the model's output as it is; without one the model's
     own loss (``output.loss``, as Hugging Face models return with ``labels=``) is trained
     and ``train_step(inputs)`` needs no targets.
+
+    ``optimizer_factory(params)`` makes the optimizer over this rank's parameters (default
+    ``torch.optim.AdamW(params, lr=1e-3)``); ``lr_scheduler_factory(optimizer)`` makes an
+    LR scheduler that ``trainer.step()`` steps after each optimizer step. Both end up as
+    ``trainer.optimizer`` and ``trainer.lr_scheduler``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(
@@ -145,4 +151,4 @@ def compile(  # noqa: A001 - the public name the architecture promises
         assert isinstance(payload[0], str)
         plan = Plan.from_json(payload[0], source="plan from rank 0")
     return make_trainer(model, plan, loss_fn, example_inputs, optimizer_factory,
-                        device_type=device_type)
+                        device_type=device_type, lr_scheduler_factory=lr_scheduler_factory)

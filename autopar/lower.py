@@ -18,7 +18,7 @@ from passes.split_stages import split_pipeline
 from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan, PlanError
-from runtime.train import LossFn, OptimizerFactory, Trainer
+from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer
 from runtime.validate import check_plan
 
 
@@ -39,6 +39,7 @@ def make_trainer(
     example_inputs: object,
     optimizer_factory: OptimizerFactory | None = None,
     device_type: str = "auto",
+    lr_scheduler_factory: SchedulerFactory | None = None,
 ) -> Trainer:
     """A trainer for ``plan`` on every rank of an initialised process group.
 
@@ -54,7 +55,9 @@ def make_trainer(
             "the stage's output and the targets, so it needs loss_fn=...; a model that "
             "computes its own loss (labels=) trains under plans with pp=1"
         )
-    kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
+    kwargs: dict = {"lr_scheduler_factory": lr_scheduler_factory}
+    if optimizer_factory is not None:
+        kwargs["optimizer_factory"] = optimizer_factory
     if plan.mesh.pp == 1:
         return Trainer(model, plan, loss_fn, device_type=device_type, **kwargs)
     check_plan(model, plan)  # before splitting: a clear error, not a wrong run
