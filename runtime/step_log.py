@@ -102,8 +102,9 @@ class StepLog:
             return "mfu n/a (the plan has no FLOP count)"
         peak = why.peak_flops_per_device * self.plan.world_size
 
-        def mfu(seconds: float) -> float:
-            return 100 * why.model_flops_per_step / (max(seconds, 1e-12) * peak)
+        def mfu(seconds: float) -> str:
+            percent = 100 * why.model_flops_per_step / (max(seconds, 1e-12) * peak)
+            return f"{percent:.1f}" if percent >= 1 else f"{percent:.2g}"  # small models
 
-        text = f"mfu {mfu(step_s):.1f}%"
-        return text + (f" (plan {mfu(predicted_s):.1f}%)" if predicted_s else "")
+        text = f"mfu {mfu(step_s)}%"
+        return text + (f" (plan {mfu(predicted_s)}%)" if predicted_s else "")
