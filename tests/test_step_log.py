@@ -79,3 +79,30 @@ def test_tokens_per_sample_overrides_the_plan_and_every_must_be_positive():
     assert "| 320 tokens/s |" in log(1, 1.0)
     with pytest.raises(ValueError, match="every must be a positive number of steps"):
         _log(_plan(), 0, clock)
+
+
+def run_job(plan_json: str) -> tuple[list[float], list[str]]:
+    """``autopar run``'s loop on one rank, with what it logged to ``autopar.steps``."""
+    from autopar.training import train_worker
+
+    lines: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: lines.append(record.getMessage())
+    steps = logging.getLogger("autopar.steps")
+    steps.addHandler(handler)
+    steps.setLevel(logging.INFO)
+    try:
+        losses = train_worker("gpt-tiny", plan_json, 4, 8, 16, 0, log_every=2)
+    finally:
+        steps.removeHandler(handler)
+    return losses, lines
+
+
+def test_autopar_runs_loop_logs_every_n_steps_on_rank_0_only(pool2):
+    from test_runtime_numerics import gpt_all
+
+    (losses, lines), (_, other) = pool2.run(run_job, gpt_all("replicate", dp=2))
+    assert [line.split(" | ")[:2] for line in lines] == [
+        ["step 2", f"loss {losses[1]:.6f}"], ["step 4", f"loss {losses[3]:.6f}"]]
+    assert all(" tokens/s | " in line for line in lines)  # gpt-tiny: 8 × 16 tokens a step
+    assert other == []
