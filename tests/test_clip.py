@@ -112,3 +112,37 @@ def test_a_tied_copy_on_another_stage_is_counted_once(pool2):
     assert twice > ref["norm"] * (1 + 1e-3)  # the check below can tell the two apart
     results = pool2.run(clip_job, TIED, CASES["pp2-tied"][1], ref["norm"] / 2, 2.0)
     assert [r["norm"] for r in results] == pytest.approx([ref["norm"]] * 2, rel=1e-5)
+
+
+def float16_job(plan_json: str, lr: float) -> dict:
+    """A float16 plan with loss scaling: clip (unscales), then an SGD step."""
+    from runtime.train import Trainer
+
+    spec, (_, _, batch, seq) = _spec(GPT), GPT
+    trainer = Trainer(spec.build(seed=0), Plan.from_json(plan_json), spec.loss_fn,
+                      lambda params: torch.optim.SGD(params, lr=lr))
+    before = trainer.full_state_dict()
+    trainer.forward_backward(*trainer.shard_batch(*spec.make_batch(batch, seq, seed=0)))
+    norm = trainer.clip_grad_norm_(1e9)
+    grads = {n: _full(p.grad) for n, p in trainer.applied.model.named_parameters()}
+    trainer.step()
+    return {"norm": float(norm), "grads": grads, "before": before,
+            "after": trainer.full_state_dict()}
+
+
+def test_float16_clipping_sees_unscaled_gradients_and_the_step_does_not_unscale_again(pool2):
+    """The loss is scaled by 2^16; the norm and the gradients after clipping are the
+    unscaled ones (float16's tolerance against one float32 process), and SGD then moves
+    each weight by exactly lr × that gradient (unscaling twice would move it 2^16× less)."""
+    from test_runtime_dims import gpt
+
+    lr = 0.1
+    plan = gpt("fsdp", 2, param_dtype="float16", loss_scaling="dynamic")
+    ref = reference(GPT, 2.0)
+    for got in pool2.run(float16_job, plan, lr):
+        assert got["norm"] == pytest.approx(ref["norm"], rel=2e-2)
+        for name, grad in got["grads"].items():
+            step = got["before"][name] - lr * grad
+            torch.testing.assert_close(got["after"][name], step, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, n=name: f"{n}: {m}")
+        assert got["grads"]["h.0.mlp.fc_in.weight"].abs().max() < 10
