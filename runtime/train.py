@@ -107,8 +107,8 @@ class Trainer:
 
     def make_optimizer(self, params: list[nn.Parameter], optimizer_factory: OptimizerFactory,
                        lr_scheduler_factory: SchedulerFactory | None) -> None:
+        """``self.optimizer`` over ``params`` and ``self.lr_scheduler`` over it (or None)."""
         self.optimizer = optimizer_factory(params)
-        """The optimizer ``optimizer_factory`` made (default: AdamW, lr 1e-3)."""
         if lr_scheduler_factory is not None:
             self.lr_scheduler = lr_scheduler_factory(self.optimizer)
 
@@ -221,7 +221,9 @@ class Trainer:
     def train_step(self, inputs: Any, targets: Any = None, *, global_batch: bool = True
                    ) -> float:
         """One optimizer step; ``global_batch`` says the batch is global and must be sliced.
-        ``targets`` may be left out when the model computes its own loss."""
+        With ``global_batch=False`` the batch is this rank's, on its device, as
+        ``runtime.data.data_loader`` yields it (``local_batch`` makes one). ``targets`` may
+        be left out when the model computes its own loss."""
         if global_batch:
             inputs, targets = self.shard_batch(inputs, targets)
         loss = self.forward_backward(inputs, targets)
