@@ -219,3 +219,27 @@ def test_bad_input_is_a_plan_error_before_any_collective(plan, size, kwargs, mes
 def test_an_iterable_dataset_is_refused_with_the_remedy():
     with pytest.raises(PlanError, match="map-style Dataset"):
         data_loader(_fake_trainer(_plan()), iter(range(8)))
+
+
+class DictDataset(Dataset):
+    """Hugging Face style: each item is the model's keyword arguments, labels included."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": torch.full((3,), i), "labels": torch.full((3,), -i)}
+
+
+def test_without_a_loss_fn_items_are_the_models_inputs_and_targets_are_none():
+    trainer = _fake_trainer(_plan(dp=2, batch=4), dp_rank=1)
+    trainer.loss_fn = None
+    batches = list(data_loader(trainer, DictDataset(), shuffle=False))
+    assert [targets for _, targets in batches] == [None, None]
+    assert [b["input_ids"][:, 0].tolist() for b, _ in batches] == [[1, 3], [5, 7]]
+    assert all(torch.equal(b["labels"], -b["input_ids"]) for b, _ in batches)
+
+
+def test_with_a_loss_fn_an_item_that_is_no_pair_is_refused():
+    with pytest.raises(PlanError, match=r"\(inputs, targets\) pair, but a batch came as dict"):
+        list(data_loader(_fake_trainer(_plan(dp=2, batch=4)), DictDataset()))
