@@ -23,7 +23,10 @@ Order: the sampler shuffles with ``seed + epoch`` (call ``set_epoch`` each epoch
 permutation on every rank; global batch ``k`` is permutation positions
 ``[k * global_batch, (k + 1) * global_batch)``, the batch one process reading the same
 permutation in steps of ``global_batch`` takes (the ranks interleave within it, which a
-mean loss does not see). ``drop_last`` drops the samples that do not fill a global batch.
+mean loss does not see). ``drop_last`` (the default) drops the samples that do not fill a
+global batch; ``drop_last=False`` keeps a last, smaller batch, for which the sampler pads
+the dataset to a multiple of dp by repeating its first samples (``DistributedSampler``'s
+rule), so that every replica holds as many samples.
 """
 
 from __future__ import annotations
