@@ -27,7 +27,7 @@ from passes.split_stages import split_pipeline
 from passes.trace import inputs_to_meta, to_meta
 from runtime.batch import Inputs, as_inputs
 from runtime.plan import Mesh, Plan
-from runtime.train import LossFn, OptimizerFactory, Trainer
+from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer
 from runtime.validate import plan_problem
 
 
@@ -110,6 +110,7 @@ def compile(  # noqa: A001 - the public name the architecture promises
     *,
     loss_fn: LossFn | None = None,
     optimizer_factory: OptimizerFactory | None = None,
+    lr_scheduler_factory: SchedulerFactory | None = None,
     plan: Plan | None = None,
     device_type: str = "auto",
     seed: int | None = None,
@@ -134,6 +135,10 @@ def compile(  # noqa: A001 - the public name the architecture promises
     ``weights``: a directory of Hugging Face safetensors shards or an autopar checkpoint,
     read straight into each rank's shards (``runtime.weights``).
     ``device_type`` "auto" is CUDA on ``LOCAL_RANK`` when available, else CPU.
+    ``optimizer_factory(params)`` makes the optimizer over this rank's parameters (default
+    ``torch.optim.AdamW(params, lr=1e-3)``); ``lr_scheduler_factory(optimizer)`` makes an
+    LR scheduler that ``trainer.step()`` steps after each optimizer step. Both end up as
+    ``trainer.optimizer`` and ``trainer.lr_scheduler``.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(
@@ -158,4 +163,5 @@ def compile(  # noqa: A001 - the public name the architecture promises
         assert isinstance(payload[0], str)
         plan = Plan.from_json(payload[0], source="plan from rank 0")
     return make_trainer(model, plan, loss_fn, example_inputs, optimizer_factory,
-                        device_type=device_type, seed=seed, weights=weights)
+                        device_type=device_type, seed=seed, weights=weights,
+                        lr_scheduler_factory=lr_scheduler_factory)

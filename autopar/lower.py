@@ -21,7 +21,7 @@ from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.materialize import check_initializable, first_names, on_meta
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan, PlanError
-from runtime.train import LossFn, OptimizerFactory, Trainer
+from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer
 from runtime.validate import check_plan
 from runtime.weights import load_weights
 
@@ -45,6 +45,7 @@ def make_trainer(
     device_type: str = "auto",
     seed: int | None = None,
     weights: str | os.PathLike | None = None,
+    lr_scheduler_factory: SchedulerFactory | None = None,
 ) -> Trainer:
     """A trainer for ``plan`` on every rank of an initialised process group.
 
@@ -63,7 +64,9 @@ def make_trainer(
             "the stage's output and the targets, so it needs loss_fn=...; a model that "
             "computes its own loss (labels=) trains under plans with pp=1"
         )
-    kwargs = {} if optimizer_factory is None else {"optimizer_factory": optimizer_factory}
+    kwargs: dict = {"lr_scheduler_factory": lr_scheduler_factory}
+    if optimizer_factory is not None:
+        kwargs["optimizer_factory"] = optimizer_factory
     first = first_names(model)
     if plan.mesh.pp == 1:
         trainer = Trainer(model, plan, loss_fn, device_type=device_type, seed=seed, **kwargs)

@@ -12,6 +12,7 @@ from cost_models.hardware import Cluster
 from runtime.batch import as_inputs
 from runtime.launch import spawn
 from runtime.plan import Plan
+from runtime.step_log import StepLog
 from runtime.validate import check_plan
 
 
@@ -43,17 +44,21 @@ def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int
 
 
 def train_worker(model_name: str, plan_json: str, steps: int, batch: int, seq: int | None,
-                 seed: int) -> list[float]:
-    """One rank: build the seeded model, apply the plan, train on seeded global batches."""
+                 seed: int, log_every: int = 10) -> list[float]:
+    """One rank: build the seeded model, apply the plan, train on seeded global batches;
+    a ``runtime.step_log`` line every ``log_every`` steps."""
     torch.manual_seed(seed)
     spec = get_model(model_name)
     plan = Plan.from_json(plan_json)
     example = spec.example_inputs(batch, seq, device="meta")
     trainer = make_trainer(spec.build(seed=seed), plan, spec.loss_fn, example)
+    tokens = (seq or spec.default_seq) if spec.kind == "gpt" else None
+    log = StepLog(trainer, every=log_every, tokens_per_sample=tokens)
     losses = []
     for step in range(steps):
         inputs, targets = spec.make_batch(batch, seq, seed=seed + 1 + step)
         losses.append(trainer.train_step(inputs, targets))
+        log(step + 1, losses[-1])
     return losses
 
 

@@ -61,7 +61,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
 from runtime.apply import check_world
-from runtime.batch import as_inputs, batch_size, check_splits
+from runtime.batch import Inputs, as_inputs, batch_size, check_splits
 from runtime.data_parallel import apply_fsdp
 from runtime.device import rank_device
 from runtime.materialize import (
@@ -77,7 +77,7 @@ from runtime.precision import fsdp_policies, make_loss_scaler
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
 from runtime.tied import TiedGradSync, shared_across_stages
-from runtime.train import LossFn, OptimizerFactory, Trainer, _adamw
+from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer, _adamw
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +192,7 @@ class PipelineTrainer(Trainer):
         output_fn: Callable[[object], object] | None = None,
         model: nn.Module | None = None,
         seed: int | None = None,
+        lr_scheduler_factory: SchedulerFactory | None = None,
     ) -> None:
         validate_pipeline(stages, plan, model)
         self.plan = plan
@@ -231,7 +232,7 @@ class PipelineTrainer(Trainer):
         self.schedule = _schedule(plan, pipe_stages, self._scaled_loss, scale_grads)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.num_stages - 1 in self.stage_ids
-        self.optimizer = optimizer_factory([p for m in self.stages for p in m.parameters()])
+        self.make_optimizer(self.grad_parameters(), optimizer_factory, lr_scheduler_factory)
         logger.info("pipeline %s: pp rank %d runs stage(s) %s, %d micro-batches",
                     plan.pipeline.schedule, self.pp_rank, self.stage_ids,
                     plan.pipeline.num_microbatches)
@@ -269,12 +270,17 @@ class PipelineTrainer(Trainer):
     def device(self) -> torch.device:
         return self._device
 
-    def forward_backward(self, inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+    def forward_backward(self, inputs: object, targets: torch.Tensor | None) -> torch.Tensor:
         """One pipelined forward and backward of this replica's local batch over every
-        micro-batch; returns the global mean loss on every rank. Collective."""
-        batch = as_inputs(inputs)
-        check_splits(batch_size(batch, targets), self.plan.pipeline.num_microbatches,
-                     self.dp_size, "pipeline.num_microbatches")
+        micro-batch; returns the global mean loss on every rank. Collective.
+
+        Only a rank running the first stage reads ``inputs`` and only one running the last
+        reads ``targets``; the others may pass None (``runtime.data`` gives them None)."""
+        self._check_roles(inputs, targets)
+        batch = as_inputs(inputs) if inputs is not None else Inputs()
+        if inputs is not None or targets is not None:
+            check_splits(batch_size(batch, targets), self.plan.pipeline.num_microbatches,
+                         self.dp_size, "pipeline.num_microbatches")
         losses: list[torch.Tensor] = []
         args = batch.args if self.has_first else ()
         # return_outputs=False: the last stage would otherwise keep every micro-batch's
@@ -293,6 +299,27 @@ class PipelineTrainer(Trainer):
         dist.all_reduce(total, op=dist.ReduceOp.SUM)
         # One pp coordinate holds the last stage: dp × tp ranks (tp copies are equal).
         return total / (self.plan.mesh.dp * self.plan.mesh.tp)
+
+    def _check_roles(self, inputs: object, targets: object) -> None:
+        for needed, given, what in ((self.has_first, inputs, "first stage needs the inputs"),
+                                    (self.has_last, targets, "last stage needs the targets")):
+            if needed and given is None:
+                raise PlanError(
+                    f"pipeline rank {self.pp_rank} runs stage(s) {self.stage_ids}: the {what}, "
+                    "but got None; give every rank the batch (or use runtime.data's loader)")
+
+    def grad_parameters(self) -> list[nn.Parameter]:
+        return [p for m in self.stages for p in m.parameters()]
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters less the tied copies another stage counts (each copy
+        holds the tie's whole gradient after ``forward_backward``)."""
+        local = dict(zip(self.stage_ids, self.stages, strict=True))
+        skip = {id(local[s].get_parameter(n)) for s, n in self.tied.counted_elsewhere}
+        return [p for p in self.grad_parameters() if id(p) not in skip]
+
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Full parameters of every stage, by the user's names, on CPU, on every rank.

@@ -140,8 +140,15 @@ class TiedGradSync:
                  mesh: DeviceMesh) -> None:
         me = mesh.get_local_rank("pp")
         self._copies: list[tuple[int, str, dist.ProcessGroup]] = []
+        self.counted_elsewhere: list[tuple[int, str]] = []
+        """(stage, name) of this rank's copies that are not their tie's first: left out of
+        a global gradient norm, which counts each tied parameter once."""
         for places in ties:
             _check_one_strategy(places, plan)
+            first = min(s for s, _ in places)
+            self.counted_elsewhere += [
+                (s, n) for s, n in places
+                if s != first and stage_rank(s, plan.mesh.pp, plan.pipeline) == me]
             ranks = sorted({stage_rank(s, plan.mesh.pp, plan.pipeline) for s, _ in places})
             if len(ranks) != len(places):
                 raise PlanError(

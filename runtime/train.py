@@ -29,6 +29,11 @@ accumulation. Communication across the micro-batches follows each strategy
 flags per layer). float16 plans scale each micro-batch's loss
 (``runtime.precision.make_loss_scaler``) and ``step`` skips a step whose gradients
 overflowed on any rank.
+
+A user's own loop: ``runtime.data.data_loader`` gives each rank its local batches (pass
+them with ``global_batch=False``), ``clip_grad_norm_`` clips by the global norm,
+``optimizer`` and ``lr_scheduler`` are the ones the factories made (``step`` steps both),
+and ``runtime.step_log.StepLog`` logs a line every N steps.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from runtime.apply import apply
 from runtime.batch import Inputs, as_inputs, like, model_loss, shard_rows, split_rows
+from runtime.clip import clip_grads, total_grad_norm
 from runtime.context_parallel import ContextParallel
 from runtime.data_parallel import microbatch_sync
 from runtime.plan import Plan, PlanError
@@ -52,9 +58,15 @@ from runtime.precision import make_loss_scaler
 LossFn = Callable[[Any, Any], torch.Tensor]
 """``loss_fn(output, targets)``: the model's output as it returns it, and the targets."""
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+"""``optimizer_factory(params)``: the optimizer over this rank's parameters (DTensor
+shards for sharded layers)."""
+SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+"""``lr_scheduler_factory(optimizer)``: a scheduler that ``Trainer.step`` steps once per
+optimizer step, after it."""
 
 
 def _adamw(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """The default optimizer: AdamW with lr 1e-3 and torch's other defaults."""
     return torch.optim.AdamW(params, lr=1e-3)
 
 
@@ -64,6 +76,11 @@ class Trainer:
     context_parallel: ContextParallel | None = None
     """With mesh.cp > 1: the sequence split, position ids and ring attention. A class
     default, since ``runtime.pipeline.PipelineTrainer`` (no cp) sets up its own state."""
+    has_first = True
+    """This rank runs the model's first stage: it needs the inputs (always without pp)."""
+    has_last = True
+    """This rank runs the model's last stage: it needs the targets (always without pp)."""
+    lr_scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     def __init__(
         self,
@@ -74,12 +91,14 @@ class Trainer:
         *,
         device_type: str = "auto",
         seed: int | None = None,
+        lr_scheduler_factory: SchedulerFactory | None = None,
     ) -> None:
         self.applied = apply(model, plan, device_type=device_type, seed=seed)
         self.plan = plan
         self.module = self.applied.module
         self.loss_fn = loss_fn
-        self.optimizer = optimizer_factory(self.module.parameters())
+        self.make_optimizer(list(self.module.parameters()), optimizer_factory,
+                            lr_scheduler_factory)
         mesh = self.applied.mesh
         self.dp_rank = mesh.get_local_rank("dp")
         self.dp_size = mesh.size(mesh.mesh_dim_names.index("dp"))
@@ -87,9 +106,27 @@ class Trainer:
         self.loss_scaler = make_loss_scaler(plan, self.device)
         """``ShardedGradScaler`` of a float16 plan (``loss_scaling = "dynamic"``), else None."""
 
+    def make_optimizer(self, params: list[nn.Parameter], optimizer_factory: OptimizerFactory,
+                       lr_scheduler_factory: SchedulerFactory | None) -> None:
+        """``self.optimizer`` over ``params`` and ``self.lr_scheduler`` over it (or None)."""
+        self.optimizer = optimizer_factory(params)
+        if lr_scheduler_factory is not None:
+            self.lr_scheduler = lr_scheduler_factory(self.optimizer)
+
     @property
     def device(self) -> torch.device:
         return self.applied.device
+
+    def local_batch(self, inputs: Any, targets: Any = None) -> tuple[Any, Any]:
+        """A batch that is already this rank's dp share (``runtime.data``), moved to the
+        device; with context parallelism, of its sequences (dim 1) this rank's chunks."""
+        cp = self.context_parallel
+
+        def move(x: torch.Tensor) -> torch.Tensor:
+            return (x if cp is None else cp.shard(x)).to(self.device)
+
+        local, targets = shard_rows(as_inputs(inputs), targets, 0, 1, move)
+        return like(inputs, local), targets
 
     def shard_batch(self, inputs: Any, targets: Any = None) -> tuple[Any, Any]:
         """This rank's dp slice (dim 0) of a global batch, moved to the device; with
@@ -145,19 +182,49 @@ class Trainer:
         loss.backward()
 
     def step(self) -> None:
-        """Optimizer step, then zero the gradients. With loss scaling the gradients are
-        unscaled first, and the step is skipped on every rank if any rank's overflowed."""
+        """Optimizer step, then the LR scheduler's, then zero the gradients. With loss
+        scaling the gradients are unscaled first, and the step is skipped on every rank if
+        any rank's overflowed."""
         if self.loss_scaler is None:
             self.optimizer.step()
         else:
             self.loss_scaler.step(self.optimizer)
             self.loss_scaler.update()
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale the gradients so that their global ``norm_type`` norm is at most
+        ``max_norm``; return the norm before clipping, the same on every rank and equal to
+        one process's on the full gradients (``runtime.clip``). Call between
+        ``forward_backward`` and ``step``. Collective. With loss scaling the gradients are
+        unscaled first (``step`` does not unscale them again)."""
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_(self.optimizer)
+        total = total_grad_norm(self.norm_parameters(), norm_type, self.pp_group(),
+                                self.device)
+        clip_grads(self.grad_parameters(), max_norm, total)
+        return total
+
+    def grad_parameters(self) -> list[nn.Parameter]:
+        """This rank's trained parameters (each once)."""
+        return list(self.module.parameters())
+
+    def norm_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose gradients make up the global norm on this rank."""
+        return self.grad_parameters()
+
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The group over which stages' norms add up (None: one stage holds everything)."""
+        return None
 
     def train_step(self, inputs: Any, targets: Any = None, *, global_batch: bool = True
                    ) -> float:
         """One optimizer step; ``global_batch`` says the batch is global and must be sliced.
-        ``targets`` may be left out when the model computes its own loss."""
+        With ``global_batch=False`` the batch is this rank's, on its device, as
+        ``runtime.data.data_loader`` yields it (``local_batch`` makes one). ``targets`` may
+        be left out when the model computes its own loss."""
         if global_batch:
             inputs, targets = self.shard_batch(inputs, targets)
         loss = self.forward_backward(inputs, targets)
