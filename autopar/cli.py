@@ -21,7 +21,7 @@ from autopar.cli_checkpoint import (
 )
 from autopar.cli_report import add_commands, add_plan_options, write_outputs
 from autopar.errors import AutoparError
-from autopar.logs import LEVELS, configure_logging, default_level
+from autopar.logs import LEVELS, configured_logging, default_level
 from autopar.progress import SearchProgress
 from autopar.report import format_plan
 from autopar.zoo import MODELS, get_model
@@ -36,9 +36,9 @@ DEFAULT_MODEL = "gpt-small"
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse(build_parser(), list(sys.argv[1:] if argv is None else argv))
-    configure_logging(args.log_level)
     try:
-        return args.handler(args)
+        with configured_logging(args.log_level):
+            return args.handler(args)
     except AutoparError as e:
         print(f"autopar {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -231,7 +231,8 @@ def cmd_run_script(args: argparse.Namespace) -> int:
     script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
     return launch(ScriptRun(script=args.script, script_args=tuple(script_args),
                             plan_path=args.plan, nodes=args.nodes, nproc_per_node=args.nproc,
-                            rdzv_endpoint=args.rdzv_endpoint, device=args.device))
+                            rdzv_endpoint=args.rdzv_endpoint, device=args.device,
+                            log_level=args.log_level))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

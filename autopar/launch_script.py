@@ -8,7 +8,8 @@ node and its TP groups fit in a node — then torchrun's own launcher
 
 Rank side (``python -m autopar.launch_script train.py ARGS``, what torchrun starts, here
 and in the exported scripts): configure logging, run the script as ``__main__``, and when
-a plan was passed but the script never called ``autopar.compile``, say so and exit 2.
+a plan was passed but the script never called ``autopar.compile``, exit 3, which
+``autopar run`` reports as bad input (exit 2) naming the script and the plan.
 """
 
 from __future__ import annotations
@@ -16,17 +17,22 @@ from __future__ import annotations
 import os
 import runpy
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from autopar.errors import AutoparError
 from autopar.export import Launch, check_launch
-from autopar.logs import configure_logging
+from autopar.logs import LOG_ENV, configured_logging, default_level
 from runtime.device import resolve_device_type
 from runtime.launch import PLAN_ENV, compile_called
 from runtime.plan import Plan
 
 EXIT_BAD_INPUT = 2
+EXIT_PLAN_UNUSED = 3
+"""A rank's status when a plan was passed and the script never called ``autopar.compile``."""
+_PARENT_REPORTS = "AUTOPAR_RUN_REPORTS"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +48,8 @@ class ScriptRun:
     rdzv_endpoint: str | None = None
     """host:port of the first node; needed with several nodes."""
     device: str = "auto"
+    log_level: str | None = None
+    """The ranks' logging level (default: ``$AUTOPAR_LOG_LEVEL`` or WARNING)."""
 
 
 def check_request(req: ScriptRun) -> tuple[Launch, Plan | None]:
@@ -80,19 +88,51 @@ def launch(req: ScriptRun) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    shape, plan = check_request(req)
+    shape, _ = check_request(req)
+    env = {_PARENT_REPORTS: "1", LOG_ENV: req.log_level or default_level()}
     if req.plan_path:
-        os.environ[PLAN_ENV] = str(Path(req.plan_path).resolve())
+        env[PLAN_ENV] = str(Path(req.plan_path).resolve())
     if req.device == "cpu":
-        os.environ["CUDA_VISIBLE_DEVICES"] = ""  # "auto" in the script then means CPU
+        env["CUDA_VISIBLE_DEVICES"] = ""  # "auto" in the script then means CPU
     try:
-        run(parse_args(torchrun_argv(req, shape)))
+        with _environment(env):  # what the ranks inherit; this process gets its own back
+            run(parse_args(torchrun_argv(req, shape)))
     except ChildFailedError as e:
-        codes = {rank: failure.exitcode for rank, failure in e.failures.items()}
-        print(f"autopar run: {req.script} failed on rank(s) {sorted(codes)} "
-              f"(exit codes {codes})", file=sys.stderr)
-        return EXIT_BAD_INPUT if set(codes.values()) == {EXIT_BAD_INPUT} else 1
+        return _report_failure(req, {rank: f.exitcode for rank, f in e.failures.items()})
     return 0
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    saved = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _report_failure(req: ScriptRun, codes: dict[int, int]) -> int:
+    """Say which ranks failed; exit 2 when the failures were bad input (negative codes are
+    ranks the launcher stopped after the first failure)."""
+    exited = {code for code in codes.values() if code > 0}
+    if exited == {EXIT_PLAN_UNUSED} and req.plan_path:
+        print(f"autopar run: error: {_unused_plan(req.script, str(Path(req.plan_path).resolve()))}",
+              file=sys.stderr)
+        return EXIT_BAD_INPUT
+    print(f"autopar run: {req.script} failed on rank(s) {sorted(codes)} (exit codes {codes})",
+          file=sys.stderr)
+    return EXIT_BAD_INPUT if exited == {EXIT_BAD_INPUT} else 1
+
+
+def _unused_plan(script: str, plan: str) -> str:
+    return (f"{script} ended without calling autopar.compile, so the plan {plan} was never "
+            "used; call autopar.compile(model, cluster, example_inputs) in the script (it "
+            f"reads the plan from ${PLAN_ENV}), or run without --plan")
 
 
 def rank_main(argv: list[str]) -> int:
@@ -101,22 +141,20 @@ def rank_main(argv: list[str]) -> int:
         print("usage: python -m autopar.launch_script SCRIPT [ARGS...]", file=sys.stderr)
         return EXIT_BAD_INPUT
     script = argv[0]
-    configure_logging()
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(script).resolve().parent))
     try:
-        runpy.run_path(script, run_name="__main__")
+        with configured_logging(propagate=False):
+            runpy.run_path(script, run_name="__main__")
     except SystemExit as e:
         if e.code not in (0, None):
             raise
     plan = os.environ.get(PLAN_ENV)
     if plan and not compile_called():
-        if os.environ.get("RANK", "0") == "0":
-            print(f"autopar run: error: {script} ended without calling autopar.compile, so "
-                  f"the plan {plan} was never used; call autopar.compile(model, cluster, "
-                  "example_inputs) in the script (it reads the plan from "
-                  f"${PLAN_ENV}), or run without --plan", file=sys.stderr)
-        return EXIT_BAD_INPUT
+        # Under `autopar run` the parent says it once; launched otherwise, rank 0 says it.
+        if os.environ.get("RANK", "0") == "0" and _PARENT_REPORTS not in os.environ:
+            print(f"autopar run: error: {_unused_plan(script, plan)}", file=sys.stderr)
+        return EXIT_PLAN_UNUSED
     return 0
 
 

@@ -1,21 +1,21 @@
 """Logging for the ``autopar`` command and the ranks it starts: one line per record,
 ``time level rank N logger: message``, on stderr, so a SLURM log reads like a terminal.
 
-The level comes from ``--log-level`` or ``$AUTOPAR_LOG_LEVEL`` (which ranks inherit)."""
+The level comes from ``--log-level`` or ``$AUTOPAR_LOG_LEVEL`` (which ranks inherit).
+``configured_logging`` puts the loggers back as they were when it ends, so calling the CLI's
+``main`` in a process that has its own logging (a notebook, a test) leaves it untouched."""
 
 from __future__ import annotations
 
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 LOG_ENV = "AUTOPAR_LOG_LEVEL"
 LEVELS = ("DEBUG", "INFO", "WARNING")
 PACKAGES = ("autopar", "runtime", "passes", "cost_models")
-
-
-class _Handler(logging.StreamHandler):
-    """Ours, so configuring twice replaces it instead of printing every line twice."""
 
 
 def default_level() -> str:
@@ -23,19 +23,26 @@ def default_level() -> str:
     return level if level in LEVELS else "WARNING"
 
 
-def configure_logging(level: str | None = None) -> None:
+@contextmanager
+def configured_logging(level: str | None = None, *, propagate: bool = True) -> Iterator[None]:
     """Send autopar's loggers to stderr at ``level`` (default: ``$AUTOPAR_LOG_LEVEL`` or
-    WARNING). Lines name the rank (torchrun's ``RANK``) when there is one."""
-    level = (level or default_level()).upper()
+    WARNING) while the block runs. Lines name the rank (torchrun's ``RANK``) when there is
+    one. ``propagate=False`` keeps a script's own root handler from printing them again."""
     rank = os.environ.get("RANK")
     where = f" rank {rank}" if rank is not None else ""
-    handler = _Handler(sys.stderr)
+    handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(logging.Formatter(
         f"%(asctime)s %(levelname)s{where} %(name)s: %(message)s", "%Y-%m-%d %H:%M:%S"))
-    for name in PACKAGES:
-        logger = logging.getLogger(name)
-        for old in [h for h in logger.handlers if isinstance(h, _Handler)]:
-            logger.removeHandler(old)
+    loggers = [logging.getLogger(name) for name in PACKAGES]
+    saved = [(logger.level, logger.propagate) for logger in loggers]
+    for logger in loggers:
         logger.addHandler(handler)
-        logger.setLevel(level)
-        logger.propagate = False  # a script's own root handler would print each line again
+        logger.setLevel((level or default_level()).upper())
+        logger.propagate = propagate
+    try:
+        yield
+    finally:
+        for logger, (old_level, old_propagate) in zip(loggers, saved, strict=True):
+            logger.removeHandler(handler)
+            logger.setLevel(old_level)
+            logger.propagate = old_propagate
