@@ -55,6 +55,7 @@ def add_commands(sub) -> None:
     x.add_argument("--nproc-per-node", type=int, help="default: the cluster's devices per node")
     x.add_argument("--script", help="your training script (default: autopar run on the "
                                     "built-in model the plan names)")
+    x.add_argument("--steps", type=int, help="without --script: steps of `autopar run`")
     x.add_argument("--device", choices=DEVICE_TYPES, default="auto",
                    help="cpu: ask SLURM for no GPUs and hide them from the ranks")
     x.add_argument("--out", metavar="PATH", help="write an executable file instead of printing")
@@ -81,10 +82,13 @@ def cmd_export(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
     if args.script is not None and not Path(args.script).is_file():
         raise ConfigError(f"script {args.script} does not exist (or is not a file)")
+    if args.script is not None and args.steps is not None:
+        raise ConfigError("--steps is for the built-in model; pass your script's own "
+                          "arguments after --")
     if args.script is None and args.script_args:
         raise ConfigError(f"arguments {args.script_args} after -- need --script to pass them to")
     job = Job(script=args.script and str(Path(args.script).resolve()),
-              script_args=tuple(args.script_args), device=args.device)
+              script_args=tuple(args.script_args), steps=args.steps, device=args.device)
     text = export_text(plan, args.format, args.plan, args.nodes, args.nproc_per_node, job)
     if args.out:
         print(f"wrote {write_script(args.out, text, executable=args.format != 'torchtitan')}")

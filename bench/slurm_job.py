@@ -4,11 +4,12 @@ from Debian's ``slurm-wlm``, ``AuthType=auth/none``, everything in a temporary d
 complete and its losses match one process's.
 
     apt-get install -y slurm-wlm        # as root; slurmd must run as root
-    python bench/slurm_job.py [--ranks 2] [--steps 3] [--keep DIR]
+    python bench/slurm_job.py [--ranks 2] [--steps 3] [--script] [--keep DIR]
 
 The job trains gpt-tiny for ``--steps`` steps under a tensor-parallel plan, mesh
 dp=ranks/2 × tp=2, on ``--ranks`` CPU ranks of this machine's one node (``--device cpu``:
-no GPUs requested). Prints the job's state, its
+no GPUs requested): ``autopar run`` on the built-in model, or with ``--script`` a user's
+``train.py`` that calls ``autopar.compile``. Prints the job's state, its
 losses against one process's, and the timings; exits 1 when they differ.
 """
 
@@ -121,14 +122,45 @@ def tp_plan(ranks: int) -> Plan:
                 layers=tuple(layers), model=MODEL)
 
 
-def export_job(tmp: Path, ranks: int) -> Path:
+# --script: a user's own training script, which takes the plan from autopar.compile.
+TRAIN = """
+import argparse
+
+import torch.distributed as dist
+
+import autopar
+from autopar.zoo import get_model
+from runtime.launch import init_from_env
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--steps", type=int, required=True)
+args = parser.parse_args()
+init_from_env()
+spec = get_model("gpt-tiny")
+trainer = autopar.compile(spec.build(seed=0), "local",
+                          spec.example_inputs(spec.default_batch, device="meta"),
+                          loss_fn=spec.loss_fn)
+for step in range(1, args.steps + 1):
+    (x,), y = spec.make_batch(spec.default_batch, seed=step)
+    loss = trainer.train_step(x, y)
+    if dist.get_rank() == 0:
+        print(f"step {step}  loss {loss!r}", flush=True)
+"""
+
+
+def export_job(tmp: Path, ranks: int, steps: int, user_script: bool) -> Path:
     """plan.json and the job script, as a user would make them."""
     from autopar.cli import main
 
     tp_plan(ranks).save(tmp / "plan.json")
     script = tmp / "job.slurm"
+    what = ["--steps", str(steps)]
+    if user_script:
+        (tmp / "train.py").write_text(TRAIN)
+        what = ["--script", str(tmp / "train.py"), "--", *what]  # the script's own --steps
     code = main(["export", str(tmp / "plan.json"), "--format", "slurm", "--nodes", "1",
-                 "--nproc-per-node", str(ranks), "--device", "cpu", "--out", str(script)])
+                 "--nproc-per-node", str(ranks), "--device", "cpu", "--out", str(script),
+                 *what])
     if code != 0:
         raise SystemExit(f"autopar export failed ({code})")
     return script
@@ -168,6 +200,9 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timeout", type=float, default=300, help="seconds for the job")
     parser.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (logs)")
+    parser.add_argument("--script", action="store_true",
+                        help="launch a user's train.py (export --script) instead of "
+                             "`autopar run --model gpt-tiny`")
     args = parser.parse_args()
     missing = [tool for tool in ("slurmctld", "slurmd", "sbatch") if not shutil.which(tool)]
     if missing:
@@ -176,7 +211,7 @@ def main() -> int:
     tmp = Path(args.keep or tempfile.mkdtemp(prefix="autopar-slurm-")).resolve()
     tmp.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    script = export_job(tmp, args.ranks)
+    script = export_job(tmp, args.ranks, args.steps, args.script)
     started = time.monotonic()
     daemons = start_cluster(tmp, env)
     try:
@@ -193,7 +228,8 @@ def main() -> int:
     reference = one_process_losses(args.steps)
     print(f"slurm {run(['sinfo', '-V'], env).strip()}: cluster up in {up:.1f} s; job {job} "
           f"{state} in {took:.1f} s")
-    print(next((line for line in out.splitlines() if "rank(s): mesh" in line), "no header"))
+    print(next((line for line in out.splitlines() if "rank(s): mesh" in line or
+                "runtime.apply: mesh" in line), "no header"))
     print(f"{'step':>4}  {'job.slurm':>14}  {'one process':>14}")
     for step, ref in enumerate(reference, 1):
         got = losses.get(step)
