@@ -111,6 +111,8 @@ def no_launcher(monkeypatch):
     (["export", "plan.json", "--format", "torchrun", "--nodes", "3", "--nproc-per-node", "2"],
      "3 node(s) × 2 process(es) = 6 ranks, but the plan is for 2"),
     (["export", "plan.json", "--script", "missing.py"], "script missing.py does not exist"),
+    (["export", "plan.json", "--script", "train.py", "--steps", "3"],
+     "--steps is for the built-in model"),
     (["export", "plan.json", "--nodes", "1", "--nproc-per-node", "2"],
      "the plan names no built-in model to run; pass --script train.py"),
 ])
