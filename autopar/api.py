@@ -26,6 +26,7 @@ from passes.layer_graph import build_layer_graph
 from passes.split_stages import split_pipeline
 from passes.trace import inputs_to_meta, to_meta
 from runtime.batch import Inputs, as_inputs
+from runtime.launch import launched_plan
 from runtime.plan import Mesh, Plan
 from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer
 from runtime.validate import plan_problem
@@ -124,7 +125,8 @@ def compile(  # noqa: A001 - the public name the architecture promises
     (a ``runtime.pipeline.PipelineTrainer`` for pipeline plans, split by ``autopar.lower``).
     ``loss_fn(output, targets)`` gets the model's output as it is; without one the model's
     own loss (``output.loss``, as Hugging Face models return with ``labels=``) is trained
-    and ``train_step(inputs)`` needs no targets.
+    and ``train_step(inputs)`` needs no targets. Without ``plan``, the plan at
+    ``$AUTOPAR_PLAN`` runs if set (``autopar run train.py --plan p.json``).
 
     ``model`` may be built on the meta device (``with torch.device("meta"): ...``) when it
     fits no single device: it is parallelized on meta and each rank then allocates and
@@ -146,6 +148,7 @@ def compile(  # noqa: A001 - the public name the architecture promises
             "ranks with `autopar run`, torchrun, or runtime.launch.spawn, or use autopar.plan "
             "to plan without executing"
         )
+    plan = launched_plan(plan)  # a plan passed by path: `autopar run train.py --plan p.json`
     if plan is None:
         # Rank 0 plans; every rank gets the plan, or the error, so none waits forever.
         payload: list[str | AutoparError | None] = [None]

@@ -1,6 +1,8 @@
-"""The ``autopar`` command: ``plan`` a built-in model for a cluster, ``run`` it on CPU ranks.
+"""The ``autopar`` command: ``plan`` a built-in model for a cluster; ``run`` a training
+script (``autopar run train.py ARGS``, torchrun semantics) or a built-in model on local ranks.
 
 Bad input exits with status 2 and one line naming what is wrong, never a traceback.
+``--log-level`` (or ``$AUTOPAR_LOG_LEVEL``) sets what autopar's loggers print (``autopar.logs``).
 """
 
 from __future__ import annotations
@@ -19,21 +21,24 @@ from autopar.cli_checkpoint import (
 )
 from autopar.cli_report import add_commands, add_plan_options, write_outputs
 from autopar.errors import AutoparError
+from autopar.logs import LEVELS, configured_logging, default_level
 from autopar.progress import SearchProgress
 from autopar.report import format_plan
 from autopar.zoo import MODELS, get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import PRECISIONS
+from runtime.device import DEVICE_TYPES
 from runtime.plan import Plan
 
 EXIT_BAD_INPUT = 2
+DEFAULT_MODEL = "gpt-small"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parse(build_parser(), list(sys.argv[1:] if argv is None else argv))
     try:
-        return args.handler(args)
+        with configured_logging(args.log_level):
+            return args.handler(args)
     except AutoparError as e:
         print(f"autopar {args.command}: error: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
@@ -41,9 +46,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
+def parse(parser: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``export PLAN --script train.py -- ARGS``: what follows ``--`` is the script's."""
+    if "--" in argv:
+        head = parser.parse_args(argv[:argv.index("--")])
+        if head.command == "export":
+            head.script_args = argv[argv.index("--") + 1:]
+            return head
+    return parser.parse_args(argv)
+
+
+def add_log_level(p: argparse.ArgumentParser, default: object) -> None:
+    p.add_argument("--log-level", type=str.upper, choices=LEVELS, default=default,
+                   help="what autopar logs on stderr (default: $AUTOPAR_LOG_LEVEL or WARNING)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="autopar", description="Plan and run parallel training of PyTorch models.")
+    add_log_level(parser, default_level())
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("plan", help="plan a built-in model for a cluster and print the plan")
@@ -61,15 +82,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(handler=cmd_plan)
     add_commands(sub)
 
-    r = sub.add_parser("run", help="train a built-in model on local CPU processes")
-    r.add_argument("--model", default="gpt-small", help=f"one of: {', '.join(MODELS)}")
-    r.add_argument("--nproc", type=positive_int, default=2, help="local processes (ranks)")
+    r = sub.add_parser(
+        "run", help="run a training script (or a built-in model) on local ranks",
+        description="autopar run [OPTIONS] train.py [ARGS...] starts the script on "
+                    "--nodes x --nproc ranks with torchrun; autopar.compile in it executes "
+                    "--plan. Without a script, trains a built-in --model.")
+    r.add_argument("script", nargs="?", help="your training script (its arguments follow it)")
+    r.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
+    r.add_argument("--model", help=f"built-in model, without a script: one of {', '.join(MODELS)}"
+                                   f" (default {DEFAULT_MODEL})")
+    r.add_argument("--nproc", type=positive_int,
+                   help="ranks (per node): default the plan's world size, else 2")
+    r.add_argument("--nodes", type=positive_int, default=1,
+                   help="with a script: nodes, each running this command (torchrun --nnodes)")
+    r.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
+                   help="with --nodes > 1: the first node's address (c10d rendezvous)")
+    r.add_argument("--device", choices=DEVICE_TYPES, default="auto",
+                   help="auto: CUDA (NCCL) on LOCAL_RANK when available, else CPU (gloo)")
     r.add_argument("--steps", type=positive_int, default=3, help="optimizer steps")
     r.add_argument("--plan", metavar="PATH", help="a plan JSON (default: plan afresh)")
     r.add_argument("--batch", type=positive_int, help="global batch (default: the model's)")
     r.add_argument("--seq", type=positive_int, help="sequence length (GPT models)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--timeout", type=float, default=300, help="seconds before ranks give up")
+    add_log_level(r, argparse.SUPPRESS)
     r.set_defaults(handler=cmd_run)
     add_checkpoint_options(r)
     add_reshard_command(sub)
@@ -162,20 +198,41 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from autopar.training import describe_run, plan_for_local_run, run_local
 
+    if args.script is not None:
+        return cmd_run_script(args)
+    if args.nodes > 1:
+        raise AutoparError("--nodes is for a script (autopar run --nodes N train.py); a "
+                           "built-in model runs on one node's --nproc ranks")
+    args.model = args.model or DEFAULT_MODEL
+    plan = Plan.load(args.plan) if args.plan else None
+    nproc = args.nproc = args.nproc or (plan.world_size if plan is not None else 2)
     if args.ckpt_dir or args.resume or under_torchrun():
         return cmd_run_resumable(args)
     spec = get_model(args.model)
     batch = args.batch or spec.default_batch
-    if args.plan:
-        plan = Plan.load(args.plan)
-    else:
-        plan = plan_for_local_run(spec, args.nproc, batch, args.seq)
-    losses = run_local(spec, plan, nproc=args.nproc, steps=args.steps, batch=batch,
-                       seq=args.seq, seed=args.seed, timeout_s=args.timeout)
+    if plan is None:
+        plan = plan_for_local_run(spec, nproc, batch, args.seq)
+    losses = run_local(spec, plan, nproc=nproc, steps=args.steps, batch=batch, seq=args.seq,
+                       seed=args.seed, timeout_s=args.timeout, device_type=args.device)
     print(describe_run(spec.name, plan, batch))
     for step, loss in enumerate(losses, 1):
         print(f"step {step}  loss {loss:.6f}")
     return 0
+
+
+def cmd_run_script(args: argparse.Namespace) -> int:
+    from autopar.launch_script import ScriptRun, launch
+
+    zoo_only = [f"--{name.replace('_', '-')}" for name in ("model", "ckpt_dir", "resume", "batch", "seq")
+                if getattr(args, name)]
+    if zoo_only:
+        raise AutoparError(f"{', '.join(zoo_only)} apply to a built-in model, not to a script "
+                           f"({args.script}); give your script its own arguments after its path")
+    script_args = args.script_args[1:] if args.script_args[:1] == ["--"] else args.script_args
+    return launch(ScriptRun(script=args.script, script_args=tuple(script_args),
+                            plan_path=args.plan, nodes=args.nodes, nproc_per_node=args.nproc,
+                            rdzv_endpoint=args.rdzv_endpoint, device=args.device,
+                            log_level=args.log_level))
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

@@ -68,6 +68,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
 
 def cmd_run_resumable(args: argparse.Namespace) -> int:
     from autopar.resumable import CheckpointOptions, resumable_worker, train_resumable
+    from runtime.device import backend_for
     from runtime.launch import init_from_env, spawn
 
     spec = get_model(args.model)
@@ -81,14 +82,15 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
         raise AutoparError("--resume needs --ckpt-dir")
     if not under_torchrun():
         result = spawn(resumable_worker, args.nproc, spec.name, plan.to_json() if plan else None,
-                       args.steps, batch, args.seq, args.seed, ckpt, timeout_s=args.timeout)[0]
+                       args.steps, batch, args.seq, args.seed, ckpt, args.device,
+                       backend=backend_for(args.device), timeout_s=args.timeout)[0]
         _report(spec.name, batch, result.plan, result.resumed_from)
         for step, loss in result.losses.items():
             print(f"step {step}  loss {loss:.10f}")
         return 0
     import torch.distributed as dist
 
-    init_from_env(timeout_s=args.timeout)
+    init_from_env(device_type=args.device, timeout_s=args.timeout)
     rank0 = dist.get_rank() == 0
     if rank0 and _restarts_may_hang():
         print("autopar run: warning: torchrun shares its rendezvous store with the ranks, and "
@@ -100,7 +102,7 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
             print(f"step {step}  loss {loss:.10f}", flush=True)
 
     result = train_resumable(spec, steps=args.steps, batch=batch, seq=args.seq, seed=args.seed,
-                             plan=plan, ckpt=ckpt, on_step=on_step)
+                             plan=plan, ckpt=ckpt, on_step=on_step, device_type=args.device)
     if rank0:
         _report(spec.name, batch, result.plan, result.resumed_from)
     # Leave together: a rank that tears down while its peer is still inside a collective

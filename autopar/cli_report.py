@@ -7,8 +7,17 @@ import argparse
 from pathlib import Path
 
 from autopar.diff import diff, format_diff
+from autopar.errors import ConfigError
 from autopar.explain import explain, format_explanation
-from autopar.export import launch_for, slurm_script, torchrun_command, torchtitan_toml
+from autopar.export import (
+    Job,
+    launch_for,
+    slurm_script,
+    torchrun_script,
+    torchtitan_toml,
+    write_script,
+)
+from runtime.device import DEVICE_TYPES
 from runtime.plan import Plan
 from runtime.plan_report import alternatives_lines
 
@@ -36,13 +45,21 @@ def add_commands(sub) -> None:
     d.add_argument("plan_b", metavar="B.json")
     d.set_defaults(handler=cmd_diff)
 
-    x = sub.add_parser("export", help="print a torchtitan config block, torchrun command or "
-                       "SLURM script that runs a saved plan")
+    x = sub.add_parser("export", help="print a torchtitan config block, torchrun script or "
+                       "SLURM script that runs a saved plan",
+                       description="autopar export PLAN.json --format slurm --script train.py "
+                                   "-- ARGS: the script's own arguments follow --")
     x.add_argument("plan", metavar="PLAN.json")
     x.add_argument("--format", choices=list(EXPORT_FILES), default="torchrun")
     x.add_argument("--nodes", type=int, help="default: the cluster the plan was made for")
     x.add_argument("--nproc-per-node", type=int, help="default: the cluster's devices per node")
-    x.set_defaults(handler=cmd_export)
+    x.add_argument("--script", help="your training script (default: autopar run on the "
+                                    "built-in model the plan names)")
+    x.add_argument("--steps", type=int, help="without --script: steps of `autopar run`")
+    x.add_argument("--device", choices=DEVICE_TYPES, default="auto",
+                   help="cpu: ask SLURM for no GPUs and hide them from the ranks")
+    x.add_argument("--out", metavar="PATH", help="write an executable file instead of printing")
+    x.set_defaults(handler=cmd_export, script_args=[])
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
@@ -63,18 +80,34 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     plan = Plan.load(args.plan)
-    print(export_text(plan, args.format, args.plan, args.nodes, args.nproc_per_node), end="")
+    if args.script is not None and not Path(args.script).is_file():
+        raise ConfigError(f"script {args.script} does not exist (or is not a file)")
+    if args.script is not None and args.steps is not None:
+        raise ConfigError("--steps is for the built-in model; pass your script's own "
+                          "arguments after --")
+    if args.script is None and args.script_args:
+        raise ConfigError(f"arguments {args.script_args} after -- need --script to pass them to")
+    job = Job(script=args.script and str(Path(args.script).resolve()),
+              script_args=tuple(args.script_args), steps=args.steps, device=args.device)
+    text = export_text(plan, args.format, args.plan, args.nodes, args.nproc_per_node, job)
+    if args.out:
+        print(f"wrote {write_script(args.out, text, executable=args.format != 'torchtitan')}")
+    else:
+        print(text, end="")
     return 0
 
 
 def export_text(plan: Plan, fmt: str, plan_path: str, nodes: int | None = None,
-                nproc_per_node: int | None = None) -> str:
+                nproc_per_node: int | None = None, job: Job | None = None) -> str:
+    """The file for ``fmt``; launch files name the plan by its absolute path, so they run
+    from any directory (sbatch runs a copy of the script, elsewhere)."""
     if fmt == "torchtitan":
         return torchtitan_toml(plan)
     launch = launch_for(plan, nodes, nproc_per_node)
+    plan_path = str(Path(plan_path).resolve())
     if fmt == "torchrun":
-        return "#!/bin/bash\n" + torchrun_command(plan, plan_path, launch) + "\n"
-    return slurm_script(plan, plan_path, launch)
+        return torchrun_script(plan, plan_path, launch, job)
+    return slurm_script(plan, plan_path, launch, job)
 
 
 def write_outputs(args: argparse.Namespace, plan: Plan, scaling=None, *,
@@ -95,7 +128,6 @@ def write_outputs(args: argparse.Namespace, plan: Plan, scaling=None, *,
             plan.save(plan_path)
             written.append(Path(plan_path))
         for fmt, name in EXPORT_FILES.items():
-            path = out / name
-            path.write_text(export_text(plan, fmt, plan_path))
-            written.append(path)
+            written.append(write_script(out / name, export_text(plan, fmt, plan_path),
+                                        executable=fmt != "torchtitan"))
     return written

@@ -107,9 +107,11 @@ def choose_plan(spec: ModelSpec, plan: Plan | None, manifest: Manifest | None, *
 
 def train_resumable(spec: ModelSpec | str, *, steps: int, batch: int, seq: int | None = None,
                     seed: int = 0, plan: Plan | None = None, ckpt: CheckpointOptions | None,
-                    on_step: StepCallback | None = None) -> RunResult:
+                    on_step: StepCallback | None = None, device_type: str = "auto"
+                    ) -> RunResult:
     """Train ``steps`` steps on every rank, resuming and checkpointing as ``ckpt`` says
-    (``None``: no checkpoints).
+    (``None``: no checkpoints), on ``device_type`` (``runtime.device``: auto is CUDA on
+    ``LOCAL_RANK`` under an NCCL group, else CPU).
 
     ``on_step(step, loss)`` runs on every rank after each step (after its checkpoint).
     """
@@ -119,7 +121,8 @@ def train_resumable(spec: ModelSpec | str, *, steps: int, batch: int, seq: int |
     plan = choose_plan(spec, plan, manifest, batch=batch, seq=seq)
     torch.manual_seed(seed)
     example = spec.example_inputs(batch, seq, device="meta")
-    trainer = make_trainer(spec.build(seed=seed), plan, spec.loss_fn, example)
+    trainer = make_trainer(spec.build(seed=seed), plan, spec.loss_fn, example,
+                           device_type=device_type)
     start, resharded = 0, False
     if found:
         restored = checkpoint.load(trainer, str(found))
@@ -145,8 +148,9 @@ def _newest(ckpt: CheckpointOptions) -> str | None:
 
 
 def resumable_worker(model_name: str, plan_json: str | None, steps: int, batch: int,
-                     seq: int | None, seed: int, ckpt: CheckpointOptions | None) -> RunResult:
+                     seq: int | None, seed: int, ckpt: CheckpointOptions | None,
+                     device_type: str = "auto") -> RunResult:
     """For ``runtime.launch.spawn``: one rank of ``autopar run --ckpt-dir`` on local processes."""
     plan = Plan.from_json(plan_json) if plan_json else None
     return train_resumable(model_name, steps=steps, batch=batch, seq=seq, seed=seed, plan=plan,
-                           ckpt=ckpt)
+                           ckpt=ckpt, device_type=device_type)

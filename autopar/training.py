@@ -1,4 +1,5 @@
-"""Train a built-in model under a plan on local CPU ranks (what ``autopar run`` does)."""
+"""Train a built-in model under a plan on local ranks (what ``autopar run --model`` does):
+CPU processes with gloo, or one per CUDA device with NCCL (``device_type``, default auto)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from autopar.lower import make_trainer
 from autopar.zoo import ModelSpec, get_model
 from cost_models.hardware import Cluster
 from runtime.batch import as_inputs
+from runtime.device import backend_for
 from runtime.launch import spawn
 from runtime.plan import Plan
 from runtime.step_log import StepLog
@@ -25,7 +27,8 @@ def plan_for_local_run(spec: ModelSpec, nproc: int, batch: int, seq: int | None)
 
 
 def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int,
-              seq: int | None, seed: int = 0, timeout_s: float = 300) -> list[float]:
+              seq: int | None, seed: int = 0, timeout_s: float = 300,
+              device_type: str = "auto") -> list[float]:
     """Global mean loss per step, from rank 0."""
     if plan.world_size != nproc:
         raise AutoparError(
@@ -39,19 +42,20 @@ def run_local(spec: ModelSpec, plan: Plan, *, nproc: int, steps: int, batch: int
         check_stage_split(model, plan, as_inputs(spec.example_inputs(batch, seq, device="meta")),
                           planned=False)
     results = spawn(train_worker, nproc, spec.name, plan.to_json(), steps, batch, seq, seed,
-                    timeout_s=timeout_s)
+                    device_type, backend=backend_for(device_type), timeout_s=timeout_s)
     return results[0]
 
 
 def train_worker(model_name: str, plan_json: str, steps: int, batch: int, seq: int | None,
-                 seed: int, log_every: int = 10) -> list[float]:
+                 seed: int, device_type: str = "auto", log_every: int = 10) -> list[float]:
     """One rank: build the seeded model, apply the plan, train on seeded global batches;
     a ``runtime.step_log`` line every ``log_every`` steps."""
     torch.manual_seed(seed)
     spec = get_model(model_name)
     plan = Plan.from_json(plan_json)
     example = spec.example_inputs(batch, seq, device="meta")
-    trainer = make_trainer(spec.build(seed=seed), plan, spec.loss_fn, example)
+    trainer = make_trainer(spec.build(seed=seed), plan, spec.loss_fn, example,
+                           device_type=device_type)
     tokens = (seq or spec.default_seq) if spec.kind == "gpt" else None
     log = StepLog(trainer, every=log_every, tokens_per_sample=tokens)
     losses = []
@@ -65,7 +69,7 @@ def train_worker(model_name: str, plan_json: str, steps: int, batch: int, seq: i
 def describe_run(model_name: str, plan: Plan, batch: int) -> str:
     """The header `autopar run` prints: mesh, pipeline schedule, and each layer's strategy."""
     mesh = plan.mesh
-    head = (f"{model_name} on {plan.world_size} CPU rank(s): mesh {mesh.describe()}, "
+    head = (f"{model_name} on {plan.world_size} rank(s): mesh {mesh.describe()}, "
             f"global batch {batch}")
     if plan.pipeline is not None:
         p = plan.pipeline

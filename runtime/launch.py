@@ -7,6 +7,9 @@ the process group has a timeout and the parent gives up after ``timeout_s``.
 
 ``init_from_env`` is the torchrun path: it reads RANK / WORLD_SIZE / LOCAL_RANK, picks NCCL
 and the local CUDA device when one is available and gloo on CPU otherwise.
+
+``launched_plan`` is how a plan passed by path (``autopar run train.py --plan p.json``, the
+exported scripts) reaches ``autopar.compile`` in the user's script: ``$AUTOPAR_PLAN``.
 """
 
 from __future__ import annotations
@@ -28,8 +31,13 @@ import torch.distributed as dist
 
 from cost_models.errors import AutoparError
 from runtime.device import backend_for, rank_device
+from runtime.plan import Plan
 
 logger = logging.getLogger(__name__)
+
+PLAN_ENV = "AUTOPAR_PLAN"
+"""Path of the plan JSON that ``autopar.compile`` executes when it is given no plan."""
+_compile_called = False
 
 
 class LaunchError(AutoparError, RuntimeError):
@@ -149,10 +157,11 @@ def _collect(results: Any, procs: list, timeout_s: float) -> list[Any]:
     return [out[r] for r in range(nproc)]
 
 
-def init_from_env(*, timeout_s: float = 600) -> str:
+def init_from_env(*, device_type: str = "auto", timeout_s: float = 600) -> str:
     """Initialise the default process group from torchrun's environment; return the device type.
 
-    NCCL on the CUDA device ``LOCAL_RANK`` when CUDA is available, gloo on CPU otherwise.
+    ``auto``: NCCL on the CUDA device ``LOCAL_RANK`` when CUDA is available, gloo on CPU
+    otherwise (``runtime.device``).
     """
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if k not in os.environ]
     if missing:
@@ -160,7 +169,7 @@ def init_from_env(*, timeout_s: float = 600) -> str:
             f"environment variable(s) {missing} not set; start the script with torchrun "
             "(e.g. `torchrun --nproc-per-node 4 train.py`) or use runtime.launch.spawn"
         )
-    device = rank_device("auto")  # cuda:LOCAL_RANK, made current, or cpu
+    device = rank_device(device_type)  # cuda:LOCAL_RANK, made current, or cpu
     device_type = device.type
     if not dist.is_initialized():
         dist.init_process_group(
@@ -171,3 +180,20 @@ def init_from_env(*, timeout_s: float = 600) -> str:
         dist.get_rank(), dist.get_world_size(), dist.get_backend(), device_type,
     )
     return device_type
+
+
+def launched_plan(plan: Plan | None) -> Plan | None:
+    """For ``autopar.compile``: ``plan`` if given, else the plan at ``$AUTOPAR_PLAN`` (None
+    when unset). Records that compile ran, for ``compile_called``."""
+    global _compile_called
+    _compile_called = True
+    path = os.environ.get(PLAN_ENV)
+    if plan is not None or not path:
+        return plan
+    logger.info("executing the plan %s (from $%s)", path, PLAN_ENV)
+    return Plan.load(path)
+
+
+def compile_called() -> bool:
+    """Whether ``autopar.compile`` ran in this process (``launched_plan`` was asked)."""
+    return _compile_called

@@ -64,7 +64,7 @@ def test_resume_on_fewer_ranks_replans_and_reshards(interrupted, capsys):
     assert main(["run", "--model", "gpt-tiny", "--nproc", "1", "--steps", "8",
                  "--ckpt-dir", str(root), "--resume"]) == 0
     out = capsys.readouterr().out
-    assert "on 1 CPU rank(s): mesh pp=1 × dp=1 × tp=1" in out and "resumed from step 6" in out
+    assert "on 1 rank(s): mesh pp=1 × dp=1 × tp=1" in out and "resumed from step 6" in out
     one_rank = losses_by_step(out)
     assert sorted(one_rank) == [7, 8]
     reference = single_process_losses("gpt-tiny", steps=8)

@@ -121,8 +121,8 @@ def test_cli_plan_writes_plots_and_exports_then_explains_and_diffs(tmp_path, cap
     plan = Plan.load(a)
     world = tomllib.loads((tmp_path / "exp" / "parallelism.toml").read_text())["parallelism"]
     assert world["tensor_parallel_degree"] == plan.mesh.tp
-    argv = shlex.split((tmp_path / "exp" / "torchrun.sh").read_text().splitlines()[1])
-    assert torchrun_world(argv) == plan.world_size
+    argv = shlex.split((tmp_path / "exp" / "torchrun.sh").read_text().splitlines()[-1])
+    assert argv[0] == "exec" and torchrun_world(argv) == plan.world_size
     assert "#SBATCH --nodes=1" in (tmp_path / "exp" / "job.slurm").read_text()
 
     assert main(["explain", str(a), plan.layers[0].module]) == 0
@@ -137,4 +137,4 @@ def test_cli_plan_writes_plots_and_exports_then_explains_and_diffs(tmp_path, cap
     assert main(["diff", str(a), str(b)]) == 1
     assert "mesh" in capsys.readouterr().out or Plan.load(b).mesh == plan.mesh
     assert main(["export", str(b), "--format", "torchrun"]) == 0
-    assert torchrun_world(shlex.split(capsys.readouterr().out.splitlines()[1])) == 16
+    assert torchrun_world(shlex.split(capsys.readouterr().out.splitlines()[-1])) == 16
