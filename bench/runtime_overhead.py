@@ -1,0 +1,353 @@
+"""Runtime overhead: one plan run by autopar and by a hand-written torch-native program.
+
+    python bench/runtime_overhead.py                    # 4 CPU ranks: DDP, FSDP2, TP, 1F1B
+    python bench/runtime_overhead.py --nproc 2 --steps 30
+    python bench/runtime_overhead.py --plans tp,pipeline --schedule GPipe --microbatches 8
+
+For each plan, every rank builds two programs from the same seeded model: autopar's
+(``autopar.lower.make_trainer`` with a ``runtime.plan.Plan`` fixing the strategies) and the
+program a user would write against torch directly, following torchtitan's examples:
+
+    ddp       DistributedDataParallel(model), each rank on its slice of the batch
+    fsdp      fully_shard on each planned layer (embeddings, every block, final norm, head),
+              then on the root, over a 1-D mesh of every rank
+    tp        parallelize_module on each block: q/k/v and fc_in ColwiseParallel, out_proj
+              and fc_out RowwiseParallel over a 1-D mesh of every rank (pure TP)
+    pipeline  the model cut into one stage module per rank as the plan cuts it, a manual
+              PipelineStage and the plan's Schedule class with its micro-batch count
+
+Both use AdamW(lr=1e-3) and ``zero_grad(set_to_none=True)``. The hand-written step returns
+its local loss tensor and syncs nothing else (torchtitan all-reduces the loss only on
+logging steps); autopar's ``train_step`` returns the global mean loss as a float.
+
+Timing: the two programs alternate step by step on the same batches (A B, then B A, so
+neither always runs first), each step timed from a barrier to the slowest rank's end
+(all_reduce MAX); the table gives the median of ``--steps`` steps per program after
+``--warmup``. Equal work is checked first: both programs' global losses on step 1 (same
+init, same batch) must agree to 1e-5 relative, and every later step's too (both train the
+same model on the same data); a warning is printed when they do not.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
+
+MODEL = "gpt-small"
+CONFIG = dict(n_layer=6, n_head=8, n_embd=128, vocab_size=1024)
+"""gpt-small with 6 blocks (8 cut units: the embeddings, 6 blocks, the head, which fill 2 or
+4 pipeline stages evenly) and 8 heads (divisible by tp = 2 and 4)."""
+BATCH, SEQ = 16, 64
+THREADS = 1
+"""Intra-op threads per rank: ranks share the machine's cores (bench/pipeline_step.py)."""
+BLOCK_TP = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj": "colwise",
+            "attn.out_proj": "rowwise", "mlp.fc_in": "colwise", "mlp.fc_out": "rowwise"}
+LOSS_RTOL = 1e-5
+PLANS = ("ddp", "fsdp", "tp", "pipeline")
+
+
+def spec():
+    from autopar.zoo import get_model
+
+    return get_model(MODEL).with_config(**CONFIG)
+
+
+# -- the plans (autopar's side) ---------------------------------------------------------------
+
+def unit_names() -> list[tuple[str, ...]]:
+    """The GPT's planned layers in execution order, grouped as pipeline cut units."""
+    return [("wte", "wpe")] + [(f"h.{i}",) for i in range(CONFIG["n_layer"])] + \
+        [("ln_f", "lm_head")]
+
+
+def make_plan(kind: str, world: int, *, schedule: str, microbatches: int) -> Plan:
+    """The plan of one row: every layer's strategy fixed, the mesh all on one axis."""
+    names = [n for unit in unit_names() for n in unit]
+    if kind in ("ddp", "fsdp"):
+        strategy = "replicate" if kind == "ddp" else "fsdp"
+        return Plan(model=MODEL, cluster="local", global_batch=BATCH, seq_len=SEQ,
+                    mesh=Mesh(dp=world), layers=tuple(LayerPlan(module=n, strategy=strategy)
+                                                      for n in names))
+    if kind == "tp":
+        layers = tuple(LayerPlan(module=n, strategy="tp", tp_styles=BLOCK_TP)
+                       if n.startswith("h.") else LayerPlan(module=n) for n in names)
+        return Plan(model=MODEL, cluster="local", global_batch=BATCH, seq_len=SEQ,
+                    mesh=Mesh(tp=world), layers=layers)
+    units = unit_names()
+    layers = tuple(LayerPlan(module=n, stage=i * world // len(units))
+                   for i, unit in enumerate(units) for n in unit)
+    return Plan(model=MODEL, cluster="local", global_batch=BATCH, seq_len=SEQ,
+                mesh=Mesh(pp=world), layers=layers,
+                pipeline=PipelineSpec(schedule=schedule, num_microbatches=microbatches))
+
+
+# -- the hand-written programs ------------------------------------------------------------------
+
+@dataclass
+class Program:
+    """A hand-written training step: ``step(inputs, targets)`` -> this rank's loss (a 0-dim
+    tensor, or None on a pipeline rank without the last stage); ``global_loss`` turns it
+    into the mean over the global batch on every rank (collective; for the check only)."""
+
+    step: Callable[[tuple, torch.Tensor], torch.Tensor | None]
+    global_loss: Callable[[torch.Tensor | None], float]
+
+
+def _adamw(params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+def _data_parallel_step(model: nn.Module, loss_fn, optimizer) -> Program:
+    """Every rank trains on its slice of the global batch; the loss is the mean of theirs."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def step(inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        per = targets.size(0) // world
+        rows = slice(rank * per, (rank + 1) * per)
+        loss = loss_fn(model(inputs[0][rows]), targets[rows])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Program(step, _mean_over_world)
+
+
+def _mean_over_world(loss: torch.Tensor) -> float:
+    total = loss.clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def hand_ddp(model: nn.Module, plan: Plan, loss_fn) -> Program:
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model)
+    return _data_parallel_step(ddp, loss_fn, _adamw(ddp.parameters()))
+
+
+def hand_fsdp(model: nn.Module, plan: Plan, loss_fn) -> Program:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in plan.layers:
+        fully_shard(model.get_submodule(layer.module), mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return _data_parallel_step(model, loss_fn, _adamw(model.parameters()))
+
+
+def hand_tp(model: nn.Module, plan: Plan, loss_fn) -> Program:
+    """Every rank runs the whole batch; the blocks' Linears are split Megatron-style."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+    for block in model.h:
+        parallelize_module(block, mesh, {sub: style[s]() for sub, s in BLOCK_TP.items()})
+    optimizer = _adamw(model.parameters())
+
+    def step(inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
+        loss = loss_fn(model(*inputs), targets)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    return Program(step, _mean_over_world)
+
+
+class GPTStage(nn.Module):
+    """Some blocks of the zoo GPT, with the embeddings on the first stage and the final
+    norm and head on the last: torchtitan's per-stage model (the other stages' modules
+    left out), written for this model's forward."""
+
+    def __init__(self, model: nn.Module, blocks: list[int], first: bool, last: bool) -> None:
+        super().__init__()
+        self.wte, self.wpe = (model.wte, model.wpe) if first else (None, None)
+        self.h = nn.ModuleList(model.h[i] for i in blocks)
+        self.ln_f, self.lm_head = (model.ln_f, model.lm_head) if last else (None, None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.wte is not None:
+            x = self.wte(x) + self.wpe(torch.arange(x.size(1), device=x.device))
+        for block in self.h:
+            x = block(x)
+        if self.lm_head is not None:
+            x = self.lm_head(self.ln_f(x))
+        return x
+
+
+def hand_pipeline(model: nn.Module, plan: Plan, loss_fn) -> Program:
+    """One stage per rank, cut where the plan cuts; the plan's schedule and micro-batches."""
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = [la.module for la in plan.layers if la.stage == rank]
+    blocks = [int(n.split(".")[1]) for n in mine if n.startswith("h.")]
+    first, last = rank == 0, rank == world - 1
+    stage = PipelineStage(GPTStage(model, blocks, first, last), rank, world,
+                          torch.device("cpu"))
+    cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[plan.pipeline.schedule]
+    schedule = cls(stage, plan.pipeline.num_microbatches, loss_fn=loss_fn)
+    optimizer = _adamw(stage.submod.parameters())
+
+    def step(inputs: tuple, targets: torch.Tensor) -> torch.Tensor | None:
+        losses: list[torch.Tensor] = []
+        if first:
+            schedule.step(inputs[0], return_outputs=False)
+        elif last:
+            schedule.step(target=targets, losses=losses, return_outputs=False)
+        else:
+            schedule.step(return_outputs=False)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return torch.stack(losses).mean().detach() if last else None
+
+    def global_loss(loss: torch.Tensor | None) -> float:
+        total = loss.clone() if loss is not None else torch.zeros(())
+        dist.all_reduce(total)
+        return total.item()
+
+    return Program(step, global_loss)
+
+
+HAND_WRITTEN = {"ddp": hand_ddp, "fsdp": hand_fsdp, "tp": hand_tp, "pipeline": hand_pipeline}
+
+
+# -- measurement (every rank) -------------------------------------------------------------------
+
+def timed(fn: Callable[..., object], *args: object) -> tuple[float, object]:
+    """(the slowest rank's wall time of ``fn(*args)``, started together; its result)."""
+    dist.barrier()
+    start = time.perf_counter()
+    out = fn(*args)
+    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item(), out
+
+
+@dataclass(frozen=True)
+class Row:
+    plan: str
+    mesh: str
+    autopar_s: float
+    """Median step, slowest rank per step (measured)."""
+    hand_s: float
+    first_losses: tuple[float, float]
+    """Step 1's global loss: (autopar, hand-written)."""
+    worst_loss_rel: float
+    """Largest relative loss difference over all steps."""
+
+    @property
+    def ratio(self) -> float:
+        return self.autopar_s / self.hand_s
+
+
+def measure_job(kinds: list[str], plan_jsons: list[str], steps: int, warmup: int) -> list[tuple]:
+    """On every rank: per plan, (autopar's step times, the hand-written ones, the losses)."""
+    from autopar.lower import make_trainer
+
+    torch.set_num_threads(THREADS)
+    model_spec = spec()
+    out = []
+    for kind, text in zip(kinds, plan_jsons, strict=True):
+        plan = Plan.from_json(text)
+        trainer = make_trainer(model_spec.build(seed=0), plan, model_spec.loss_fn,
+                               model_spec.example_inputs(BATCH, SEQ), device_type="cpu")
+        hand = HAND_WRITTEN[kind](model_spec.build(seed=0), plan, model_spec.loss_fn)
+        times: dict[str, list[float]] = {"autopar": [], "hand": []}
+        losses = []
+        for step in range(1 + warmup + steps):  # step 0: the equal-loss check, untimed
+            inputs, targets = model_spec.make_batch(BATCH, SEQ, seed=step)
+            order = ("autopar", "hand") if step % 2 else ("hand", "autopar")
+            result = {}
+            for who in order:
+                fn = trainer.train_step if who == "autopar" else hand.step
+                elapsed, result[who] = timed(fn, inputs, targets)
+                if step > warmup:
+                    times[who].append(elapsed)
+            losses.append((result["autopar"], hand.global_loss(result["hand"])))
+        out.append((times["autopar"], times["hand"], losses))
+        del trainer, hand
+        gc.collect()
+    return out
+
+
+def run(kinds: tuple[str, ...], *, nproc: int, steps: int, warmup: int, schedule: str,
+        microbatches: int) -> list[Row]:
+    from runtime.launch import spawn
+
+    plans = [make_plan(k, nproc, schedule=schedule, microbatches=microbatches) for k in kinds]
+    results = spawn(measure_job, nproc, list(kinds), [p.to_json() for p in plans], steps,
+                    warmup, timeout_s=900)[0]
+    rows = []
+    for kind, plan, (auto_t, hand_t, losses) in zip(kinds, plans, results, strict=True):
+        rel = max(abs(a - h) / abs(h) for a, h in losses)
+        mesh = plan.mesh.describe(sep=" ")
+        if plan.pipeline is not None:
+            mesh += f" {plan.pipeline.schedule} m={plan.pipeline.num_microbatches}"
+        rows.append(Row(kind, mesh, statistics.median(auto_t), statistics.median(hand_t),
+                        losses[0], rel))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    head = (f"{'plan':<9} {'mesh':<26} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6}  "
+            f"{'step-1 loss (autopar / hand)':<30} {'max rel diff':>12}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        a, h = r.first_losses
+        lines.append(f"{r.plan:<9} {r.mesh:<26} {1e3 * r.autopar_s:>10.1f} "
+                     f"{1e3 * r.hand_s:>8.1f} {r.ratio:>6.3f}  {f'{a:.6f} / {h:.6f}':<30} "
+                     f"{r.worst_loss_rel:>12.1e}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc", type=int, default=4, help="CPU ranks (gloo); 2 or 4")
+    parser.add_argument("--plans", default=",".join(PLANS),
+                        help=f"comma-separated, from {', '.join(PLANS)}")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per program")
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--schedule", default="1F1B", choices=("1F1B", "GPipe"))
+    parser.add_argument("--microbatches", type=int, default=4)
+    args = parser.parse_args()
+    kinds = tuple(k.strip() for k in args.plans.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in PLANS]
+    if unknown or args.nproc not in (2, 4):
+        parser.error(f"--plans from {', '.join(PLANS)} (got {unknown}); --nproc 2 or 4")
+    rows = run(kinds, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
+               schedule=args.schedule, microbatches=args.microbatches)
+    print(f"{MODEL} {CONFIG}, global batch {BATCH}, seq {SEQ}, {args.nproc} CPU ranks (gloo), "
+          f"{THREADS} thread each; {platform.processor() or platform.machine()}, "
+          f"torch {torch.__version__}")
+    print(format_table(rows))
+    print(f"(median of {args.steps} alternated steps per program after {args.warmup} warm-up; "
+          "slowest rank per step; ratio = autopar / hand-written)")
+    for r in rows:
+        if r.worst_loss_rel > LOSS_RTOL:
+            print(f"WARNING: {r.plan}: autopar's and the hand-written losses differ by up to "
+                  f"{r.worst_loss_rel:.1e} (relative); the two programs do not do equal work")
+
+
+if __name__ == "__main__":
+    main()
