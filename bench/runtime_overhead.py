@@ -130,10 +130,11 @@ def _mean_over_world(loss: torch.Tensor) -> float:
     return total.item() / dist.get_world_size()
 
 
-def hand_ddp(model: nn.Module, plan: Plan, loss_fn) -> Program:
+def hand_ddp(model: nn.Module, plan: Plan, loss_fn, *, engine: bool = False) -> Program:
+    """``engine``: DDP as autopar configures it (gradients as views of the buckets)."""
     from torch.nn.parallel import DistributedDataParallel
 
-    ddp = DistributedDataParallel(model)
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=engine)
     return _data_parallel_step(ddp, loss_fn, _adamw(ddp.parameters()))
 
 
@@ -148,19 +149,36 @@ def hand_fsdp(model: nn.Module, plan: Plan, loss_fn) -> Program:
     return _data_parallel_step(model, loss_fn, _adamw(model.parameters()))
 
 
-def hand_tp(model: nn.Module, plan: Plan, loss_fn) -> Program:
-    """Every rank runs the whole batch; the blocks' Linears are split Megatron-style."""
+def hand_tp(model: nn.Module, plan: Plan, loss_fn, *, engine: bool = False) -> Program:
+    """Every rank runs the whole batch; the blocks' Linears are split Megatron-style.
+
+    ``engine``: then FSDP2 units as autopar's runtime adds them for this plan (mesh dp=1):
+    each block on a (1, 1) HSDP mesh sharing the tp mesh's root (nothing to communicate),
+    each replicated layer and the root on a (world, 1) HSDP mesh, whose gradients are
+    all-reduced over the tp ranks."""
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         RowwiseParallel,
         parallelize_module,
     )
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    world = dist.get_world_size()
+    if engine:
+        mesh = init_device_mesh("cpu", (1, 1, world), mesh_dim_names=("rep", "shard", "tp"))
+        tp_mesh = mesh["tp"]
+    else:
+        tp_mesh = init_device_mesh("cpu", (world,))
     style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.h:
-        parallelize_module(block, mesh, {sub: style[s]() for sub, s in BLOCK_TP.items()})
+        parallelize_module(block, tp_mesh, {sub: style[s]() for sub, s in BLOCK_TP.items()})
+    if engine:
+        replicas = init_device_mesh("cpu", (world, 1), mesh_dim_names=("world", "one"))
+        for layer in plan.layers:
+            fully_shard(model.get_submodule(layer.module), reshard_after_forward=False,
+                        mesh=mesh["rep", "shard"] if layer.strategy == "tp" else replicas)
+        fully_shard(model, mesh=replicas, reshard_after_forward=False)
     optimizer = _adamw(model.parameters())
 
     def step(inputs: tuple, targets: torch.Tensor) -> torch.Tensor:
@@ -194,8 +212,13 @@ class GPTStage(nn.Module):
         return x
 
 
-def hand_pipeline(model: nn.Module, plan: Plan, loss_fn) -> Program:
-    """One stage per rank, cut where the plan cuts; the plan's schedule and micro-batches."""
+def hand_pipeline(model: nn.Module, plan: Plan, loss_fn, *, engine: bool = False) -> Program:
+    """One stage per rank, cut where the plan cuts; the plan's schedule and micro-batches.
+
+    ``engine``: each of the stage's planned layers and the stage itself in an FSDP2 unit on
+    a (1, 1) HSDP mesh, kept unsharded through the step, as autopar's runtime does at dp=1."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining.schedules import Schedule1F1B, ScheduleGPipe
 
@@ -203,11 +226,17 @@ def hand_pipeline(model: nn.Module, plan: Plan, loss_fn) -> Program:
     mine = [la.module for la in plan.layers if la.stage == rank]
     blocks = [int(n.split(".")[1]) for n in mine if n.startswith("h.")]
     first, last = rank == 0, rank == world - 1
-    stage = PipelineStage(GPTStage(model, blocks, first, last), rank, world,
-                          torch.device("cpu"))
+    module = GPTStage(model, blocks, first, last)
+    if engine:
+        mesh = init_device_mesh("cpu", (world, 1, 1), mesh_dim_names=("pp", "rep", "shard"))
+        for name in mine:
+            fully_shard(model.get_submodule(name), mesh=mesh["rep", "shard"],
+                        reshard_after_forward=False)
+        fully_shard(module, mesh=mesh["rep", "shard"], reshard_after_forward=False)
+    stage = PipelineStage(module, rank, world, torch.device("cpu"))
     cls = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[plan.pipeline.schedule]
     schedule = cls(stage, plan.pipeline.num_microbatches, loss_fn=loss_fn)
-    optimizer = _adamw(stage.submod.parameters())
+    optimizer = _adamw(module.parameters())
 
     def step(inputs: tuple, targets: torch.Tensor) -> torch.Tensor | None:
         losses: list[torch.Tensor] = []
@@ -230,6 +259,35 @@ def hand_pipeline(model: nn.Module, plan: Plan, loss_fn) -> Program:
 
 
 HAND_WRITTEN = {"ddp": hand_ddp, "fsdp": hand_fsdp, "tp": hand_tp, "pipeline": hand_pipeline}
+WITH_ENGINE = ("ddp", "tp", "pipeline")
+"""Plans whose hand-written program ``engine=True`` turns into autopar's choice of engine
+configuration; under the FSDP plan both programs already configure FSDP2 alike."""
+
+
+def with_loss_sync(program: Program) -> Program:
+    """The program's step followed by what autopar's ``train_step`` adds: the loss
+    all-reduced over every rank and read back as a float."""
+
+    def step(inputs: tuple, targets: torch.Tensor) -> torch.Tensor | None:
+        loss = program.step(inputs, targets)
+        program.global_loss(loss)
+        return loss
+
+    return Program(step, program.global_loss)
+
+
+def programs(kind: str, plan: Plan, explain: bool) -> dict[str, Program]:
+    """The hand-written program of ``kind`` and, with ``explain``, its variants that add
+    autopar's extra work one piece at a time; each on a fresh model of the same seed."""
+    model_spec = spec()
+    build = HAND_WRITTEN[kind]
+    out = {"hand": build(model_spec.build(seed=0), plan, model_spec.loss_fn)}
+    if explain:
+        out["+sync"] = with_loss_sync(build(model_spec.build(seed=0), plan, model_spec.loss_fn))
+        if kind in WITH_ENGINE:
+            out["+engine+sync"] = with_loss_sync(
+                build(model_spec.build(seed=0), plan, model_spec.loss_fn, engine=True))
+    return out
 
 
 # -- measurement (every rank) -------------------------------------------------------------------
@@ -248,21 +306,24 @@ def timed(fn: Callable[..., object], *args: object) -> tuple[float, object]:
 class Row:
     plan: str
     mesh: str
-    autopar_s: float
-    """Median step, slowest rank per step (measured)."""
-    hand_s: float
+    median_s: dict[str, float]
+    """Per program ('autopar', 'hand', with --explain '+sync', '+engine+sync'): the median
+    step, slowest rank per step (measured)."""
     first_losses: tuple[float, float]
     """Step 1's global loss: (autopar, hand-written)."""
     worst_loss_rel: float
-    """Largest relative loss difference over all steps."""
+    """Largest relative difference of any program's loss from autopar's, over all steps."""
 
     @property
     def ratio(self) -> float:
-        return self.autopar_s / self.hand_s
+        return self.median_s["autopar"] / self.median_s["hand"]
 
 
-def measure_job(kinds: list[str], plan_jsons: list[str], steps: int, warmup: int) -> list[tuple]:
-    """On every rank: per plan, (autopar's step times, the hand-written ones, the losses)."""
+def measure_job(kinds: list[str], plan_jsons: list[str], steps: int, warmup: int,
+                explain: bool) -> list[tuple]:
+    """On every rank, per plan: ({program: its step times}, per step {program: global loss}).
+
+    The programs take turns on each batch, in an order rotated every step."""
     from autopar.lower import make_trainer
 
     torch.set_num_threads(THREADS)
@@ -272,52 +333,57 @@ def measure_job(kinds: list[str], plan_jsons: list[str], steps: int, warmup: int
         plan = Plan.from_json(text)
         trainer = make_trainer(model_spec.build(seed=0), plan, model_spec.loss_fn,
                                model_spec.example_inputs(BATCH, SEQ), device_type="cpu")
-        hand = HAND_WRITTEN[kind](model_spec.build(seed=0), plan, model_spec.loss_fn)
-        times: dict[str, list[float]] = {"autopar": [], "hand": []}
+        progs = {"autopar": Program(trainer.train_step, float), **programs(kind, plan, explain)}
+        names = list(progs)
+        times: dict[str, list[float]] = {name: [] for name in names}
         losses = []
         for step in range(1 + warmup + steps):  # step 0: the equal-loss check, untimed
             inputs, targets = model_spec.make_batch(BATCH, SEQ, seed=step)
-            order = ("autopar", "hand") if step % 2 else ("hand", "autopar")
+            shift = step % len(names)
             result = {}
-            for who in order:
-                fn = trainer.train_step if who == "autopar" else hand.step
-                elapsed, result[who] = timed(fn, inputs, targets)
+            for name in names[shift:] + names[:shift]:
+                elapsed, result[name] = timed(progs[name].step, inputs, targets)
                 if step > warmup:
-                    times[who].append(elapsed)
-            losses.append((result["autopar"], hand.global_loss(result["hand"])))
-        out.append((times["autopar"], times["hand"], losses))
-        del trainer, hand
+                    times[name].append(elapsed)
+            losses.append({name: progs[name].global_loss(result[name]) for name in names})
+        out.append((times, losses))
+        del trainer, progs
         gc.collect()
     return out
 
 
 def run(kinds: tuple[str, ...], *, nproc: int, steps: int, warmup: int, schedule: str,
-        microbatches: int) -> list[Row]:
+        microbatches: int, explain: bool = False) -> list[Row]:
     from runtime.launch import spawn
 
     plans = [make_plan(k, nproc, schedule=schedule, microbatches=microbatches) for k in kinds]
     results = spawn(measure_job, nproc, list(kinds), [p.to_json() for p in plans], steps,
-                    warmup, timeout_s=900)[0]
+                    warmup, explain, timeout_s=1800)[0]
     rows = []
-    for kind, plan, (auto_t, hand_t, losses) in zip(kinds, plans, results, strict=True):
-        rel = max(abs(a - h) / abs(h) for a, h in losses)
+    for kind, plan, (times, losses) in zip(kinds, plans, results, strict=True):
+        rel = max(abs(v - step["autopar"]) / abs(step["autopar"])
+                  for step in losses for v in step.values())
         mesh = plan.mesh.describe(sep=" ")
         if plan.pipeline is not None:
             mesh += f" {plan.pipeline.schedule} m={plan.pipeline.num_microbatches}"
-        rows.append(Row(kind, mesh, statistics.median(auto_t), statistics.median(hand_t),
-                        losses[0], rel))
+        rows.append(Row(kind, mesh, {k: statistics.median(v) for k, v in times.items()},
+                        (losses[0]["autopar"], losses[0]["hand"]), rel))
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
+    extra = [k for k in ("+sync", "+engine+sync") if any(k in r.median_s for r in rows)]
     head = (f"{'plan':<9} {'mesh':<26} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6}  "
-            f"{'step-1 loss (autopar / hand)':<30} {'max rel diff':>12}")
+            + "".join(f"{'hand' + k + ' ms':>21}" for k in extra)
+            + f"  {'step-1 loss (autopar / hand)':<30} {'max rel diff':>12}")
     lines = [head, "-" * len(head)]
     for r in rows:
         a, h = r.first_losses
-        lines.append(f"{r.plan:<9} {r.mesh:<26} {1e3 * r.autopar_s:>10.1f} "
-                     f"{1e3 * r.hand_s:>8.1f} {r.ratio:>6.3f}  {f'{a:.6f} / {h:.6f}':<30} "
-                     f"{r.worst_loss_rel:>12.1e}")
+        ms = r.median_s
+        cells = "".join(f"{1e3 * ms[k]:>21.1f}" if k in ms else f"{'-':>21}" for k in extra)
+        lines.append(f"{r.plan:<9} {r.mesh:<26} {1e3 * ms['autopar']:>10.1f} "
+                     f"{1e3 * ms['hand']:>8.1f} {r.ratio:>6.3f}  {cells}"
+                     f"  {f'{a:.6f} / {h:.6f}':<30} {r.worst_loss_rel:>12.1e}")
     return "\n".join(lines)
 
 
@@ -330,13 +396,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--schedule", default="1F1B", choices=("1F1B", "GPipe"))
     parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--explain", action="store_true",
+                        help="also time the hand-written program plus autopar's loss sync, "
+                             "and plus its engine configuration (FSDP2 units, DDP buckets)")
     args = parser.parse_args()
     kinds = tuple(k.strip() for k in args.plans.split(",") if k.strip())
     unknown = [k for k in kinds if k not in PLANS]
     if unknown or args.nproc not in (2, 4):
         parser.error(f"--plans from {', '.join(PLANS)} (got {unknown}); --nproc 2 or 4")
     rows = run(kinds, nproc=args.nproc, steps=args.steps, warmup=args.warmup,
-               schedule=args.schedule, microbatches=args.microbatches)
+               schedule=args.schedule, microbatches=args.microbatches, explain=args.explain)
     print(f"{MODEL} {CONFIG}, global batch {BATCH}, seq {SEQ}, {args.nproc} CPU ranks (gloo), "
           f"{THREADS} thread each; {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}")
@@ -345,8 +414,8 @@ def main() -> None:
           "slowest rank per step; ratio = autopar / hand-written)")
     for r in rows:
         if r.worst_loss_rel > LOSS_RTOL:
-            print(f"WARNING: {r.plan}: autopar's and the hand-written losses differ by up to "
-                  f"{r.worst_loss_rel:.1e} (relative); the two programs do not do equal work")
+            print(f"WARNING: {r.plan}: a program's loss differs from autopar's by up to "
+                  f"{r.worst_loss_rel:.1e} (relative); they do not do equal work")
 
 
 if __name__ == "__main__":
