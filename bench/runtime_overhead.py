@@ -292,23 +292,33 @@ def programs(kind: str, plan: Plan, explain: bool) -> dict[str, Program]:
 
 # -- measurement (every rank) -------------------------------------------------------------------
 
-def timed(fn: Callable[..., object], *args: object) -> tuple[float, object]:
-    """(the slowest rank's wall time of ``fn(*args)``, started together; its result)."""
+def timed(fn: Callable[..., object], *args: object) -> tuple[float, float, object]:
+    """``fn(*args)`` started together on every rank: (the slowest rank's wall time, the CPU
+    time of every rank's process summed, all threads; its result). CPU time leaves out
+    waiting (for peers, and for cores other processes hold), so it measures the work a
+    program does even on a machine loaded by other jobs."""
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     out = fn(*args)
-    elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-    return elapsed.item(), out
+    wall = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
+    work = torch.tensor(time.process_time() - cpu, dtype=torch.float64)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(work)
+    return wall.item(), work.item(), out
 
 
 @dataclass(frozen=True)
 class Row:
     plan: str
     mesh: str
-    median_s: dict[str, float]
+    wall_s: dict[str, float]
     """Per program ('autopar', 'hand', with --explain '+sync', '+engine+sync'): the median
     step, slowest rank per step (measured)."""
+    cpu_s: dict[str, float]
+    """Per program: the median step's CPU time, summed over the ranks (measured)."""
+    paired_ratio: float
+    """Median over steps of autopar's wall time / the hand-written one on the same batch:
+    the two ran back to back, so load that drifts over the run cancels in each pair."""
     first_losses: tuple[float, float]
     """Step 1's global loss: (autopar, hand-written)."""
     worst_loss_rel: float
@@ -316,14 +326,18 @@ class Row:
 
     @property
     def ratio(self) -> float:
-        return self.median_s["autopar"] / self.median_s["hand"]
+        return self.wall_s["autopar"] / self.wall_s["hand"]
+
+    @property
+    def cpu_ratio(self) -> float:
+        return self.cpu_s["autopar"] / self.cpu_s["hand"]
 
 
 def measure_job(kinds: list[str], plan_jsons: list[str], steps: int, warmup: int,
                 explain: bool) -> list[tuple]:
-    """On every rank, per plan: ({program: its step times}, per step {program: global loss}).
-
-    The programs take turns on each batch, in an order rotated every step."""
+    """On every rank, per plan: ({program: [(wall s, CPU s) per timed step]}, per step
+    {program: global loss}). The programs take turns on each batch, in an order rotated
+    every step."""
     from autopar.lower import make_trainer
 
     torch.set_num_threads(THREADS)
@@ -335,16 +349,16 @@ def measure_job(kinds: list[str], plan_jsons: list[str], steps: int, warmup: int
                                model_spec.example_inputs(BATCH, SEQ), device_type="cpu")
         progs = {"autopar": Program(trainer.train_step, float), **programs(kind, plan, explain)}
         names = list(progs)
-        times: dict[str, list[float]] = {name: [] for name in names}
+        times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         losses = []
         for step in range(1 + warmup + steps):  # step 0: the equal-loss check, untimed
             inputs, targets = model_spec.make_batch(BATCH, SEQ, seed=step)
             shift = step % len(names)
             result = {}
             for name in names[shift:] + names[:shift]:
-                elapsed, result[name] = timed(progs[name].step, inputs, targets)
+                wall, cpu, result[name] = timed(progs[name].step, inputs, targets)
                 if step > warmup:
-                    times[name].append(elapsed)
+                    times[name].append((wall, cpu))
             losses.append({name: progs[name].global_loss(result[name]) for name in names})
         out.append((times, losses))
         del trainer, progs
@@ -366,25 +380,37 @@ def run(kinds: tuple[str, ...], *, nproc: int, steps: int, warmup: int, schedule
         mesh = plan.mesh.describe(sep=" ")
         if plan.pipeline is not None:
             mesh += f" {plan.pipeline.schedule} m={plan.pipeline.num_microbatches}"
-        rows.append(Row(kind, mesh, {k: statistics.median(v) for k, v in times.items()},
-                        (losses[0]["autopar"], losses[0]["hand"]), rel))
+        paired = statistics.median(a[0] / h[0] for a, h in zip(times["autopar"], times["hand"],
+                                                               strict=True))
+        rows.append(Row(kind, mesh, {k: statistics.median(w for w, _ in v)
+                                     for k, v in times.items()},
+                        {k: statistics.median(c for _, c in v) for k, v in times.items()},
+                        paired, (losses[0]["autopar"], losses[0]["hand"]), rel))
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
-    extra = [k for k in ("+sync", "+engine+sync") if any(k in r.median_s for r in rows)]
-    head = (f"{'plan':<9} {'mesh':<26} {'autopar ms':>10} {'hand ms':>8} {'ratio':>6}  "
-            + "".join(f"{'hand' + k + ' ms':>21}" for k in extra)
-            + f"  {'step-1 loss (autopar / hand)':<30} {'max rel diff':>12}")
+    """Wall-clock and CPU columns; with --explain, the variants as 'wall / CPU' ms."""
+    extra = [k for k in ("+sync", "+engine+sync") if any(k in r.wall_s for r in rows)]
+    head = (f"{'plan':<9} {'mesh':<24} {'autopar':>8} {'hand':>8} {'ratio':>6} {'paired':>6}"
+            f" {'autopar CPU':>11} {'hand CPU':>9} {'ratio':>6}"
+            + "".join(f"{'hand' + k:>20}" for k in extra))
     lines = [head, "-" * len(head)]
     for r in rows:
-        a, h = r.first_losses
-        ms = r.median_s
-        cells = "".join(f"{1e3 * ms[k]:>21.1f}" if k in ms else f"{'-':>21}" for k in extra)
-        lines.append(f"{r.plan:<9} {r.mesh:<26} {1e3 * ms['autopar']:>10.1f} "
-                     f"{1e3 * ms['hand']:>8.1f} {r.ratio:>6.3f}  {cells}"
-                     f"  {f'{a:.6f} / {h:.6f}':<30} {r.worst_loss_rel:>12.1e}")
+        w, c = r.wall_s, r.cpu_s
+        cells = "".join(f"{f'{1e3 * w[k]:.1f} / {1e3 * c[k]:.1f}':>20}" if k in w
+                        else f"{'-':>20}" for k in extra)
+        lines.append(f"{r.plan:<9} {r.mesh:<24} {1e3 * w['autopar']:>8.1f} "
+                     f"{1e3 * w['hand']:>8.1f} {r.ratio:>6.3f} {r.paired_ratio:>6.3f} "
+                     f"{1e3 * c['autopar']:>11.1f} {1e3 * c['hand']:>9.1f} {r.cpu_ratio:>6.3f}"
+                     + cells)
     return "\n".join(lines)
+
+
+def format_losses(rows: list[Row]) -> str:
+    return "\n".join(f"  {r.plan:<9} step-1 loss autopar {r.first_losses[0]:.6f}, hand-written "
+                     f"{r.first_losses[1]:.6f}; largest relative difference of any program "
+                     f"from autopar over all steps {r.worst_loss_rel:.1e}" for r in rows)
 
 
 def main() -> None:
@@ -410,8 +436,12 @@ def main() -> None:
           f"{THREADS} thread each; {platform.processor() or platform.machine()}, "
           f"torch {torch.__version__}")
     print(format_table(rows))
-    print(f"(median of {args.steps} alternated steps per program after {args.warmup} warm-up; "
-          "slowest rank per step; ratio = autopar / hand-written)")
+    print(f"(ms per step, median of {args.steps} steps per program after {args.warmup} "
+          "warm-up, programs alternated on the same batches; wall: slowest rank, CPU: summed "
+          "over ranks; ratio = autopar / hand-written, paired = median of per-step wall "
+          "ratios)")
+    print("equal work:")
+    print(format_losses(rows))
     for r in rows:
         if r.worst_loss_rel > LOSS_RTOL:
             print(f"WARNING: {r.plan}: a program's loss differs from autopar's by up to "
