@@ -20,12 +20,21 @@ Both use AdamW(lr=1e-3) and ``zero_grad(set_to_none=True)``. The hand-written st
 its local loss tensor and syncs nothing else (torchtitan all-reduces the loss only on
 logging steps); autopar's ``train_step`` returns the global mean loss as a float.
 
-Timing: the two programs alternate step by step on the same batches (A B, then B A, so
+Timing: the programs take turns step by step on the same batches (A B, then B A, so
 neither always runs first), each step timed from a barrier to the slowest rank's end
-(all_reduce MAX); the table gives the median of ``--steps`` steps per program after
-``--warmup``. Equal work is checked first: both programs' global losses on step 1 (same
-init, same batch) must agree to 1e-5 relative, and every later step's too (both train the
-same model on the same data); a warning is printed when they do not.
+(all_reduce MAX), and its CPU time summed over the ranks' processes; the table gives the
+medians of ``--steps`` steps per program after ``--warmup``, their ratios, and the median
+of the per-step wall ratios ("paired"). CPU time leaves out waiting, so on a machine that
+other jobs load it still measures each program's own work. Equal work is checked first:
+every program's global loss on step 1 (same init, same batch) must agree with autopar's
+to 1e-5 relative, and every later step's too (all train the same model on the same
+data); a warning is printed when they do not.
+
+``--explain`` attributes a gap: two more variants of the hand-written program join the
+rotation, "+sync" (its step followed by the loss all-reduce and ``.item()`` autopar's
+``train_step`` does) and "+engine+sync" (that, with the engine configured as autopar's
+runtime configures it for the plan: DDP's gradients as bucket views; the FSDP2 units
+autopar wraps a TP model or a pipeline stage in at dp = 1).
 """
 
 from __future__ import annotations
