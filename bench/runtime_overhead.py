@@ -34,7 +34,9 @@ data); a warning is printed when they do not.
 rotation, "+sync" (its step followed by the loss all-reduce and ``.item()`` autopar's
 ``train_step`` does) and "+engine+sync" (that, with the engine configured as autopar's
 runtime configures it for the plan: DDP's gradients as bucket views; the FSDP2 units
-autopar wraps a TP model or a pipeline stage in at dp = 1).
+autopar wraps a TP model or a pipeline stage in at dp = 1); under the TP plan also
+"+repl+sync", with only the FSDP2 units of the replicated layers (embeddings, final norm,
+head), whose gradients they all-reduce over the tp ranks.
 """
 
 from __future__ import annotations
@@ -158,13 +160,14 @@ def hand_fsdp(model: nn.Module, plan: Plan, loss_fn) -> Program:
     return _data_parallel_step(model, loss_fn, _adamw(model.parameters()))
 
 
-def hand_tp(model: nn.Module, plan: Plan, loss_fn, *, engine: bool = False) -> Program:
+def hand_tp(model: nn.Module, plan: Plan, loss_fn, *, engine: bool = False,
+            replicated_only: bool = False) -> Program:
     """Every rank runs the whole batch; the blocks' Linears are split Megatron-style.
 
     ``engine``: then FSDP2 units as autopar's runtime adds them for this plan (mesh dp=1):
     each block on a (1, 1) HSDP mesh sharing the tp mesh's root (nothing to communicate),
     each replicated layer and the root on a (world, 1) HSDP mesh, whose gradients are
-    all-reduced over the tp ranks."""
+    all-reduced over the tp ranks. ``replicated_only``: only the latter units."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import (
@@ -182,11 +185,13 @@ def hand_tp(model: nn.Module, plan: Plan, loss_fn, *, engine: bool = False) -> P
     style = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     for block in model.h:
         parallelize_module(block, tp_mesh, {sub: style[s]() for sub, s in BLOCK_TP.items()})
-    if engine:
+    if engine or replicated_only:
         replicas = init_device_mesh("cpu", (world, 1), mesh_dim_names=("world", "one"))
         for layer in plan.layers:
-            fully_shard(model.get_submodule(layer.module), reshard_after_forward=False,
-                        mesh=mesh["rep", "shard"] if layer.strategy == "tp" else replicas)
+            if layer.strategy != "tp" or not replicated_only:
+                fully_shard(model.get_submodule(layer.module), reshard_after_forward=False,
+                            mesh=mesh["rep", "shard"] if layer.strategy == "tp" else replicas)
+    if engine:  # the root holds no parameter of its own here: every layer is planned
         fully_shard(model, mesh=replicas, reshard_after_forward=False)
     optimizer = _adamw(model.parameters())
 
@@ -293,6 +298,9 @@ def programs(kind: str, plan: Plan, explain: bool) -> dict[str, Program]:
     out = {"hand": build(model_spec.build(seed=0), plan, model_spec.loss_fn)}
     if explain:
         out["+sync"] = with_loss_sync(build(model_spec.build(seed=0), plan, model_spec.loss_fn))
+        if kind == "tp":
+            out["+repl+sync"] = with_loss_sync(build(model_spec.build(seed=0), plan,
+                                                     model_spec.loss_fn, replicated_only=True))
         if kind in WITH_ENGINE:
             out["+engine+sync"] = with_loss_sync(
                 build(model_spec.build(seed=0), plan, model_spec.loss_fn, engine=True))
@@ -400,7 +408,8 @@ def run(kinds: tuple[str, ...], *, nproc: int, steps: int, warmup: int, schedule
 
 def format_table(rows: list[Row]) -> str:
     """Wall-clock and CPU columns; with --explain, the variants as 'wall / CPU' ms."""
-    extra = [k for k in ("+sync", "+engine+sync") if any(k in r.wall_s for r in rows)]
+    extra = [k for k in ("+sync", "+repl+sync", "+engine+sync")
+             if any(k in r.wall_s for r in rows)]
     head = (f"{'plan':<9} {'mesh':<24} {'autopar':>8} {'hand':>8} {'ratio':>6} {'paired':>6}"
             f" {'autopar CPU':>11} {'hand CPU':>9} {'ratio':>6}"
             + "".join(f"{'hand' + k:>20}" for k in extra))
