@@ -17,6 +17,7 @@ import os
 import torch.nn as nn
 
 from passes.split_stages import split_pipeline
+from passes.trace import inputs_to_meta
 from runtime.batch import Inputs, as_inputs, first_rows
 from runtime.materialize import check_initializable, first_names, on_meta
 from runtime.pipeline import PipelineTrainer
@@ -89,6 +90,8 @@ def _pipeline_trainer(model: nn.Module, plan: Plan, loss_fn: LossFn | None,
     if meta:
         check_initializable(model)
     part = as_inputs(microbatch_inputs(plan, example_inputs))
+    if meta:  # captured on meta like the model (only shapes are used)
+        part = inputs_to_meta(part)
     split = split_pipeline(model, plan, part.args, dict(part.kwargs) or None)
     return PipelineTrainer(split.modules, plan, loss_fn, device_type=device_type,
                            tied=split.tied, output_fn=split.output_fn,

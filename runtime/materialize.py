@@ -32,6 +32,7 @@ so ranks seeded differently still train one model.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import inspect
@@ -41,6 +42,7 @@ from collections.abc import Iterator, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.overrides import TorchFunctionMode
@@ -209,10 +211,11 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int,
     if stages is None:
         model.to_empty(device=device)
         _retie(model, first)
+        copies = []
     else:
         for stage in stages:
             stage.to_empty(device=device)
-            _graft(model, stage)
+        copies = _graft(model, stages, first)
     addresses = {
         _address(t): first.get(name, name)
         for name, t in _named_tensors(model) if not t.is_meta and t.numel()
@@ -224,11 +227,14 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int,
         with SeededInit(addresses, seed):
             if how == "init_weights":
                 _forget_hf_initialized(model)
-                model.init_weights()
+                with _own_class(model):
+                    model.init_weights()
             else:
                 for module in model.modules():
                     if callable(getattr(module, "reset_parameters", None)):
                         module.reset_parameters()
+        for copy, source in copies:
+            _local(copy).copy_(_local(source))
     logger.info("materialized %s on %s (%s, seed %d)",
                 "the model" if stages is None else f"{len(stages)} stage(s)", device, how, seed)
 
@@ -263,24 +269,66 @@ def _get(model: nn.Module, name: str) -> torch.Tensor:
     return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
 
 
-def _graft(model: nn.Module, stage: nn.Module) -> None:
-    """Put a stage's tensors into ``model`` under the same names."""
-    for name, t in _named_tensors(stage):
-        prefix, _, leaf = name.rpartition(".")
-        try:
-            owner = model.get_submodule(prefix)
-        except AttributeError:
-            owner = None
-        slots = None if owner is None else (
-            owner._parameters if leaf in owner._parameters else
-            owner._buffers if leaf in owner._buffers else None)
-        if slots is None:
-            raise PlanError(
-                f"pipeline stage tensor {name!r} has no counterpart in the model, so the "
-                "model's initialisation cannot reach it; build the model with real weights "
-                "for this plan, or plan it without a pipeline"
-            )
-        slots[leaf] = t
+def _graft(model: nn.Module, stages: Sequence[nn.Module], first: Mapping[str, str]
+           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Put the stages' tensors into ``model`` under their names. A tied weight goes in
+    under every name it has, so that whichever of its modules fills it last (a tied head's
+    ``reset_parameters`` after the embedding's) fills this rank's copy, as in one process.
+    Returns (copy, source) for a second copy of one weight on this rank, to be copied from
+    the grafted one once it is filled."""
+    aliases: dict[str, list[str]] = {}
+    for name, first_name in first.items():
+        aliases.setdefault(first_name, []).append(name)
+    grafted: dict[str, torch.Tensor] = {}
+    copies = []
+    for stage in stages:
+        for name, t in _named_tensors(stage):
+            key = first.get(name, name)
+            if key in grafted:
+                if grafted[key] is not t:
+                    copies.append((t, grafted[key]))
+                continue
+            grafted[key] = t
+            for alias in aliases.get(key, [name]):
+                _slots(model, alias, name)[alias.rpartition(".")[2]] = t
+    return copies
+
+
+def _slots(model: nn.Module, name: str, stage_name: str) -> dict:
+    """The parameter or buffer dict of ``model`` that holds ``name``."""
+    prefix, _, leaf = name.rpartition(".")
+    try:
+        owner = model.get_submodule(prefix)
+    except AttributeError:
+        owner = None
+    for slots in () if owner is None else (owner._parameters, owner._buffers):
+        if leaf in slots:
+            return slots
+    raise PlanError(
+        f"pipeline stage tensor {stage_name!r} has no counterpart in the model, so the "
+        "model's initialisation cannot reach it; build the model with real weights for "
+        "this plan, or plan it without a pipeline"
+    )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+@contextlib.contextmanager
+def _own_class(model: nn.Module) -> Iterator[None]:
+    """The model seen as its own class while it initialises. FSDP2 gives a sharded module a
+    class of its own (``FSDPGPT2LMHeadModel``) defined outside the model's library; a
+    Hugging Face model of such a class counts as remote code, and its ``init_weights()``
+    then skips every module that holds no parameter itself (GPT-2's attention, whose
+    scaled init of ``c_proj`` would not run)."""
+    wrapped = type(model)
+    if isinstance(model, FSDPModule):
+        model.__class__ = next(c for c in wrapped.__mro__ if not issubclass(c, FSDPModule))
+    try:
+        yield
+    finally:
+        model.__class__ = wrapped
 
 
 def _forget_hf_initialized(model: nn.Module) -> None:

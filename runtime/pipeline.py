@@ -129,6 +129,27 @@ def validate_pipeline(stages: Sequence[nn.Module], plan: Plan, model: nn.Module 
             validate_tp_layer(module, layer, plan.mesh.tp)
 
 
+def _off_meta(module: nn.Module, device: torch.device) -> None:
+    """A stage exported from a model on meta names the meta device in its ops, as a
+    keyword (``arange(..., device=meta)``) or an argument (``aten.to.device(x, meta)``,
+    as Llama's rotary embedding does); run them on ``device``."""
+    def move(arg: object) -> object:
+        return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
+
+    # Graph modules, and the interpreted submodules of an unflattened export, which keep
+    # a graph (and may keep a graph module) of their own.
+    holders = [*module.modules(), *(getattr(m, "graph_module", None) for m in module.modules())]
+    for holder in holders:
+        graph = getattr(holder, "graph", None)
+        if not isinstance(graph, torch.fx.Graph):
+            continue
+        for node in graph.nodes:
+            node.args = torch.fx.node.map_aggregate(node.args, move)
+            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, move)
+        if isinstance(holder, torch.fx.GraphModule):
+            holder.recompile()
+
+
 def _keep_unsharded_through_step(module: nn.Module) -> None:
     """Sharded layers keep their gathered parameters from forward to the end of backward.
 
@@ -241,10 +262,11 @@ class PipelineTrainer(Trainer):
         """TP, recompute and FSDP2 on one stage module (in place; on meta, allocated
         afterwards by ``runtime.materialize``)."""
         plan = self.plan
-        if isinstance(module, torch.fx.GraphModule) and (meta or self._device.type != "cpu"):
+        if meta:
+            _off_meta(module, self._device)
+        if isinstance(module, torch.fx.GraphModule) and self._device.type != "cpu":
             # An exported stage has the capture's device baked into its factory ops
-            # (arange, ones), meta for a model built on meta; what Pipe.build_stage does
-            # before making a stage.
+            # (arange, ones); what Pipe.build_stage does before making a stage.
             _modify_graph_op_device(module, self._device)
         if not meta:
             module.to(self._device)
