@@ -9,8 +9,7 @@ The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
     4. recompute       the stage's layers' forwards checkpointed     (runtime.recompute)
     5. data parallel   FSDP2 per layer, then each stage module as a root, on the stage's
                        (dp, tp) sub-meshes, with the plan's precision (runtime.data_parallel,
-                       runtime.precision); none where a stage replica is one rank
-                       (dp = tp = 1) in float32 with nothing offloaded: plain parameters
+                       runtime.precision)
     6. schedule        one manual ``PipelineStage`` per local stage (``Pipe.build_stage``
                        hangs with V schedules on gloo: the rank holding two adjacent stages
                        sends to itself), and the plan's ``Schedule*`` class over the pp axis
@@ -74,7 +73,7 @@ from runtime.materialize import (
 )
 from runtime.mesh import build_mesh, data_parallel_meshes
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
-from runtime.precision import fsdp_policies, is_mixed, make_loss_scaler
+from runtime.precision import fsdp_policies, make_loss_scaler
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
 from runtime.tied import TiedGradSync, shared_across_stages
@@ -275,17 +274,11 @@ class PipelineTrainer(Trainer):
         layers = [la for la in plan.layers if la.stage == stage_id]
         apply_tensor_parallel(module, layers, meshes.tp)
         apply_recompute(module, layers)
-        if meshes.world.size() == 1 and not is_mixed(plan) and not any(la.offload for la in layers):
-            # One rank per stage replica (dp = tp = 1), float32, nothing offloaded: FSDP2
-            # would gather, reduce and cast nothing, yet its hooks cost 25-30% of a small
-            # model's step (bench/runtime_overhead.py, BENCHMARKS.md); plain parameters.
-            logger.info("stage %d: one rank per replica, parameters kept plain", stage_id)
-        else:
-            layer_policy, root_policy = fsdp_policies(plan)
-            last = stage_id == plan.num_stages - 1
-            apply_fsdp(module, layers, meshes, mp_policy=layer_policy,
-                       root_mp_policy=root_policy if last else layer_policy)
-            _keep_unsharded_through_step(module)
+        layer_policy, root_policy = fsdp_policies(plan)
+        last = stage_id == plan.num_stages - 1
+        apply_fsdp(module, layers, meshes, mp_policy=layer_policy,
+                   root_mp_policy=root_policy if last else layer_policy)
+        _keep_unsharded_through_step(module)
         if plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
             module.register_forward_hook(_outputs_own_their_storage)
 
