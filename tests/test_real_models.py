@@ -258,9 +258,17 @@ def test_unavailable_variant_says_why(name, variant):
     assert UNAVAILABLE[name, variant] in why
 
 
-META_CASES = [(n, v) for n in MODELS for v in ("fsdp", "tp2", "pp2") if (n, v) not in UNAVAILABLE]
-"""Each model built on the meta device: compile allocates each rank's shards (a pipeline
-rank's stages) and initialises them as one process does."""
+META_CASES = [
+    ("hf-llama", "fsdp"), ("hf-llama", "tp2"), ("hf-llama", "pp2"), ("hf-gpt2", "fsdp"),
+    ("hf-gpt2", "tp2"), ("hf-bert-mlm", "pp2"), ("hf-t5", "fsdp"), ("hf-vit", "tp2"),
+    ("hf-vit", "pp2"), ("nanogpt-tied", "pp2"), ("resnet50-layout", "fsdp"),
+    ("dict-batch", "pp2"),
+]
+"""Models built on the meta device: compile allocates each rank's shards (a pipeline
+rank's stages) and initialises them as one process does. Every model, and each way the
+meta path once went wrong: Hugging Face's init under FSDP2 (GPT-2), an exported stage
+naming the meta device (Llama's rotary embedding), tied copies on two stages
+(nanoGPT-tied), capture from meta inputs (ViT, dict batch), TP shards (Llama, GPT-2, ViT)."""
 
 
 @pytest.mark.parametrize(("name", "variant"), META_CASES, ids=[f"{n}-{v}" for n, v in META_CASES])
