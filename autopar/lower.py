@@ -19,12 +19,12 @@ import torch.nn as nn
 from passes.split_stages import split_pipeline
 from passes.trace import inputs_to_meta
 from runtime.batch import Inputs, as_inputs, first_rows
-from runtime.materialize import check_initializable, first_names, on_meta
+from runtime.materialize import first_names, on_meta
 from runtime.pipeline import PipelineTrainer
 from runtime.plan import Plan, PlanError
 from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer
 from runtime.validate import check_plan
-from runtime.weights import load_weights
+from runtime.weights import check_source, load_weights
 
 
 def microbatch_inputs(plan: Plan, example_inputs: object) -> tuple | Inputs:
@@ -65,6 +65,8 @@ def make_trainer(
             "the stage's output and the targets, so it needs loss_fn=...; a model that "
             "computes its own loss (labels=) trains under plans with pp=1"
         )
+    if weights is not None:
+        check_source(weights)  # a wrong path fails here, not after the model is sharded
     kwargs: dict = {"lr_scheduler_factory": lr_scheduler_factory}
     if optimizer_factory is not None:
         kwargs["optimizer_factory"] = optimizer_factory
@@ -87,8 +89,6 @@ def _pipeline_trainer(model: nn.Module, plan: Plan, loss_fn: LossFn | None,
     only for this rank's stages)."""
     check_plan(model, plan)  # before splitting: a clear error, not a wrong run
     meta = on_meta(model)
-    if meta:
-        check_initializable(model)
     part = as_inputs(microbatch_inputs(plan, example_inputs))
     if meta:  # captured on meta like the model (only shapes are used)
         part = inputs_to_meta(part)

@@ -257,16 +257,8 @@ def _retie(model: nn.Module, first: Mapping[str, str]) -> None:
     """``to_empty`` gives each name of a tied parameter its own tensor; share them again."""
     for name, first_name in first.items():
         if name != first_name:
-            prefix, _, leaf = name.rpartition(".")
-            owner = model.get_submodule(prefix)
-            slots = owner._parameters if leaf in owner._parameters else owner._buffers
-            slots[leaf] = _get(model, first_name)
-
-
-def _get(model: nn.Module, name: str) -> torch.Tensor:
-    prefix, _, leaf = name.rpartition(".")
-    owner = model.get_submodule(prefix)
-    return owner._parameters[leaf] if leaf in owner._parameters else owner._buffers[leaf]
+            source = _slots(model, first_name, first_name)[first_name.rpartition(".")[2]]
+            _slots(model, name, name)[name.rpartition(".")[2]] = source
 
 
 def _graft(model: nn.Module, stages: Sequence[nn.Module], first: Mapping[str, str]

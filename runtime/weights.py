@@ -73,6 +73,12 @@ def load_weights(modules: Sequence[nn.Module], path: str | os.PathLike,
     logger.info("loaded %d tensor(s) from %s", len(target), path)
 
 
+def check_source(path: str | os.PathLike) -> None:
+    """Raise CheckpointError unless ``path`` is a directory of safetensors shards or an
+    autopar checkpoint whose manifest verifies. Local: no collective, no tensor read."""
+    _source(Path(path))
+
+
 def _source(path: Path) -> tuple[object, str, set[str]]:
     """(DCP storage reader, key prefix, the keys the source holds)."""
     if not path.exists():

@@ -55,7 +55,7 @@ def _meta(build):
 
 
 def test_values_depend_on_the_seed_and_names_only():
-    a, b = _meta(lambda: get_model("gpt-tiny").build("meta")), get_model("gpt-tiny").build("meta")
+    a, b = get_model("gpt-tiny").build("meta"), get_model("gpt-tiny").build("meta")
     torch.manual_seed(1)
     materialize(a, "cpu", SEED)
     torch.manual_seed(2)  # the caller's generator plays no part
@@ -183,10 +183,11 @@ def _one_process(model_name: str) -> tuple[dict, list[float], int]:
     materialize(model, "cpu", SEED)
     init = {n: full_tensor(p) for n, p in model.named_parameters(remove_duplicate=False)}
     size = sum(p.numel() * p.element_size() for p in model.parameters())
-    ref = train_one_process(
-        model, lambda m, step: spec.loss_fn(m(*spec.make_batch(BATCH, SEQ, seed=1 + step)[0]),
-                                            spec.make_batch(BATCH, SEQ, seed=1 + step)[1]),
-        steps=STEPS, lr=LR)
+    def step_loss(m, step):
+        inputs, targets = spec.make_batch(BATCH, SEQ, seed=1 + step)
+        return spec.loss_fn(m(*inputs), targets)
+
+    ref = train_one_process(model, step_loss, steps=STEPS, lr=LR)
     return init, ref["losses"], size
 
 
@@ -261,13 +262,15 @@ def test_safetensors_load_into_one_process(gpt2_dir):
 
 def test_weights_of_another_model_are_refused(gpt2_dir):
     from runtime.checkpoint_format import CheckpointError
-    from runtime.weights import load_weights
+    from runtime.weights import check_source, load_weights
 
     model = get_model("gpt-tiny").build()
     with pytest.raises(CheckpointError, match=r"no weights for 37 tensor.*'h.0.attn.k_proj.bias'.*another model"):
         load_weights([model], gpt2_dir)
     with pytest.raises(CheckpointError, match="no such file"):
         load_weights([model], gpt2_dir / "missing")
+    with pytest.raises(CheckpointError, match="no such file"):
+        check_source(gpt2_dir / "missing")  # what make_trainer asks before sharding
 
 
 def hf_weights_job(path: str) -> dict:
