@@ -109,10 +109,12 @@ region, so selective recomputation cannot run under them (full recomputation can
 
 
 def option_label(strategy: str, recompute: str = "none", offload: bool = False,
-                 sequence_parallel: bool = False) -> str:
+                 sequence_parallel: bool = False, expert_parallel: int = 1) -> str:
     """One layer's choice as one word, e.g. ``tp_fsdp+sp+full``: the strategy, then
-    ``+sp``, ``+offload`` and the recompute mode when not the default."""
+    ``+ep<n>``, ``+sp``, ``+offload`` and the recompute mode when not the default."""
     parts = [strategy]
+    if expert_parallel > 1:
+        parts.append(f"ep{expert_parallel}")
     if sequence_parallel:
         parts.append("sp")
     if offload:
@@ -126,9 +128,11 @@ def parse_option(label: str) -> dict[str, Any]:
     """The LayerPlan fields an option label stands for (inverse of option_label)."""
     strategy, *rest = label.split("+")
     fields: dict[str, Any] = {"strategy": strategy, "recompute": "none", "offload": False,
-                              "sequence_parallel": False}
+                              "sequence_parallel": False, "expert_parallel": 1}
     for part in rest:
-        if part == "sp":
+        if part.startswith("ep") and part[2:].isdigit():
+            fields["expert_parallel"] = int(part[2:])
+        elif part == "sp":
             fields["sequence_parallel"] = True
         elif part == "offload":
             fields["offload"] = True
@@ -263,6 +267,10 @@ class LayerPlan:
     (OFFLOAD_STRATEGIES only)."""
     sequence_parallel: bool = False
     """TP strategies only: norms and element-wise ops split along the sequence."""
+    expert_parallel: int = 1
+    """Expert-parallel degree of the mixture-of-experts blocks inside this layer: each
+    block's experts are split over this many data-parallel ranks, and tokens travel to
+    their experts' ranks and back by all-to-all (1: every rank holds every expert)."""
 
     def __post_init__(self) -> None:
         where = f"layer {self.module!r}"
@@ -296,6 +304,9 @@ class LayerPlan:
             raise PlanError(
                 f"{where}: offload needs a fully sharded strategy ({', '.join(OFFLOAD_STRATEGIES)}),"
                 f" got {self.strategy!r}")
+        ep = self.expert_parallel
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise PlanError(f"{where}: expert_parallel must be a positive integer, got {ep!r}")
         if self.sequence_parallel and self.strategy not in TP_STRATEGIES:
             raise PlanError(
                 f"{where}: sequence_parallel needs a TP strategy ({', '.join(TP_STRATEGIES)}), "
@@ -308,7 +319,8 @@ class LayerPlan:
     @property
     def option(self) -> str:
         """The strategy with its recompute / offload / SP choices, as one label."""
-        return option_label(self.strategy, self.recompute, self.offload, self.sequence_parallel)
+        return option_label(self.strategy, self.recompute, self.offload, self.sequence_parallel,
+                            self.expert_parallel)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -509,6 +521,11 @@ class Plan:
                     f"layer {layer.module!r} uses {layer.strategy!r} but mesh.tp is 1; "
                     "set mesh.tp > 1 or use 'replicate'/'fsdp'"
                 )
+            if self.mesh.dp % layer.expert_parallel:
+                raise PlanError(
+                    f"layer {layer.module!r}: expert_parallel={layer.expert_parallel} must "
+                    f"divide the data-parallel degree mesh.dp={self.mesh.dp} (experts are "
+                    "split over data-parallel ranks)")
             if layer.stage >= self.num_stages:
                 raise PlanError(
                     f"layer {layer.module!r} is on stage {layer.stage} but the plan has "
