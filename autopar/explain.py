@@ -19,8 +19,6 @@ from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.records import LayerGraph
 from runtime.plan import (
-    STRATEGIES,
-    TP_STRATEGIES,
     Alternative,
     ClassCosts,
     OptionCost,
@@ -30,6 +28,7 @@ from runtime.plan import (
     parse_option,
 )
 from runtime.plan_report import human_bytes, ms
+from runtime.strategies import STRATEGIES, spec
 
 ALTERNATIVES_KEPT = 10
 """Other shapes stored with the plan (the best first); enough for a top-k report."""
@@ -194,22 +193,14 @@ def _cost_of(plan: Plan, layer) -> OptionCost:
 
 
 def _why_unavailable(strategy: str, plan: Plan, module: str) -> str:
-    ranks = plan.mesh.replicas * plan.mesh.tp
+    """The spec's reason (runtime.strategies); a strategy available on the mesh but absent
+    from the rationale lost to another option on every term."""
     tie = plan.rationale.ties.get(module) if plan.rationale else None
-    if strategy in TP_STRATEGIES and tie:
-        return (f"tied weights: {tie}; tensor parallelism would split the parameter in "
-                "one module and untie it from the other, so tied layers take one "
-                "data-parallel strategy together")
-    if strategy in TP_STRATEGIES and plan.mesh.tp == 1:
-        return "the mesh has tp = 1"
-    if strategy == "tp_fsdp" and plan.mesh.replicas == 1 or strategy in ("zero1", "zero2") and ranks == 1:
-        return "the mesh has one data-parallel rank (nothing to shard over)"
-    if strategy == "hsdp":
-        return "a stage's ranks fit in one node (hybrid sharding needs several)"
-    if strategy in TP_STRATEGIES:
-        return (f"no exact tensor-parallel split of this layer is known whose sizes tp = "
-                f"{plan.mesh.tp} divides")
-    return "another option is at least as fast and needs no more memory (dominated)"
+    mesh = plan.mesh
+    reason = spec(strategy).unavailable(
+        replicas=mesh.replicas, tp=mesh.tp, microbatches=plan.microbatches,
+        hsdp_shard_size=plan.hsdp_shard_size, tp_split=False, tie=tie)
+    return reason or "another option is at least as fast and needs no more memory (dominated)"
 
 
 def _tie_reason(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...]) -> str | None:

@@ -1,11 +1,50 @@
-"""Pipeline schedule timelines: the data a schedule simulator produces and reports draw."""
+"""Pipeline schedules: the one table of them, and the simulator of their timelines."""
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Literal
 
 from cost_models.overlap import pipeline_p2p_slowdown_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """One pipeline schedule, named as torch.distributed.pipelining's ``Schedule*`` class."""
+
+    name: str
+    virtual_stages: tuple[int, ...] | None
+    """Stages per pipeline rank it runs: the values listed, or None for any v >= 2."""
+    placement: Literal["looped", "v"] = "looped"
+    """Which rank runs stage s of pp ranks: looped (s mod pp), or V-shaped (stages 0..pp-1
+    go down the ranks, pp..2pp-1 come back up)."""
+    split_backward: bool = False
+    """Runs a stage's backward in two passes (input gradients, then weight gradients).
+    torch's selective activation checkpointing allows one backward through a region, so
+    selective recomputation cannot run under it (full recomputation can)."""
+    searched: tuple[int, ...] = (1,)
+    """The virtual stages per rank the planner tries."""
+
+    def accepts(self, v: int) -> bool:
+        return v >= 2 if self.virtual_stages is None else v in self.virtual_stages
+
+    def stage_rank(self, stage: int, num_ranks: int) -> int:
+        if self.placement == "v" and stage >= num_ranks:
+            return 2 * num_ranks - 1 - stage
+        return stage % num_ranks
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec(name="GPipe", virtual_stages=(1,)),
+    ScheduleSpec(name="1F1B", virtual_stages=(1,)),
+    ScheduleSpec(name="Interleaved1F1B", virtual_stages=None, searched=(2,)),
+    ScheduleSpec(name="InterleavedZeroBubble", virtual_stages=None, split_backward=True,
+                 searched=(2,)),
+    ScheduleSpec(name="ZBVZeroBubble", virtual_stages=(2,), placement="v",
+                 split_backward=True, searched=(2,)),
+)}
+"""Every schedule the planner searches, the simulator models and the runtime runs."""
 
 ACTIONS = ("F", "B", "W")
 """F: forward; B: backward (input gradients, and weight gradients unless split off);
@@ -57,7 +96,7 @@ class Timeline:
 # gradients, on the critical path) and W (weight gradients), and run a pending W whenever
 # the rank would otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
-SIM_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SIM_SCHEDULES = tuple(SCHEDULES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,10 +113,9 @@ class StageTimes:
 
 
 def stage_ranks(schedule: str, num_ranks: int, num_stages: int) -> list[int]:
-    """Pipeline rank of each stage: looped, or V-shaped for ZBVZeroBubble."""
-    if schedule == "ZBVZeroBubble":
-        return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
-    return [s % num_ranks for s in range(num_stages)]
+    """Pipeline rank of each stage (the schedule's ``placement``)."""
+    spec = SCHEDULES[schedule]
+    return [spec.stage_rank(s, num_ranks) for s in range(num_stages)]
 
 
 def rank_orders(schedule: str, num_ranks: int, v: int, m: int) -> list[list[tuple[str, int, int]]]:

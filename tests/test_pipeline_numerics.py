@@ -42,6 +42,7 @@ from test_runtime_numerics import (
 from test_runtime_numerics import assert_matches_reference as matches_reference
 from test_sequence_parallel import BLOCK_SP
 
+from cost_models.schedule import SCHEDULES as SCHEDULE_TABLE
 from runtime.plan import (
     SPLIT_BACKWARD_SCHEDULES,
     LayerPlan,
@@ -90,7 +91,7 @@ def pipeline_plan(schedule: str, pp: int, *, dp: int = 1, tp: int = 1, m: int = 
     ).to_json()
 
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = tuple(SCHEDULE_TABLE)
 
 
 # -- jobs (run on every rank of a pool) ---------------------------------------------------

@@ -112,14 +112,8 @@ from cost_models.memory import Precision
 from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
 from cost_models.overlap import exposed_comm_s
 from passes.records import CAPTURE_ACTIVATION_BYTES, Collective, LayerInfo, SavedSplit, TPOption
-from runtime.plan import (
-    OFFLOAD_STRATEGIES,
-    RECOMPUTE,
-    TP_STRATEGIES,
-    Mesh,
-    option_label,
-    parse_option,
-)
+from runtime.plan import RECOMPUTE, Mesh, option_label, parse_option
+from runtime.strategies import STRATEGY_SPECS, StrategySpec, spec
 
 WGRAD_FRACTION = 0.5
 """Share of backward compute that computes weight gradients: a matmul's backward is two
@@ -214,27 +208,21 @@ def on_ddp(cost: LayerCost) -> LayerCost:
     """A ``replicate`` layer's cost in a plan the runtime runs on DDP (a float32 plan of
     replicate layers at pp = 1, runtime.data_parallel.uses_ddp): none of FSDP2's host time,
     copies and per-layer waits, and one copy of the parameters, not FSDP2's two."""
-    assert cost.strategy == "replicate", cost.option
+    assert spec(cost.strategy).ddp, cost.option
     return replace(cost, compute_s=cost.compute_s - cost.fsdp_only_s,
                    comm_s=cost.comm_s - cost.fsdp_wait_s, gathered_bytes=0.0,
                    fsdp_only_s=0.0, fsdp_wait_s=0.0)
 
 
 def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | None = None,
-                       microbatches: int = 1) -> tuple[str, ...]:
-    """Strategies this layer can take on this mesh. ZeRO-1 differs from ZeRO-2 only when
-    gradients accumulate over micro-batches (FSDP2 reduce-scatters each layer's gradient
-    as soon as its last backward ends), so it is offered only then."""
-    world = mesh.replicas * mesh.tp
-    options = ["replicate"]
-    if world > 1:
-        options += ["zero1", "zero2"] if microbatches > 1 else ["zero2"]
-    options.append("fsdp")
-    if hsdp_shard_size and 1 < hsdp_shard_size < world and world % hsdp_shard_size == 0:
-        options.append("hsdp")
-    if mesh.tp > 1 and layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors):
-        options += ["tp", "tp_fsdp"] if mesh.replicas > 1 else ["tp"]
-    return tuple(options)
+                       microbatches: int = 1, tie: str | None = None) -> tuple[str, ...]:
+    """Strategies this layer can take on this mesh (each spec's ``unavailable``); ``tie``
+    describes the tied weights the layer shares, if any."""
+    tp_split = layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors)
+    return tuple(name for name, s in STRATEGY_SPECS.items()
+                 if s.unavailable(replicas=mesh.replicas, tp=mesh.tp, microbatches=microbatches,
+                                  hsdp_shard_size=hsdp_shard_size, tp_split=tp_split,
+                                  tie=tie) is None)
 
 
 def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
@@ -253,8 +241,9 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
     out = []
     for strategy in allowed_strategies(layer, mesh, hsdp_shard_size=hsdp_shard_size,
                                        microbatches=microbatches):
-        for sp in (False, True) if strategy in TP_STRATEGIES and can_sp else (False,):
-            for off in (False, True) if offload and strategy in OFFLOAD_STRATEGIES else (False,):
+        s = spec(strategy)
+        for sp in (False, True) if s.tensor_parallel and can_sp else (False,):
+            for off in (False, True) if offload and s.offloadable else (False,):
                 out += [option_label(strategy, r, off, sp) for r in modes]
     return tuple(out)
 
@@ -295,7 +284,8 @@ def layer_cost(
     # Context parallelism splits samples like data parallelism splits the batch: both are
     # replicas of the parameters, each on 1 / (dp · cp) of the tokens.
     dp, tp, m = mesh.replicas, mesh.tp, microbatches
-    is_tp = strategy in TP_STRATEGIES
+    s = spec(strategy)
+    is_tp = s.tensor_parallel
     act_scale = prec.activation_bytes / CAPTURE_ACTIVATION_BYTES
 
     # Parameters this rank holds before any data-parallel sharding.
@@ -345,7 +335,7 @@ def layer_cost(
         activations, rematerialized = max(activations, inplace), rematerialized + inplace
         recompute_s += copy_s
     loss_kept, loss_transient = loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
-    dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
+    dp_comm = _dp_comm_s(s, mesh, cluster, prec, tp_params, shards)
     host = _offload_s(local_params, layer.param_tensors, prec, cluster) if offload else (
         0.0, 0.0, 0.0)
     host_per_micro, host_per_step, host_optimizer = host
@@ -355,21 +345,21 @@ def layer_cost(
         optimizer = optimizer_step_s(local_params, layer.param_tensors, cluster.adam_kernels,
                                      device)
     engine_micro, engine_step = engine_host_s(layer, is_tp, sp, cluster)
-    copies_micro, copies_step = fsdp_copies_s(strategy, m, mesh.pp > 1, tp_params, shards,
+    copies_micro, copies_step = fsdp_copies_s(s, m, mesh.pp > 1, tp_params, shards,
                                                prec, device)
     engine_micro += copies_micro
     optimizer += engine_step + copies_step
-    states = _states_bytes(strategy, offload, tp_params, shards, m, prec,
+    states = _states_bytes(s, offload, tp_params, shards, m, prec,
                            pipelined=mesh.pp > 1)
     # FSDP2's copies and hooks run on the compute stream between the layer's kernels.
     windows = dict(fwd_window=fwd_compute + engine_micro / 2,
                    bwd_window=bwd_compute + recompute_s + engine_micro / 2)
-    hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, **windows)
+    hidden = _hidden_comm_s(s, mesh, cluster.overlap, dp_comm, **windows)
     per_micro_comm = (tp_fwd + tp_bwd + recompute_comm + 2 * dp_comm.gather_per_micro
                       + dp_comm.reduce_per_micro + host_per_micro - hidden.fwd - hidden.bwd)
-    wait, ddp_saving = all_reduce_wait_s(strategy, mesh, cluster, prec, tp_params)
-    if strategy == "replicate":  # DDP's buckets may hide more than FSDP2's reduction
-        ddp_saving += _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, ddp=True,
+    wait, ddp_saving = all_reduce_wait_s(s, mesh, cluster, prec, tp_params)
+    if s.ddp:  # DDP's buckets may hide more than FSDP2's reduction
+        ddp_saving += _hidden_comm_s(s, mesh, cluster.overlap, dp_comm, ddp=True,
                                      **windows).step - hidden.step
     per_step_comm = dp_comm.per_step + host_per_step - hidden.step + wait
     return LayerCost(
@@ -403,11 +393,10 @@ def layer_cost(
 
 
 def shard_ranks(strategy: str, dp: int, tp: int, hsdp_shard_size: int | None) -> int:
-    if strategy == "hsdp":
-        if not hsdp_shard_size:
-            raise ValueError("strategy 'hsdp' needs hsdp_shard_size")
-        return hsdp_shard_size
-    return {"replicate": 1, "tp": 1, "tp_fsdp": dp}.get(strategy, dp * tp)
+    """Ranks a layer's states are sharded over (runtime.strategies), ``dp`` being dp × cp."""
+    if spec(strategy).hybrid and not hsdp_shard_size:
+        raise ValueError(f"strategy {strategy!r} needs hsdp_shard_size")
+    return spec(strategy).shard_ranks(dp, tp, hsdp_shard_size)
 
 
 def _memory_bound_bytes(layer: LayerInfo, is_tp: bool, sp: bool, tp: int) -> float:
@@ -600,13 +589,14 @@ class _DPComm:
     per_step: float
 
 
-def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
+def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
                tp_params: float, shards: int) -> _DPComm:
     """Each gather and reduce-scatter with its skew (``Device.skew_s`` of its size): every
     rank waits for the others at each. A replicated gradient's all-reduce waits once per
-    layer (``engine_costs.all_reduce_wait_s``)."""
+    layer (``engine_costs.all_reduce_wait_s``). When each runs is the spec's ``gather`` and
+    ``reduce`` (runtime.strategies)."""
     dp, tp = mesh.replicas, mesh.tp
-    group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
+    group = Group(dp, tp) if s.tensor_parallel else Group(dp * tp, 1)
     params = tp_params * prec.param_bytes
     grads = tp_params * prec.grad_bytes
     def skew(nbytes: float, *, at_step: bool = False) -> float:
@@ -623,25 +613,25 @@ def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
         t = reduce_scatter_s(grads, group, cluster)
         return t + skew(grads, at_step=at_step) if t else 0.0
 
-    if strategy in ("replicate", "tp"):
+    if not s.sharded:
         # Overlapped with backward; its wait for the other ranks is layer_cost's (it
         # cannot hide behind compute).
         return _DPComm(0.0, 0.0, all_reduce_s(grads, group, cluster))
-    if strategy == "zero1":
-        return _DPComm(0.0, 0.0, gather(group, True) + scatter(group, True))
-    if strategy == "zero2":
+    if s.gather == "per_step":  # ZeRO-1/2: gathered once, kept through the micro-batches
+        if s.reduce == "per_step":
+            return _DPComm(0.0, 0.0, gather(group, True) + scatter(group, True))
         return _DPComm(0.0, scatter(group), gather(group, True))
-    if strategy == "hsdp":
+    if s.hybrid:
         shard = Group(shards, 1)
         replicas = Group(dp * tp // shards, shards)
         # Reduce-scattered in the shard group every micro-batch (once in a pipeline, as
-        # fsdp below), all-reduced across groups once (runtime/data_parallel.py).
+        # below), all-reduced across groups once (runtime/data_parallel.py).
         across = all_reduce_s(grads / shards, replicas, cluster)
         across += skew(grads / shards, at_step=True) if across else 0.0
         if mesh.pp > 1:
             return _DPComm(gather(shard), 0.0, scatter(shard, True) + across)
         return _DPComm(gather(shard), scatter(shard), across)
-    # fsdp / tp_fsdp (FSDP2 default): gather for forward, reshard, gather again for
+    # Gathered per use (FSDP2's default): for forward, resharded, gathered again for
     # backward; gradients are reduce-scattered every micro-batch and accumulated sharded.
     # Pipeline schedules reduce once, after the last micro-batch (their REDUCE_GRAD step).
     if mesh.pp > 1:
@@ -661,12 +651,7 @@ class _Hidden:
     """Per step: of the once-per-step gradient reduction."""
 
 
-FSDP_RUN = ("zero2", "fsdp", "hsdp", "tp_fsdp")
-"""Strategies whose per-micro-batch gathers and reduce-scatters FSDP2 issues around each
-layer's compute (zero1 gathers and reduces once per step, around the optimizer)."""
-
-
-def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *,
+def _hidden_comm_s(s: StrategySpec, mesh: Mesh, overlap: Overlap, comm: _DPComm, *,
                    fwd_window: float, bwd_window: float, ddp: bool = False) -> _Hidden:
     """What of the layer's data-parallel communication hides behind one layer's compute
     (the module docstring's linearisation; cost_models.overlap for one window).
@@ -681,7 +666,9 @@ def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *
 
     fwd = bwd = 0.0
     fsdp_bwd = 0.0
-    if strategy in FSDP_RUN:
+    # FSDP2 issues per-micro-batch gathers and reduce-scatters around each layer's compute
+    # (zero1 gathers and reduces once per step, around the optimizer).
+    if s.reduce == "per_microbatch":
         sigma = overlap.fsdp_slowdown
         fwd = hidden(fwd_window, comm.gather_per_micro, "fsdp", sigma)
         fsdp_bwd = comm.gather_per_micro + comm.reduce_per_micro
@@ -689,15 +676,15 @@ def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *
     step = 0.0
     # The once-per-step all-reduce (DDP's buckets; HSDP's across groups) runs beside the last
     # micro-batch's backward at pp = 1; pipelines reduce after their schedule ends.
-    if mesh.pp == 1 and strategy in ("replicate", "tp", "hsdp") and comm.per_step > 0:
-        pattern = "dp" if ddp and strategy == "replicate" else "fsdp"
+    if mesh.pp == 1 and s.all_reduces and comm.per_step > 0:
+        pattern = "dp" if ddp and s.ddp else "fsdp"
         sigma = overlap.dp_slowdown if pattern == "dp" else overlap.fsdp_slowdown
         both = hidden(bwd_window, fsdp_bwd + comm.per_step, pattern, sigma)
         step = max(0.0, both - bwd)
     return _Hidden(fwd=fwd, bwd=bwd, step=step)
 
 
-def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m: int,
+def _states_bytes(s: StrategySpec, offload: bool, tp_params: float, shards: int, m: int,
                   prec: Precision, *, pipelined: bool = False
                   ) -> tuple[float, float, float, float, float]:
     """(params, grads, optimizer, transient, gathered) bytes on the device; see the module
@@ -707,18 +694,19 @@ def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m
     held = tp_params * prec.held_grad_bytes  # the reduced gradient the optimizer steps
     k = tp_params * prec.optimizer_bytes
     n = shards
-    if strategy in ("replicate", "tp"):
+    once = s.gather == "per_step"  # ZeRO-1/2: the gathered copy stays beside the shard
+    if not s.sharded:
         return p, held, k, 0.0, (p if prec.name == "float32" else 0.0)
     if pipelined:
         collectives = max(p, g + g / n)
-        if strategy in ("zero1", "zero2"):
+        if once:
             return p + p / n, g, k / n, collectives, 0.0
         if offload:
             return 0.0, g, 0.0, collectives + p / n, p
         return p / n, g, k / n, collectives, p
-    if strategy == "zero1":
+    if once and s.reduce == "per_step":  # gradients accumulate unsharded (ZeRO-1)
         return p + p / n, (g if m > 1 else held / n), k / n, (0.0 if m > 1 else g), 0.0
-    if strategy == "zero2":
+    if once:
         return p + p / n, held / n, k / n, g, 0.0
     if offload:
         return 0.0, 0.0, 0.0, 2 * p + g + p / n, 0.0
