@@ -47,7 +47,9 @@ from cost_models.errors import ConfigError
 from cost_models.schedule import SCHEDULES
 from runtime.strategies import STRATEGIES, StrategySpec, spec
 
-PLAN_VERSION = 1
+PLAN_VERSION = 2
+"""2: layers carry ``expert_parallel``. Older versions are migrated when read
+(``MIGRATIONS``)."""
 AXES = ("pp", "dp", "cp", "tp")
 """The mesh's axes, outermost first. Ranks are numbered row-major over them, so the last is
 innermost: a tensor-parallel group is a run of consecutive ranks (the devices of one node),
@@ -491,8 +493,9 @@ class Plan:
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
             raise PlanError(
-                f"plan version {self.version} is not supported (this autopar reads version "
-                f"{PLAN_VERSION}); re-plan with `autopar plan`"
+                f"plan version {self.version!r} is not supported (this autopar writes version "
+                f"{PLAN_VERSION} and reads versions {', '.join(map(str, readable_versions()))}); "
+                "re-plan with `autopar plan`"
             )
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise PlanError(f"global_batch must be a positive integer, got {self.global_batch!r}")
@@ -656,7 +659,7 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan must be a JSON object")
         try:
-            fields = dict(data)
+            fields = migrate(dict(data), source)
             fields["mesh"] = _build(Mesh, fields.get("mesh", {}), f"{source}: mesh")
             fields["layers"] = tuple(
                 _build(LayerPlan, layer, f"{source}: layers[{i}]")
@@ -713,6 +716,32 @@ class Plan:
         except OSError as e:
             raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
         return cls.from_json(text, source=str(path))
+
+
+def _v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 had no expert parallelism: every layer's ``expert_parallel`` is 1, the
+    field's default, so the layers need no change."""
+    return {**data, "version": 2}
+
+
+MIGRATIONS = {1: _v1_to_v2}
+"""Version -> the function that turns a plan of that version into the next one."""
+
+
+def readable_versions() -> tuple[int, ...]:
+    return (*sorted(MIGRATIONS), PLAN_VERSION)
+
+
+def migrate(data: dict[str, Any], source: str = "plan") -> dict[str, Any]:
+    """A plan's JSON object brought to PLAN_VERSION, one version at a time."""
+    version = data.get("version", PLAN_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise PlanError(f"{source}: 'version' must be an integer such as {PLAN_VERSION}, got "
+                        f"{version!r}")
+    while version in MIGRATIONS:
+        data = MIGRATIONS[version](data)
+        version = data["version"]
+    return data
 
 
 def _rationale_from_dict(data: Any, where: str) -> Rationale:
