@@ -62,7 +62,7 @@ take DTensor parameters without ``tensor.parallel.ddp._pre_dp_module_transform``
 whose layers are all ``replicate`` (pure data parallelism) uses DDP itself: bucketed,
 overlapped, the reference implementation (mixed-precision plans stay on FSDP2, see
 ``runtime.precision``). Gradients of every combination are checked against one process
-in tests/test_runtime_numerics.py and tests/test_runtime_dims.py.
+in tests/runtime/test_runtime_numerics.py and tests/runtime/test_runtime_dims.py.
 """
 
 from __future__ import annotations

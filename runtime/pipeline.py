@@ -18,7 +18,7 @@ Data parallelism is FSDP2 for every strategy, ``replicate`` included (the (n, 1)
 mesh of ``runtime.data_parallel``), never DDP: with the zero-bubble schedules DDP skips
 the all-reduce of the split weight-gradient pass and gives silently wrong gradients
 (shared/TORCH_ON_CPU.md), while the schedules drive FSDP2's reduction themselves
-(``PipelineStage.perform_reduce_grad``). tests/test_pipeline_numerics.py checks every
+(``PipelineStage.perform_reduce_grad``). tests/runtime/test_pipeline_numerics.py checks every
 schedule with dp and tp against one process.
 
 Loss and gradients: each dp replica splits its slice of the global batch into

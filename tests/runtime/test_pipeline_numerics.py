@@ -1,6 +1,6 @@
 """Pipeline plans, with every schedule, train like one process on the global batch.
 
-The comparison is tests/test_runtime_numerics.py's (same reference, same steps, same
+The comparison is tests/runtime/test_runtime_numerics.py's (same reference, same steps, same
 loss and gradient tolerances), on a 6-block gpt-tiny cut into 2, 4 or 8 stages:
 
 - the global loss of every step:            rtol 1e-5, atol 1e-6

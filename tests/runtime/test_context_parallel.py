@@ -4,7 +4,7 @@ Ring attention alone (forward and backward) is compared with
 ``F.scaled_dot_product_attention`` on the whole sequence at rtol 1e-5 / atol 1e-6 in
 float32 (measured: largest difference 1.3e-6 causal, 2.1e-6 full attention, on values and
 gradients of size ~1, all within atol + rtol·|want|). In float64 it agrees to 1.8e-15, so
-what float32 leaves is rounding, not algorithm. Training uses tests/test_runtime_numerics.py's comparison (3 AdamW steps of
+what float32 leaves is rounding, not algorithm. Training uses tests/runtime/test_runtime_numerics.py's comparison (3 AdamW steps of
 the seeded gpt-tiny, fused attention, no dropout: losses rtol 1e-5, first gradients rtol
 1e-5 / atol 1e-7, final parameters rtol 1e-5 / atol 1e-5), on the session-wide pools.
 """
