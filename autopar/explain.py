@@ -75,7 +75,7 @@ def _option(cost) -> OptionCost:
                       grads_bytes=int(cost.grads_bytes),
                       optimizer_bytes=int(cost.optimizer_bytes),
                       activations_bytes=int(cost.activations_bytes),
-                      buffer_bytes=int(cost.buffer_bytes))
+                      buffers_bytes=int(cost.buffer_bytes))
 
 
 def ranked_alternatives(result: SearchResult) -> tuple[Alternative, ...]:
@@ -167,12 +167,12 @@ def explain(plan: Plan, module: str) -> Explanation:
 def _verdict(plan: Plan, chosen: OptionCost, option: OptionCost) -> OptionVerdict:
     assert plan.prediction is not None and plan.rationale is not None
     mu = plan.rationale.memory_margin_fraction
-    buffers = [_cost_of(plan, x).buffer_bytes for x in plan.layers]
+    buffers = [_cost_of(plan, x).buffers_bytes for x in plan.layers]
     current_buffer = max(buffers, default=0)
     # The largest buffer if this layer's own buffer were replaced (a bound: the largest
     # other buffer or the new one).
-    others = sorted(buffers)[:-1] if chosen.buffer_bytes == current_buffer else buffers
-    new_buffer = max([*others, option.buffer_bytes], default=0)
+    others = sorted(buffers)[:-1] if chosen.buffers_bytes == current_buffer else buffers
+    new_buffer = max([*others, option.buffers_bytes], default=0)
     delta = (option.resident_bytes - chosen.resident_bytes) + (new_buffer - current_buffer)
     peak = int(plan.prediction.memory.total_bytes + (1 + mu) * delta)
     return OptionVerdict(strategy=option.strategy, time_s=option.time_s,

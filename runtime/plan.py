@@ -44,11 +44,12 @@ from pathlib import Path
 from typing import Any
 
 from cost_models.errors import ConfigError
+from cost_models.memory import MemoryTerms
 from cost_models.schedule import SCHEDULES
 from runtime.strategies import STRATEGIES, StrategySpec, spec
 
 PLAN_VERSION = 2
-"""2: layers carry ``expert_parallel``. Older versions are migrated when read
+"""2: layers carry ``expert_parallel``; option costs name ``buffers_bytes``. Older versions are migrated when read
 (``MIGRATIONS``)."""
 AXES = ("pp", "dp", "cp", "tp")
 """The mesh's axes, outermost first. Ranks are numbered row-major over them, so the last is
@@ -321,15 +322,10 @@ class LayerPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryBreakdown:
-    """Per-rank memory in bytes, at the step's peak."""
+class MemoryBreakdown(MemoryTerms):
+    """Per-rank memory in bytes, at the step's peak: the five terms (integers here) and the
+    allocator's margin."""
 
-    params_bytes: int = 0
-    grads_bytes: int = 0
-    optimizer_bytes: int = 0
-    activations_bytes: int = 0
-    buffers_bytes: int = 0
-    """Communication buffers and transient gathers (e.g. one FSDP layer unsharded)."""
     margin_bytes: int = 0
     """Allocator fragmentation margin."""
     peak_at: str = ""
@@ -338,14 +334,7 @@ class MemoryBreakdown:
 
     @property
     def total_bytes(self) -> int:
-        return (
-            self.params_bytes
-            + self.grads_bytes
-            + self.optimizer_bytes
-            + self.activations_bytes
-            + self.buffers_bytes
-            + self.margin_bytes
-        )
+        return int(super().total_bytes) + self.margin_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -387,19 +376,15 @@ class SolverReport:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptionCost:
-    """What one strategy would cost one layer of a class, on the plan's mesh (modelled)."""
+class OptionCost(MemoryTerms):
+    """What one strategy would cost one layer of a class, on the plan's mesh (modelled); its
+    memory terms are integers, ``buffers_bytes`` the transient (an FSDP layer's gathered
+    parameters), of which the plan holds the largest, not the sum."""
 
     strategy: str
     compute_s: float
     comm_s: float
     """Forward + backward + optimizer step; communication not overlapped."""
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    buffer_bytes: int
-    """Transient (an FSDP layer's gathered parameters); the plan holds the largest, not the sum."""
 
     @property
     def time_s(self) -> float:
@@ -407,7 +392,7 @@ class OptionCost:
 
     @property
     def resident_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+        return int(self.states_bytes + self.activations_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -492,11 +477,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
-            raise PlanError(
-                f"plan version {self.version!r} is not supported (this autopar writes version "
-                f"{PLAN_VERSION} and reads versions {', '.join(map(str, readable_versions()))}); "
-                "re-plan with `autopar plan`"
-            )
+            raise PlanError(_unsupported(self.version))
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise PlanError(f"global_batch must be a positive integer, got {self.global_batch!r}")
         if self.global_batch % self.mesh.dp:
@@ -719,9 +700,23 @@ class Plan:
 
 
 def _v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
-    """Version 1 had no expert parallelism: every layer's ``expert_parallel`` is 1, the
-    field's default, so the layers need no change."""
-    return {**data, "version": 2}
+    """Version 1 had no expert parallelism (every layer's ``expert_parallel`` is 1, the
+    field's default, so layers need no change) and called an option cost's transient
+    memory ``buffer_bytes`` (now ``buffers_bytes``, as every memory record names it)."""
+    data = {**data, "version": 2}
+    rationale = data.get("rationale")
+    if isinstance(rationale, dict) and isinstance(rationale.get("classes"), list):
+        data["rationale"] = {**rationale, "classes": [
+            {**c, "options": [_renamed(o, "buffer_bytes", "buffers_bytes")
+                              for o in c.get("options", [])]} if isinstance(c, dict) else c
+            for c in rationale["classes"]]}
+    return data
+
+
+def _renamed(record: Any, old: str, new: str) -> Any:
+    if not isinstance(record, dict) or old not in record:
+        return record
+    return {(new if k == old else k): v for k, v in record.items()}
 
 
 MIGRATIONS = {1: _v1_to_v2}
@@ -741,7 +736,15 @@ def migrate(data: dict[str, Any], source: str = "plan") -> dict[str, Any]:
     while version in MIGRATIONS:
         data = MIGRATIONS[version](data)
         version = data["version"]
+    if version != PLAN_VERSION:
+        raise PlanError(f"{source}: {_unsupported(version)}")
     return data
+
+
+def _unsupported(version: Any) -> str:
+    return (f"plan version {version!r} is not supported (this autopar writes version "
+            f"{PLAN_VERSION} and reads versions {', '.join(map(str, readable_versions()))}); "
+            "re-plan with `autopar plan`")
 
 
 def _rationale_from_dict(data: Any, where: str) -> Rationale:

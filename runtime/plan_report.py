@@ -158,7 +158,7 @@ def rank_memory(plan: Plan) -> list[tuple[str, MemoryBreakdown]]:
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
         acts = sum(c.activations_bytes for c in costs)
-        buffers = max(c.buffer_bytes for c in costs)
+        buffers = max(c.buffers_bytes for c in costs)
         margin = int(mu * (params + grads + optim + acts + buffers))
         rows.append((f"pp rank {rank} (r{rank * block}–r{(rank + 1) * block - 1})",
                      MemoryBreakdown(params_bytes=params, grads_bytes=grads,

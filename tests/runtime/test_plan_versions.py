@@ -24,9 +24,16 @@ def test_a_version_1_plan_loads_as_the_current_version_with_every_field_kept():
     assert [la.module for la in plan.layers] == [la["module"] for la in old["layers"]]
     assert all(la.expert_parallel == 1 for la in plan.layers)
     new = json.loads(plan.to_json())
-    for key in old:  # everything version 1 said survives unchanged
-        if key not in ("version", "layers"):
+    for key in old:  # everything version 1 said survives, under version 2's names
+        if key not in ("version", "layers", "rationale"):
             assert new[key] == old[key], key
+    for before, after in zip(old["rationale"]["classes"], new["rationale"]["classes"],
+                             strict=True):
+        for option, migrated in zip(before["options"], after["options"], strict=True):
+            option["buffers_bytes"] = option.pop("buffer_bytes")
+            assert migrated == option
+        assert {**after, "options": None} == {**before, "options": None}
+    assert {**new["rationale"], "classes": None} == {**old["rationale"], "classes": None}
     for before, after in zip(old["layers"], new["layers"], strict=True):
         assert {k: v for k, v in after.items() if k != "expert_parallel"} == before
     assert Plan.from_json(plan.to_json()) == plan
