@@ -163,8 +163,15 @@ def simulate(
     *,
     p2p_slowdown: float = 1.0,
     p2p_blocking: bool = False,
+    orders: list[list[tuple[str, int, int]]] | None = None,
 ) -> Timeline:
     """Simulate one step; ``stages`` lists every stage (num_ranks × virtual stages).
+
+    ``orders``: per rank, the (action, stage, micro-batch) sequence the runtime's schedule
+    runs (runtime.schedule_orders reads torch's); each rank then runs exactly that order,
+    weight-gradient passes (W) where it puts them. Without, the fixed F/B orders of
+    ``rank_orders`` with each deferred W run when its rank would otherwise wait (at most
+    num_ranks of them pending), and ZBVZeroBubble built greedily.
 
     A result crossing to another rank arrives ``p2p_s`` after its action ends. Meanwhile
     the sender goes on (torch.distributed.pipelining's isend), its next action slowed by
@@ -177,9 +184,11 @@ def simulate(
     v, rem = divmod(len(stages), p)
     if rem or v < 1:
         raise ValueError(f"{len(stages)} stages do not divide over {p} ranks")
-    split_w = "ZeroBubble" in schedule
+    split_w = SCHEDULES[schedule].split_backward
     owner = stage_ranks(schedule, p, len(stages))
-    orders = rank_orders(schedule, p, v, m)
+    explicit = orders is not None and any(a == "W" for order in orders for a, _, _ in order)
+    greedy = orders is None and schedule == "ZBVZeroBubble"
+    orders = orders if orders is not None else rank_orders(schedule, p, v, m)
     last = len(stages) - 1
 
     done: dict[tuple[str, int, int], float] = {}
@@ -189,6 +198,8 @@ def simulate(
     slots: list[Slot] = []
 
     def arrival(action: str, stage: int, mb: int) -> float | None:
+        if action == "W":  # after its own B, on the same rank
+            return done.get(("B", stage, mb))
         if action == "F":
             deps = [] if stage == 0 else [("F", stage - 1, mb)]
         else:
@@ -215,7 +226,6 @@ def simulate(
 
     sent_until = [0.0] * p  # when this rank's last send completes
 
-    greedy = schedule == "ZBVZeroBubble"
     held = [0] * p
     next_mb = {(a, st): 0 for a in "FB" for st in range(len(stages))}
     total = 2 * m * len(stages)
@@ -241,6 +251,12 @@ def simulate(
 
     def choose(r: int) -> tuple[float, tuple[str, int, int]] | None:
         """The action rank r runs next and when, given what has completed so far."""
+        if explicit:
+            if pos[r] >= len(orders[r]):
+                return None
+            action, stage, mb = orders[r][pos[r]]
+            ready = arrival(action, stage, mb)
+            return None if ready is None else (max(clock[r], ready), (action, stage, mb))
         if len(pending_w[r]) >= p:
             # Deferred weight gradients hold activations: at most p may wait, so a rank
             # holds at most p stage micro-batches more than the schedule without W split.
@@ -289,8 +305,9 @@ def simulate(
             if p2p_blocking:
                 clock[r] = sent_until[r]
         if action == "W":
-            pending_w[r].pop(0)
+            pending_w[r].remove((stage, mb))
             held[r] -= 1
+            pos[r] += explicit
         else:
             done[(action, stage, mb)] = end
             pos[r] += 1
