@@ -106,7 +106,10 @@ def test_context_parallel_plan_whose_sequence_does_not_split_exits_2(tmp_path, c
     assert main(["plan", "--model", "gpt-tiny", "--cluster", "local", "--batch", "8",
                  "--seq", "12", "--json", str(path)]) == 0
     data = json.loads(path.read_text())
-    data["mesh"] |= {"dp": data["mesh"]["dp"] // 2 or 1, "cp": 4}
+    # cp on one stage (cp does not combine with pp, which the mesh itself refuses)
+    data["mesh"] |= {"pp": 1, "dp": data["mesh"]["dp"] // 2 or 1, "cp": 4}
+    data["pipeline"] = None
+    data["layers"] = [{**layer, "stage": 0} for layer in data["layers"]]
     path.write_text(json.dumps(data))
     capsys.readouterr()
     assert main(["run", "--plan", str(path), "--model", "gpt-tiny", "--nproc", "2"]) == 2
