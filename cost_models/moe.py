@@ -28,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from cost_models.comm import Group, all_to_all_s
-from cost_models.compute import gemm_s
+from cost_models.compute import roofline_s
 from cost_models.hardware import Cluster, Device
 
 DEFAULT_LOAD_IMBALANCE = 1.0
@@ -152,14 +152,17 @@ def expert_fwd_flops(tokens: float, shape: ExpertShape, ep: int,
 def expert_gemms_s(tokens: float, shape: ExpertShape, ep: int, device: Device, dtype: str,
                    dtype_bytes: int, imbalance: float = DEFAULT_LOAD_IMBALANCE
                    ) -> tuple[float, float]:
-    """(forward, backward) seconds of the rank's expert GEMMs, each at its own shape on the
-    GEMM efficiency curve (``cost_models.compute.gemm_s``): E/ep experts × 2 GEMMs forward,
-    twice that backward. Zero rows (tokens = 0) cost nothing."""
+    """(forward, backward) seconds of the rank's expert GEMMs. Each projection runs as one
+    grouped GEMM over the E/ep local experts (``torch._grouped_mm``, as Hugging Face's
+    default experts implementation and torchtitan run them): E/ep GEMMs of one shape, each
+    at that shape's efficiency (``cost_models.compute.roofline_s`` with its smallest
+    dimension), in one kernel. Backward is twice the forward (``BWD_PER_FWD_GEMM``)."""
     if tokens <= 0:
         return 0.0, 0.0
-    fwd = local_experts(shape, ep) * sum(
-        gemm_s(m, n, k, device, dtype, bytes_per_element=dtype_bytes)
-        for m, n, k in expert_gemms(tokens, shape, ep, imbalance))
+    n_local = local_experts(shape, ep)
+    fwd = sum(roofline_s(n_local * 2.0 * m * n * k, n_local * (m * k + k * n + m * n) * dtype_bytes,
+                         1, device, dtype, gemm_min_dim=min(m, n, k))
+              for m, n, k in expert_gemms(tokens, shape, ep, imbalance))
     return fwd, BWD_PER_FWD_GEMM * fwd
 
 
