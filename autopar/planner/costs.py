@@ -97,6 +97,7 @@ from autopar.planner.engine_costs import (
     fsdp_copies_s,
 )
 from autopar.planner.loss_costs import loss_bytes, loss_s
+from autopar.planner.moe_costs import moe_layer_cost, with_expert_parallel
 from cost_models.comm import (
     Group,
     all_gather_s,
@@ -191,6 +192,8 @@ class LayerCost:
     """Under pipelining, the part of buffer_bytes that is FSDP2's one all-gather and one
     reduce-scatter of the step: alive in the layer's first forward and last backward only
     (planner/liveness.py). 0 at pp = 1, where FSDP2 gathers in every pass."""
+    expert_parallel: int = 1
+    """The expert-parallel degree of the layer's MoE blocks (autopar/planner/moe_costs.py)."""
 
     @property
     def time_s(self) -> float:
@@ -256,7 +259,7 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
         for sp in (False, True) if strategy in TP_STRATEGIES and can_sp else (False,):
             for off in (False, True) if offload and strategy in OFFLOAD_STRATEGIES else (False,):
                 out += [option_label(strategy, r, off, sp) for r in modes]
-    return tuple(out)
+    return with_expert_parallel(layer, mesh, tuple(out))
 
 
 def undominated(costs: dict[str, LayerCost], terms) -> dict[str, LayerCost]:
@@ -289,6 +292,9 @@ def layer_cost(
     *,
     hsdp_shard_size: int | None = None,
 ) -> LayerCost:
+    if layer.moe:  # its experts priced apart, at the option's expert-parallel degree
+        return moe_layer_cost(layer, option, mesh, cluster, prec, microbatches,
+                              hsdp_shard_size=hsdp_shard_size, layer_cost=layer_cost)
     choice = parse_option(option)
     strategy, recompute = choice["strategy"], choice["recompute"]
     offload, sp = choice["offload"], choice["sequence_parallel"]

@@ -378,7 +378,7 @@ def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh
             module=layer.name, strategy=cost.strategy, tp_styles=_tp_styles(layer, cost),
             stage=stage, layer_class=layer.layer_class, memory_bytes=int(cost.resident_bytes),
             time_s=cost.time_s, recompute=cost.recompute, offload=cost.offload,
-            sequence_parallel=cost.sequence_parallel))
+            sequence_parallel=cost.sequence_parallel, expert_parallel=cost.expert_parallel))
     uses_hsdp = any(cost.strategy == "hsdp" for cost in costs)
     return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
                 f"{cluster.devices_per_node})", global_batch=graph.batch_size,
@@ -445,9 +445,9 @@ def memory_breakdown(peak: Usage, margin_fraction: float) -> MemoryBreakdown:
 
 def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
     """Whether the runtime wraps this plan in DDP (runtime.data_parallel.uses_ddp): pp = 1,
-    float32, every layer replicate."""
+    float32, every layer replicate, no layer expert-parallel."""
     return (mesh.pp == 1 and prec.name == "float32"
-            and all(c.strategy == "replicate" for c in costs))
+            and all(c.strategy == "replicate" and c.expert_parallel == 1 for c in costs))
 
 
 PlanCheck = Callable[[Plan], "str | None"]
