@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.planner.moe_costs import ep_problem
 from autopar.planner.search import SearchResult, class_options
 from autopar.planner.ties import describe_tie, with_tied_choices
 from cost_models.hardware import Cluster
@@ -131,10 +132,16 @@ class Explanation:
     """Strategies the planner could not offer this layer, with the reason."""
     reason: str
     source: str
+    expert_parallel: str = ""
+    """Why the layer's mixture-of-experts blocks were or were not split over ranks (its
+    best expert-parallel option against its best other one), or why expert parallelism
+    was not available to it."""
 
 
-def explain(plan: Plan, module: str) -> Explanation:
-    """Why ``module`` got its strategy, and what every other option would cost."""
+def explain(plan: Plan, module: str, graph: LayerGraph | None = None) -> Explanation:
+    """Why ``module`` got its strategy, and what every other option would cost. ``graph``
+    (the layer graph the plan was made from, when at hand) lets the expert-parallel part
+    name exactly why EP was unavailable; a saved plan alone narrows it down."""
     from autopar.errors import ConfigError
 
     try:
@@ -162,7 +169,8 @@ def explain(plan: Plan, module: str) -> Explanation:
                        strategy=layer.option, class_mix=mix, options=verdicts,
                        unavailable=unavailable, reason=_tie_reason(plan, module, verdicts)
                        or _reason(plan, verdicts, mix),
-                       source=plan.prediction.source)
+                       source=plan.prediction.source,
+                       expert_parallel=_expert_parallel(plan, module, verdicts, graph))
 
 
 def _verdict(plan: Plan, chosen: OptionCost, option: OptionCost) -> OptionVerdict:
@@ -210,6 +218,50 @@ def _why_unavailable(strategy: str, plan: Plan, module: str) -> str:
         return (f"no exact tensor-parallel split of this layer is known whose sizes tp = "
                 f"{plan.mesh.tp} divides")
     return "another option is at least as fast and needs no more memory (dominated)"
+
+
+def _expert_parallel(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...],
+                     graph: LayerGraph | None) -> str:
+    """The expert-parallel sentence of ``Explanation``."""
+    def degree(v: OptionVerdict) -> int:
+        return parse_option(v.strategy)["expert_parallel"]
+
+    with_ep = [v for v in verdicts if degree(v) > 1]
+    if with_ep:
+        return _ep_verdict(verdicts, with_ep, [v for v in verdicts if degree(v) == 1])
+    layer = next((x for x in graph.layers if x.name == module), None) if graph else None
+    if layer is not None:
+        why = ep_problem(layer, plan.mesh)
+        return f"not available: {why}" if why else "not available"
+    if plan.mesh.dp == 1:
+        return "not available: mesh.dp is 1: no data-parallel ranks to split the experts over"
+    return ("not available: this layer holds no mixture-of-experts block the planner "
+            "recognises (runtime/moe_blocks.py), or no divisor of mesh.dp="
+            f"{plan.mesh.dp} above 1 divides its experts' count")
+
+
+def _ep_verdict(verdicts: tuple[OptionVerdict, ...], with_ep: list[OptionVerdict],
+                without: list[OptionVerdict]) -> str:
+    chosen = next(v for v in verdicts if v.chosen)
+    best_ep = min(with_ep, key=lambda v: v.time_s)
+    best_dense = min(without, key=lambda v: v.time_s) if without else None
+    against = (f"{best_dense.strategy} {ms(best_dense.time_s)}" if best_dense
+               else "no option without it")
+    if chosen in with_ep:
+        rival = best_dense
+        if rival is not None and rival.time_s < chosen.time_s:
+            return (f"chosen ({chosen.strategy}, {ms(chosen.time_s)}): the fastest option "
+                    f"without expert parallelism, {against}, is faster but "
+                    + ("does not fit" if not rival.fits else "loses on the whole plan"))
+        return (f"chosen ({chosen.strategy}, {ms(chosen.time_s)} per layer against "
+                f"{against} for the best option without it)")
+    if best_ep.time_s >= chosen.time_s:
+        return (f"not chosen: the best expert-parallel option, {best_ep.strategy}, takes "
+                f"{ms(best_ep.time_s)} per layer against {ms(chosen.time_s)} for "
+                f"{chosen.strategy}")
+    return (f"not chosen: {best_ep.strategy} would be {ms(chosen.time_s - best_ep.time_s)} "
+            "faster per layer, but " + ("does not fit in memory" if not best_ep.fits
+                                        else "loses on the whole plan"))
 
 
 def _tie_reason(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...]) -> str | None:
@@ -265,6 +317,8 @@ def format_explanation(e: Explanation) -> str:
               for r in rows]
     for s, why in e.unavailable.items():
         lines.append(f"  {s}: not available ({why})")
+    if e.expert_parallel:
+        lines.append(f"expert parallelism: {e.expert_parallel}")
     return "\n".join(lines)
 
 
