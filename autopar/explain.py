@@ -245,7 +245,7 @@ def _ep_verdict(verdicts: tuple[OptionVerdict, ...], with_ep: list[OptionVerdict
     chosen = next(v for v in verdicts if v.chosen)
     best_ep = min(with_ep, key=lambda v: v.time_s)
     best_dense = min(without, key=lambda v: v.time_s) if without else None
-    against = (f"{best_dense.strategy} {ms(best_dense.time_s)}" if best_dense
+    against = (f"{best_dense.strategy} at {ms(best_dense.time_s)}" if best_dense
                else "no option without it")
     if chosen in with_ep:
         rival = best_dense

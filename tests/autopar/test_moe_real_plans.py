@@ -1,0 +1,129 @@
+"""Expert-parallel plans of Hugging Face Mixtral (small configs, random init, meta device)
+through the whole front door (capture, detect, cost, solve, validate, rationale), and
+``autopar explain`` on them.
+
+Cluster: tests/planner_cases.make_cluster (NVLink 200 GB/s and 5 µs inside a node), and a
+slow network of 1 GB/s and 50 µs between one-rank nodes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from planner_cases import make_cluster
+
+from autopar.api import search_plans
+from autopar.explain import explain, format_explanation
+from cost_models.hardware import Link
+from passes.layer_graph import build_layer_graph
+from runtime.plan import Mesh, parse_option
+
+transformers = pytest.importorskip("transformers")
+
+SLOW = replace(make_cluster(nodes=4, per_node=1),
+               inter_node=Link(kind="network", bandwidth_GBps=1.0, latency_s=50e-6))
+
+
+def mixtral(hidden: int, intermediate: int, experts: int = 8):
+    cfg = transformers.MixtralConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=intermediate,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=experts, num_experts_per_tok=2, use_cache=False)
+    with torch.device("meta"):
+        return transformers.MixtralForCausalLM(cfg)
+
+
+def tokens(batch: int, seq: int) -> dict:
+    return {"input_ids": torch.zeros(batch, seq, dtype=torch.long, device="meta")}
+
+
+@pytest.fixture(scope="module")
+def wide_experts_plan():
+    """H = 256, I = 1024: 6.3M expert weights a layer against 0.2M dense; 512 tokens. On 4
+    ranks of one node, holding every expert costs each rank the optimizer step and the
+    gradient all-reduce of all 8; all-to-alls of 128 tokens on NVLink cost microseconds."""
+    return search_plans(mixtral(256, 1024), make_cluster(per_node=4), tokens(8, 64),
+                        precision="bfloat16", mesh=Mesh(dp=4)).plan
+
+
+@pytest.fixture(scope="module")
+def slow_network_plan():
+    """H = I = 64: 98,304 expert weights a layer (a 0.2 MB bf16 gradient: all-reduced
+    across 4 nodes in 2·¾·0.2 MB/1 GB/s = 0.29 ms); 8,192 tokens, 2,048 a rank, each
+    all-to-all at ep = 2 sends ½·2048·2·64·2 bytes over the network: 0.26 ms + 50 µs,
+    four a micro-batch, 1.25 ms: more than EP could save."""
+    return search_plans(mixtral(64, 64), SLOW, tokens(16, 512), precision="bfloat16",
+                        mesh=Mesh(dp=4)).plan
+
+
+def moe_layers(model, batch: int, seq: int) -> set[str]:
+    graph = build_layer_graph(model, tokens(batch, seq))
+    return {x.name for x in graph.layers if x.moe}
+
+
+def test_mixtral_layers_carry_their_experts():
+    graph = build_layer_graph(mixtral(256, 1024), tokens(8, 64))
+    layer = next(x for x in graph.layers if x.name == "model.layers.0")
+    (block,) = layer.moe
+    assert (block.block, block.experts) == ("mlp", "mlp.experts")
+    assert block.tokens == 8 * 64
+    assert block.param_count == 8 * (256 * 2048 + 1024 * 256)
+    assert (block.shape.num_experts, block.shape.top_k, block.shape.gated) == (8, 2, True)
+    assert not next(x for x in graph.layers if x.name == "lm_head").moe
+
+
+def test_ep_is_set_on_exactly_the_moe_layers_when_it_wins(wide_experts_plan):
+    plan = wide_experts_plan
+    with_ep = {x.module for x in plan.layers if x.expert_parallel > 1}
+    assert with_ep == moe_layers(mixtral(256, 1024), 8, 64) == {"model.layers.0",
+                                                                "model.layers.1"}
+    for x in plan.layers:
+        assert plan.mesh.dp % x.expert_parallel == 0
+        assert 8 % x.expert_parallel == 0
+    rationale = next(c for c in plan.rationale.classes
+                     if c.layer_class == plan.layer("model.layers.0").layer_class)
+    best = min(rationale.options, key=lambda o: o.time_s)
+    assert parse_option(best.strategy)["expert_parallel"] > 1
+
+
+def test_ep_is_not_chosen_across_a_slow_network(slow_network_plan):
+    plan = slow_network_plan
+    assert all(x.expert_parallel == 1 for x in plan.layers), [x.option for x in plan.layers]
+    rationale = next(c for c in plan.rationale.classes
+                     if c.layer_class == plan.layer("model.layers.0").layer_class)
+    assert any("+ep" in o.strategy for o in rationale.options)  # offered, and lost
+
+
+def test_explain_says_why_ep_was_chosen(wide_experts_plan):
+    e = explain(wide_experts_plan, "model.layers.0")
+    assert e.expert_parallel.startswith(f"chosen ({e.strategy}, ")
+    assert "for the best option without it" in e.expert_parallel
+    assert f"expert parallelism: {e.expert_parallel}" in format_explanation(e)
+
+
+def test_explain_says_why_ep_was_not_chosen(slow_network_plan):
+    e = explain(slow_network_plan, "model.layers.0")
+    best_ep = min((v for v in e.options if "+ep" in v.strategy), key=lambda v: v.time_s)
+    assert e.expert_parallel.startswith(
+        f"not chosen: the best expert-parallel option, {best_ep.strategy}, takes")
+    assert e.expert_parallel.endswith(f"for {e.strategy}")
+
+
+def test_explain_says_why_ep_was_unavailable():
+    model, inputs = mixtral(64, 64), tokens(4, 16)
+    graph = build_layer_graph(model, inputs)
+    one = search_plans(model, make_cluster(per_node=4), inputs, mesh=Mesh(dp=1, tp=4)).plan
+    assert explain(one, "model.layers.0").expert_parallel == (
+        "not available: mesh.dp is 1: no data-parallel ranks to split the experts over")
+    four = search_plans(model, make_cluster(per_node=4), inputs, mesh=Mesh(dp=4)).plan
+    assert explain(four, "lm_head", graph).expert_parallel == (
+        "not available: no mixture-of-experts block in this layer")
+    assert "no mixture-of-experts block the planner recognises" in \
+        explain(four, "lm_head").expert_parallel  # a saved plan alone narrows it down
+    model3 = mixtral(64, 64, experts=3)
+    three = search_plans(model3, make_cluster(per_node=4), inputs, mesh=Mesh(dp=4)).plan
+    assert all(x.expert_parallel == 1 for x in three.layers)
+    assert explain(three, "model.layers.0", build_layer_graph(model3, inputs)).expert_parallel \
+        == "not available: no divisor of mesh.dp=4 above 1 divides the experts' count (3)"
