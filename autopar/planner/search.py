@@ -322,7 +322,8 @@ def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh
         return []
     ddp = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
                         costs={o: on_ddp(x) for o, x in c.costs.items()
-                               if x.strategy == "replicate"}) for c in options]
+                               if x.strategy == "replicate" and x.expert_parallel == 1})
+           for c in options]
     return [ddp] if all(c.costs for c in ddp) else []
 
 

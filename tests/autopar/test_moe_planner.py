@@ -18,7 +18,8 @@ from planner_cases import graph_of, make_cluster, make_layer
 
 from autopar.planner import moe_costs
 from autopar.planner.costs import allowed_options, layer_cost
-from autopar.planner.search import search
+from autopar.planner.ilp import ClassOptions
+from autopar.planner.search import ddp_programs, runs_on_ddp, search
 from cost_models.hardware import GiB, Link
 from cost_models.memory import precision
 from cost_models.moe import ExpertShape
@@ -191,3 +192,18 @@ def test_keeps_experts_whole_when_ep_crosses_a_slow_network():
     ep2 = layer_cost(graph.layers[0], "replicate+ep2", plan.mesh, slow, BF16)
     whole = layer_cost(graph.layers[0], "replicate", plan.mesh, slow, BF16)
     assert ep2.comm_s - whole.comm_s > 4 * a2a - all_reduce
+
+
+def test_ddp_never_runs_an_expert_parallel_layer():
+    """DDP would all-reduce every rank's expert shard with the others' (different experts):
+    a replicate+ep option is no option of the all-DDP program, and a plan holding one is
+    not priced as DDP runs it."""
+    fp32, mesh, cluster = precision("float32"), Mesh(dp=4), make_cluster(per_node=4)
+    layer = moe_layer()
+    costs = {o: layer_cost(layer, o, mesh, cluster, fp32) for o in ("replicate", "replicate+ep2")}
+    (program,) = ddp_programs([ClassOptions(name="moe", count=1, costs=costs)], fp32, mesh)
+    assert list(program[0].costs) == ["replicate"]
+    only_ep = {"replicate+ep2": costs["replicate+ep2"]}
+    assert ddp_programs([ClassOptions(name="moe", count=1, costs=only_ep)], fp32, mesh) == []
+    assert not runs_on_ddp([costs["replicate+ep2"]], fp32, mesh)
+    assert runs_on_ddp([costs["replicate"]], fp32, mesh)
