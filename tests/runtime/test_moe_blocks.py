@@ -121,3 +121,14 @@ def test_plain_experts_and_a_linear_router_of_any_name_are_found():
 ])
 def test_layouts_the_ep_runtime_cannot_shard_are_not_blocks(experts, router, top_k):
     assert find_moe_blocks(_Block(experts, router, top_k)) == []
+
+
+def test_finds_the_zoo_moe_blocks():
+    from autopar.zoo import get_model
+
+    spec = get_model("moe-tiny")
+    blocks = find_moe_blocks(spec.build("meta"))
+    cfg = spec.config
+    assert [b.experts for b in blocks] == [f"h.{i}.mlp.experts" for i in range(cfg.n_layer)]
+    assert {(b.num_experts, b.top_k, b.hidden_size, b.intermediate_size, b.gated)
+            for b in blocks} == {(4, 2, 64, 64 * 4 // 2, True)}
