@@ -243,18 +243,9 @@ def _expert_parallel(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...
 def _ep_verdict(verdicts: tuple[OptionVerdict, ...], with_ep: list[OptionVerdict],
                 without: list[OptionVerdict]) -> str:
     chosen = next(v for v in verdicts if v.chosen)
-    best_ep = min(with_ep, key=lambda v: v.time_s)
-    best_dense = min(without, key=lambda v: v.time_s) if without else None
-    against = (f"{best_dense.strategy} at {ms(best_dense.time_s)}" if best_dense
-               else "no option without it")
     if chosen in with_ep:
-        rival = best_dense
-        if rival is not None and rival.time_s < chosen.time_s:
-            return (f"chosen ({chosen.strategy}, {ms(chosen.time_s)}): the fastest option "
-                    f"without expert parallelism, {against}, is faster but "
-                    + ("does not fit" if not rival.fits else "loses on the whole plan"))
-        return (f"chosen ({chosen.strategy}, {ms(chosen.time_s)} per layer against "
-                f"{against} for the best option without it)")
+        return _ep_chosen(chosen, without)
+    best_ep = min(with_ep, key=lambda v: v.time_s)
     if best_ep.time_s >= chosen.time_s:
         return (f"not chosen: the best expert-parallel option, {best_ep.strategy}, takes "
                 f"{ms(best_ep.time_s)} per layer against {ms(chosen.time_s)} for "
@@ -262,6 +253,26 @@ def _ep_verdict(verdicts: tuple[OptionVerdict, ...], with_ep: list[OptionVerdict
     return (f"not chosen: {best_ep.strategy} would be {ms(chosen.time_s - best_ep.time_s)} "
             "faster per layer, but " + ("does not fit in memory" if not best_ep.fits
                                         else "loses on the whole plan"))
+
+
+def _ep_chosen(chosen: OptionVerdict, without: list[OptionVerdict]) -> str:
+    """Why an expert-parallel option won: against the fastest option without EP, and, if
+    that one does not fit, the fastest without EP that does."""
+    head = f"chosen ({chosen.strategy}, {ms(chosen.time_s)} per layer)"
+    if not without:
+        return f"{head}: no option without expert parallelism was priced"
+    fastest = min(without, key=lambda v: v.time_s)
+    fitting = [v for v in without if v.fits]
+    best_fit = min(fitting, key=lambda v: v.time_s) if fitting else None
+    if fastest.time_s >= chosen.time_s:
+        return f"{head}: the best option without it, {fastest.strategy}, takes {ms(fastest.time_s)}"
+    if fastest.fits:
+        return (f"{head}: {fastest.strategy} without it takes {ms(fastest.time_s)} and would "
+                "fit, but loses on the whole plan")
+    rest = (f"the fastest that fits, {best_fit.strategy}, takes {ms(best_fit.time_s)}"
+            if best_fit else "none without it fits")
+    return (f"{head}: the fastest option without it, {fastest.strategy} at "
+            f"{ms(fastest.time_s)}, does not fit in memory; {rest}")
 
 
 def _tie_reason(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...]) -> str | None:

@@ -1,5 +1,5 @@
 """Expert-parallel plans of Hugging Face Mixtral (small configs, random init, meta device)
-through the whole front door (capture, detect, cost, solve, validate, rationale), and
+and of the zoo's MoE GPTs through the whole front door (capture, detect, cost, solve, validate, rationale), and
 ``autopar explain`` on them.
 
 Cluster: tests/planner_cases.make_cluster (NVLink 200 GB/s and 5 µs inside a node), and a
@@ -16,9 +16,11 @@ from planner_cases import make_cluster
 
 from autopar.api import search_plans
 from autopar.explain import explain, format_explanation
-from cost_models.hardware import Link
+from autopar.zoo import get_model
+from cost_models.hardware import Link, MiB
 from passes.layer_graph import build_layer_graph
 from runtime.plan import Mesh, parse_option
+from runtime.plan_report import ms
 
 transformers = pytest.importorskip("transformers")
 
@@ -58,8 +60,8 @@ def slow_network_plan():
                         mesh=Mesh(dp=4)).plan
 
 
-def moe_layers(model, batch: int, seq: int) -> set[str]:
-    graph = build_layer_graph(model, tokens(batch, seq))
+def moe_layers(model, inputs) -> set[str]:
+    graph = build_layer_graph(model, inputs)
     return {x.name for x in graph.layers if x.moe}
 
 
@@ -77,7 +79,7 @@ def test_mixtral_layers_carry_their_experts():
 def test_ep_is_set_on_exactly_the_moe_layers_when_it_wins(wide_experts_plan):
     plan = wide_experts_plan
     with_ep = {x.module for x in plan.layers if x.expert_parallel > 1}
-    assert with_ep == moe_layers(mixtral(256, 1024), 8, 64) == {"model.layers.0",
+    assert with_ep == moe_layers(mixtral(256, 1024), tokens(8, 64)) == {"model.layers.0",
                                                                 "model.layers.1"}
     for x in plan.layers:
         assert plan.mesh.dp % x.expert_parallel == 0
@@ -99,7 +101,11 @@ def test_ep_is_not_chosen_across_a_slow_network(slow_network_plan):
 def test_explain_says_why_ep_was_chosen(wide_experts_plan):
     e = explain(wide_experts_plan, "model.layers.0")
     assert e.expert_parallel.startswith(f"chosen ({e.strategy}, ")
-    assert "for the best option without it" in e.expert_parallel
+    best_without = min((v for v in e.options if "+ep" not in v.strategy),
+                       key=lambda v: v.time_s)
+    assert e.expert_parallel.endswith(
+        f": the best option without it, {best_without.strategy}, takes "
+        f"{ms(best_without.time_s)}")
     assert f"expert parallelism: {e.expert_parallel}" in format_explanation(e)
 
 
@@ -127,3 +133,31 @@ def test_explain_says_why_ep_was_unavailable():
     assert all(x.expert_parallel == 1 for x in three.layers)
     assert explain(three, "model.layers.0", build_layer_graph(model3, inputs)).expert_parallel \
         == "not available: no divisor of mesh.dp=4 above 1 divides the experts' count (3)"
+
+
+def test_zoo_moe_takes_ep_on_its_moe_blocks_when_memory_binds():
+    """moe-small (4 blocks of 8 experts, top-2) on 4 ranks of 20 MiB: FSDP of the whole
+    layer gathers every expert (all 8 at once, and the next layer's prefetched); under
+    fsdp+ep2 a rank gathers its 4 experts from the 2 ranks holding their shards, so the
+    transient is about half and the plan fits where it would not without EP."""
+    spec = get_model("moe-small")
+    model, inputs = spec.build("meta"), spec.example_inputs(32, 64, device="meta")
+    plan = search_plans(model, make_cluster(per_node=4, memory_bytes=20 * MiB), inputs,
+                        precision="bfloat16", mesh=Mesh(dp=4)).plan
+    with_ep = {x.module for x in plan.layers if x.expert_parallel > 1}
+    assert with_ep == moe_layers(model, inputs) == {f"h.{i}" for i in range(4)}
+    e = explain(plan, "h.0")
+    assert e.expert_parallel.startswith(f"chosen ({e.strategy}, ")
+    assert "does not fit in memory" in e.expert_parallel
+
+
+def test_zoo_moe_tiny_keeps_its_experts_whole_on_ample_memory():
+    """moe-tiny (4 experts of 64 × 128): its expert GEMMs take microseconds, and the four
+    all-to-alls a micro-batch cost more than splitting the experts saves."""
+    spec = get_model("moe-tiny")
+    model, inputs = spec.build("meta"), spec.example_inputs(8, 64, device="meta")
+    plan = search_plans(model, make_cluster(per_node=4), inputs, precision="bfloat16",
+                        mesh=Mesh(dp=4)).plan
+    assert all(x.expert_parallel == 1 for x in plan.layers)
+    assert explain(plan, "h.0").expert_parallel.startswith(
+        "not chosen: the best expert-parallel option, ")
