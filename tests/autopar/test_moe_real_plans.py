@@ -17,6 +17,7 @@ from planner_cases import make_cluster
 from autopar.api import search_plans
 from autopar.explain import explain, format_explanation
 from autopar.zoo import get_model
+from cost_models import moe
 from cost_models.hardware import Link, MiB
 from passes.layer_graph import build_layer_graph
 from runtime.plan import Mesh, parse_option
@@ -161,3 +162,15 @@ def test_zoo_moe_tiny_keeps_its_experts_whole_on_ample_memory():
     assert all(x.expert_parallel == 1 for x in plan.layers)
     assert explain(plan, "h.0").expert_parallel.startswith(
         "not chosen: the best expert-parallel option, ")
+
+
+def test_the_expert_estimator_counts_the_flops_the_zoo_moe_registers():
+    """The zoo's grouped expert op registers its FLOPs with PyTorch's counter
+    (runtime/grouped_experts.py), so its capture counts the experts' work: 512 tokens,
+    top-2, H = 64, I = 128: 1024 rows × (2·64·256 + 2·128·64) = 50,331,648. The estimator
+    that replaces it at ep = 1 counts the same."""
+    spec = get_model("moe-tiny")
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(8, 64, device="meta"))
+    (block,) = next(x for x in graph.layers if x.name == "h.0").moe
+    assert block.fwd_flops == 50_331_648
+    assert moe.expert_fwd_flops(block.tokens, block.shape, 1) == block.fwd_flops
