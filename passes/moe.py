@@ -38,8 +38,8 @@ def attach_moe_blocks(layers: tuple[LayerInfo, ...], groups: list[LayerGroup],
     by_class: dict[str, tuple[MoEInfo, ...]] = {}
     for group in groups:
         if group.layer_class not in by_class:
-            by_class[group.layer_class] = tuple(
-                _record(group, b) for b in blocks if _inside(b, group.name))
+            records = (_record(group, b) for b in blocks if _inside(b, group.name))
+            by_class[group.layer_class] = tuple(r for r in records if r is not None)
     return tuple(replace(layer, moe=by_class.get(_class_of(layer, groups), ()))
                  for layer in layers)
 
@@ -61,7 +61,9 @@ def _relative(path: str, layer: str) -> str:
     return "" if path == layer else path[len(layer) + 1:]
 
 
-def _record(group: LayerGroup, block: MoEBlock) -> MoEInfo:
+def _record(group: LayerGroup, block: MoEBlock) -> MoEInfo | None:
+    """The block's record, or None when the capture shows no router output to count its
+    tokens by (it is then planned as captured, without expert parallelism)."""
     calls = [n for n in group.nodes
              if n.op in ("call_function", "call_method", "call_module")]
     experts = [n for n in calls if _under(n.meta.get(K.MODULE_PATH, ""), block.experts)]
@@ -70,11 +72,14 @@ def _record(group: LayerGroup, block: MoEBlock) -> MoEInfo:
                         hidden_size=block.hidden_size,
                         intermediate_size=block.intermediate_size, gated=block.gated)
     params = [p for name, p in group.params if _under(name, block.experts)]
+    tokens = _tokens(calls, block)
+    if tokens is None:
+        return None
     return MoEInfo(
         block=_relative(block.path, group.name),
         experts=_relative(block.experts, group.name),
         shape=shape,
-        tokens=_tokens(calls, block),
+        tokens=tokens,
         param_count=sum(p.numel() for p in params) or block.expert_params,
         param_tensors=len(params) or len(block.expert_param_names),
         fwd_flops=float(sum(n.meta.get(K.FLOPS, 0.0) for n in experts)),
@@ -89,7 +94,7 @@ def _record(group: LayerGroup, block: MoEBlock) -> MoEInfo:
     )
 
 
-def _tokens(calls: list[Node], block: MoEBlock) -> int:
+def _tokens(calls: list[Node], block: MoEBlock) -> int | None:
     """Rows the router scores: the first output under the router ending in num_experts
     (its logits [..., E])."""
     for node in calls:
@@ -99,7 +104,4 @@ def _tokens(calls: list[Node], block: MoEBlock) -> int:
         for t in node.meta[K.TENSOR].tensors:
             if t.shape and t.shape[-1] == block.num_experts:
                 return math.prod(t.shape[:-1])
-    raise ValueError(
-        f"MoE block {block.path!r}: no output of its router {block.router!r} has the "
-        f"experts' count ({block.num_experts}) as last dimension, so its tokens are "
-        "unknown; mark the block opaque to plan it without expert parallelism")
+    return None
