@@ -20,8 +20,6 @@ from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.records import LayerGraph
 from runtime.plan import (
-    STRATEGIES,
-    TP_STRATEGIES,
     Alternative,
     ClassCosts,
     OptionCost,
@@ -31,6 +29,7 @@ from runtime.plan import (
     parse_option,
 )
 from runtime.plan_report import human_bytes, ms
+from runtime.strategies import STRATEGIES, spec
 
 ALTERNATIVES_KEPT = 10
 """Other shapes stored with the plan (the best first); enough for a top-k report."""
@@ -77,7 +76,7 @@ def _option(cost) -> OptionCost:
                       grads_bytes=int(cost.grads_bytes),
                       optimizer_bytes=int(cost.optimizer_bytes),
                       activations_bytes=int(cost.activations_bytes),
-                      buffer_bytes=int(cost.buffer_bytes))
+                      buffers_bytes=int(cost.buffer_bytes))
 
 
 def ranked_alternatives(result: SearchResult) -> tuple[Alternative, ...]:
@@ -176,12 +175,12 @@ def explain(plan: Plan, module: str, graph: LayerGraph | None = None) -> Explana
 def _verdict(plan: Plan, chosen: OptionCost, option: OptionCost) -> OptionVerdict:
     assert plan.prediction is not None and plan.rationale is not None
     mu = plan.rationale.memory_margin_fraction
-    buffers = [_cost_of(plan, x).buffer_bytes for x in plan.layers]
+    buffers = [_cost_of(plan, x).buffers_bytes for x in plan.layers]
     current_buffer = max(buffers, default=0)
     # The largest buffer if this layer's own buffer were replaced (a bound: the largest
     # other buffer or the new one).
-    others = sorted(buffers)[:-1] if chosen.buffer_bytes == current_buffer else buffers
-    new_buffer = max([*others, option.buffer_bytes], default=0)
+    others = sorted(buffers)[:-1] if chosen.buffers_bytes == current_buffer else buffers
+    new_buffer = max([*others, option.buffers_bytes], default=0)
     delta = (option.resident_bytes - chosen.resident_bytes) + (new_buffer - current_buffer)
     peak = int(plan.prediction.memory.total_bytes + (1 + mu) * delta)
     return OptionVerdict(strategy=option.strategy, time_s=option.time_s,
@@ -202,22 +201,14 @@ def _cost_of(plan: Plan, layer) -> OptionCost:
 
 
 def _why_unavailable(strategy: str, plan: Plan, module: str) -> str:
-    ranks = plan.mesh.replicas * plan.mesh.tp
+    """The spec's reason (runtime.strategies); a strategy available on the mesh but absent
+    from the rationale lost to another option on every term."""
     tie = plan.rationale.ties.get(module) if plan.rationale else None
-    if strategy in TP_STRATEGIES and tie:
-        return (f"tied weights: {tie}; tensor parallelism would split the parameter in "
-                "one module and untie it from the other, so tied layers take one "
-                "data-parallel strategy together")
-    if strategy in TP_STRATEGIES and plan.mesh.tp == 1:
-        return "the mesh has tp = 1"
-    if strategy == "tp_fsdp" and plan.mesh.replicas == 1 or strategy in ("zero1", "zero2") and ranks == 1:
-        return "the mesh has one data-parallel rank (nothing to shard over)"
-    if strategy == "hsdp":
-        return "a stage's ranks fit in one node (hybrid sharding needs several)"
-    if strategy in TP_STRATEGIES:
-        return (f"no exact tensor-parallel split of this layer is known whose sizes tp = "
-                f"{plan.mesh.tp} divides")
-    return "another option is at least as fast and needs no more memory (dominated)"
+    mesh = plan.mesh
+    reason = spec(strategy).unavailable(
+        replicas=mesh.replicas, tp=mesh.tp, microbatches=plan.microbatches,
+        hsdp_shard_size=plan.hsdp_shard_size, tp_split=False, tie=tie)
+    return reason or "another option is at least as fast and needs no more memory (dominated)"
 
 
 def _expert_parallel(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...],

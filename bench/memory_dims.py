@@ -6,7 +6,7 @@
 Model: the zoo's gpt-small (4 blocks, h=128, 4 heads, vocab 512; fused attention, no
 dropout), global batch 16, sequence 64, AdamW. Fused attention because context
 parallelism needs it; no dropout because CPU dropout keeps a float32 noise tensor where the
-capture models CUDA's 1-byte mask (tests/test_recompute_memory.py).
+capture models CUDA's 1-byte mask (tests/passes/test_recompute_memory.py).
 
 Measured on every rank (the table gives the largest over the 2 ranks), during the second
 training step so optimizer states exist:
@@ -21,7 +21,7 @@ training step so optimizer states exist:
   loss's) that are still alive when it returns, parameters, gradients, buffers and the
   logits left out. This sees what autograd saves and, under checkpointing, the inputs the
   checkpoint keeps and the selective policy's cache, which ``saved_tensors_hooks`` cannot
-  (tests/test_recompute_memory.py).
+  (tests/passes/test_recompute_memory.py).
 """
 
 from __future__ import annotations

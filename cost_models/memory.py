@@ -61,24 +61,36 @@ def precision(name: str) -> Precision:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ModelStates:
-    params_bytes: float
-    grads_bytes: float
-    optimizer_bytes: float
+class MemoryTerms:
+    """The five kinds of memory a rank holds, in bytes: the one record of them that layer
+    costs, liveness events, option costs and a plan's predicted peak all build on."""
+
+    params_bytes: float = 0
+    grads_bytes: float = 0
+    optimizer_bytes: float = 0
+    activations_bytes: float = 0
+    """Saved for backward."""
+    buffers_bytes: float = 0
+    """Transient: communication buffers, gathered parameters, recomputed activations."""
+
+    @property
+    def states_bytes(self) -> float:
+        """Model states: parameters, gradients and optimizer states."""
+        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
 
     @property
     def total_bytes(self) -> float:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes
+        return self.states_bytes + self.activations_bytes + self.buffers_bytes
 
 
-def zero_model_states(num_params: float, stage: int, dp: int, prec: Precision) -> ModelStates:
+def zero_model_states(num_params: float, stage: int, dp: int, prec: Precision) -> MemoryTerms:
     """Per-rank model-state bytes under ZeRO stage 0-3 over ``dp`` data-parallel ranks."""
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"ZeRO stage must be 0, 1, 2 or 3, got {stage!r}")
     p = num_params * prec.param_bytes
     g = num_params * prec.grad_bytes
     k = num_params * prec.optimizer_bytes
-    return ModelStates(
+    return MemoryTerms(
         params_bytes=p / dp if stage >= 3 else p,
         grads_bytes=g / dp if stage >= 2 else g,
         optimizer_bytes=k / dp if stage >= 1 else k,

@@ -1,11 +1,50 @@
-"""Pipeline schedule timelines: the data a schedule simulator produces and reports draw."""
+"""Pipeline schedules: the one table of them, and the simulator of their timelines."""
 
 from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass
+from typing import Literal
 
 from cost_models.overlap import pipeline_p2p_slowdown_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleSpec:
+    """One pipeline schedule, named as torch.distributed.pipelining's ``Schedule*`` class."""
+
+    name: str
+    virtual_stages: tuple[int, ...] | None
+    """Stages per pipeline rank it runs: the values listed, or None for any v >= 2."""
+    placement: Literal["looped", "v"] = "looped"
+    """Which rank runs stage s of pp ranks: looped (s mod pp), or V-shaped (stages 0..pp-1
+    go down the ranks, pp..2pp-1 come back up)."""
+    split_backward: bool = False
+    """Runs a stage's backward in two passes (input gradients, then weight gradients).
+    torch's selective activation checkpointing allows one backward through a region, so
+    selective recomputation cannot run under it (full recomputation can)."""
+    searched: tuple[int, ...] = (1,)
+    """The virtual stages per rank the planner tries."""
+
+    def accepts(self, v: int) -> bool:
+        return v >= 2 if self.virtual_stages is None else v in self.virtual_stages
+
+    def stage_rank(self, stage: int, num_ranks: int) -> int:
+        if self.placement == "v" and stage >= num_ranks:
+            return 2 * num_ranks - 1 - stage
+        return stage % num_ranks
+
+
+SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
+    ScheduleSpec(name="GPipe", virtual_stages=(1,)),
+    ScheduleSpec(name="1F1B", virtual_stages=(1,)),
+    ScheduleSpec(name="Interleaved1F1B", virtual_stages=None, searched=(2,)),
+    ScheduleSpec(name="InterleavedZeroBubble", virtual_stages=None, split_backward=True,
+                 searched=(2,)),
+    ScheduleSpec(name="ZBVZeroBubble", virtual_stages=(2,), placement="v",
+                 split_backward=True, searched=(2,)),
+)}
+"""Every schedule the planner searches, the simulator models and the runtime runs."""
 
 ACTIONS = ("F", "B", "W")
 """F: forward; B: backward (input gradients, and weight gradients unless split off);
@@ -57,7 +96,7 @@ class Timeline:
 # gradients, on the critical path) and W (weight gradients), and run a pending W whenever
 # the rank would otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
-SIM_SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SIM_SCHEDULES = tuple(SCHEDULES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,10 +113,9 @@ class StageTimes:
 
 
 def stage_ranks(schedule: str, num_ranks: int, num_stages: int) -> list[int]:
-    """Pipeline rank of each stage: looped, or V-shaped for ZBVZeroBubble."""
-    if schedule == "ZBVZeroBubble":
-        return [s if s < num_ranks else 2 * num_ranks - 1 - s for s in range(num_stages)]
-    return [s % num_ranks for s in range(num_stages)]
+    """Pipeline rank of each stage (the schedule's ``placement``)."""
+    spec = SCHEDULES[schedule]
+    return [spec.stage_rank(s, num_ranks) for s in range(num_stages)]
 
 
 def rank_orders(schedule: str, num_ranks: int, v: int, m: int) -> list[list[tuple[str, int, int]]]:
@@ -125,8 +163,15 @@ def simulate(
     *,
     p2p_slowdown: float = 1.0,
     p2p_blocking: bool = False,
+    orders: list[list[tuple[str, int, int]]] | None = None,
 ) -> Timeline:
     """Simulate one step; ``stages`` lists every stage (num_ranks × virtual stages).
+
+    ``orders``: per rank, the (action, stage, micro-batch) sequence the runtime's schedule
+    runs (runtime.schedule_orders reads torch's); each rank then runs exactly that order,
+    weight-gradient passes (W) where it puts them. Without, the fixed F/B orders of
+    ``rank_orders`` with each deferred W run when its rank would otherwise wait (at most
+    num_ranks of them pending), and ZBVZeroBubble built greedily.
 
     A result crossing to another rank arrives ``p2p_s`` after its action ends. Meanwhile
     the sender goes on (torch.distributed.pipelining's isend), its next action slowed by
@@ -139,9 +184,11 @@ def simulate(
     v, rem = divmod(len(stages), p)
     if rem or v < 1:
         raise ValueError(f"{len(stages)} stages do not divide over {p} ranks")
-    split_w = "ZeroBubble" in schedule
+    split_w = SCHEDULES[schedule].split_backward
     owner = stage_ranks(schedule, p, len(stages))
-    orders = rank_orders(schedule, p, v, m)
+    explicit = orders is not None and any(a == "W" for order in orders for a, _, _ in order)
+    greedy = orders is None and schedule == "ZBVZeroBubble"
+    orders = orders if orders is not None else rank_orders(schedule, p, v, m)
     last = len(stages) - 1
 
     done: dict[tuple[str, int, int], float] = {}
@@ -151,6 +198,8 @@ def simulate(
     slots: list[Slot] = []
 
     def arrival(action: str, stage: int, mb: int) -> float | None:
+        if action == "W":  # after its own B, on the same rank
+            return done.get(("B", stage, mb))
         if action == "F":
             deps = [] if stage == 0 else [("F", stage - 1, mb)]
         else:
@@ -177,7 +226,6 @@ def simulate(
 
     sent_until = [0.0] * p  # when this rank's last send completes
 
-    greedy = schedule == "ZBVZeroBubble"
     held = [0] * p
     next_mb = {(a, st): 0 for a in "FB" for st in range(len(stages))}
     total = 2 * m * len(stages)
@@ -203,6 +251,12 @@ def simulate(
 
     def choose(r: int) -> tuple[float, tuple[str, int, int]] | None:
         """The action rank r runs next and when, given what has completed so far."""
+        if explicit:
+            if pos[r] >= len(orders[r]):
+                return None
+            action, stage, mb = orders[r][pos[r]]
+            ready = arrival(action, stage, mb)
+            return None if ready is None else (max(clock[r], ready), (action, stage, mb))
         if len(pending_w[r]) >= p:
             # Deferred weight gradients hold activations: at most p may wait, so a rank
             # holds at most p stage micro-batches more than the schedule without W split.
@@ -251,8 +305,9 @@ def simulate(
             if p2p_blocking:
                 clock[r] = sent_until[r]
         if action == "W":
-            pending_w[r].pop(0)
+            pending_w[r].remove((stage, mb))
             held[r] -= 1
+            pos[r] += explicit
         else:
             done[(action, stage, mb)] = end
             pos[r] += 1

@@ -8,7 +8,7 @@ Two captures, one set of rules for where the cuts go (steps 1 and 3 below):
   it is about nine times faster: gpt-tiny with 6 blocks cut into 2 stages splits in
   0.05 s against 0.45 s for the export split (``python bench/split_speed.py``,
   BENCHMARKS.md), with the same parameters under the same names per stage and the same
-  outputs (tests/test_split_stages.py checks both).
+  outputs (tests/passes/test_split_stages.py checks both).
 - **export** (``passes.split_export``): PyTorch's ``torch.distributed.pipelining.pipeline``
   on a ``torch.export`` capture, for what symbolic tracing cannot capture (every Hugging
   Face model, keyword inputs) and for parameters used on two stages (tied weights), which

@@ -6,16 +6,13 @@ inside its tp group, so its replicas span the whole world. With context parallel
 tokens of it, so they are replicas too: "dp" below means dp × cp (``DataParallelMeshes``
 flattens the two axes), and "world" is dp × cp × tp.
 
-    strategy    engine                                           gradients averaged over
-    replicate   fully_shard, HSDP mesh (world, 1): nothing sharded   world
-    zero1       fully_shard, 1-D world mesh, no reshard after fwd    world (sharded)
-    zero2       fully_shard, 1-D world mesh, no reshard after fwd    world (sharded)
-    fsdp        fully_shard, 1-D mesh of the world                   world (sharded)
-    hsdp        fully_shard, 2-D mesh (world / s, s), s = Plan.hsdp_shard_size
-                                                                     world (sharded in s)
-    tp          fully_shard, HSDP mesh (dp, 1), after TP             dp
-    tp_fsdp     fully_shard, 1-D dp mesh, after TP (torchtitan 2-D)  dp (sharded)
-    (the rest)  fully_shard on the root, as ``replicate``            world
+Every layer runs under ``fully_shard`` on the mesh its spec (``runtime.strategies``)
+names: its data-parallel group (every rank of the stage, or dp for a tensor-parallel
+layer, after TP as torchtitan's 2-D), 1-D when the spec shards anything, 2-D
+``(group, 1)`` when it only replicates, ``(group / s, s)`` for hybrid sharding with
+s = ``Plan.hsdp_shard_size``; gathered parameters are freed after forward when the spec
+gathers ``per_use``. The parameters outside the planned layers go to the root, as
+``replicate``. Gradients are averaged over the layer's group.
 
 Averaging identical tp copies of a non-TP gradient over the world equals averaging over dp.
 Averaging over cp is exact too: each cp rank's gradient is that of its local mean loss
@@ -23,18 +20,20 @@ Averaging over cp is exact too: each cp rank's gradient is that of its local mea
 and equal token counts per rank make the mean of the local means the global mean.
 
 Across the ``Plan.gradient_accumulation`` micro-batches of one step
-(``microbatch_sync``, called before each micro-batch's forward):
+(``microbatch_sync``, called before each micro-batch's forward), the spec's ``gather``
+and ``reduce`` set FSDP2's flags:
 
-    strategy          parameters between micro-batches   gradient communication
-    replicate, tp     (replicated)                       all-reduced once, last micro-batch
-    zero1             kept unsharded (gathered once)     accumulated unsharded; reduce-scattered
-                                                         once, on the last micro-batch
-    zero2             kept unsharded (gathered once)     reduce-scattered every micro-batch,
-                                                         accumulated sharded
-    fsdp, tp_fsdp     resharded after forward and        reduce-scattered every micro-batch
-                      backward (gathered twice each)
-    hsdp              as fsdp inside a shard group       reduce-scattered every micro-batch;
-                                                         all-reduced across groups once
+    gather, reduce              parameters between        gradient communication
+                                micro-batches
+    never, per_step             (replicated)              all-reduced once, last micro-batch
+    per_step, per_step          kept unsharded            accumulated unsharded, reduce-
+    (zero1)                     (gathered once)           scattered once, last micro-batch
+    per_step, per_microbatch    kept unsharded            reduce-scattered every micro-batch,
+    (zero2)                     (gathered once)           accumulated sharded
+    per_use, per_microbatch     resharded after forward   reduce-scattered every micro-batch
+    (fsdp, tp_fsdp)             and backward
+    hybrid (hsdp)               as per_use in a group     reduce-scattered every micro-batch;
+                                                          all-reduced across groups once
 
 zero1/zero2 reshard after the last micro-batch's backward, so the optimizer updates the
 sharded (float32) parameters and the next step's first forward gathers the new values.
@@ -42,7 +41,7 @@ With one micro-batch zero1 and zero2 are the same program: ZeRO-3 without reshar
 forward. Under pipelining the schedule drives these flags itself (every FSDP2 module of a
 stage accumulates unsharded and reduces once, see ``runtime.pipeline``).
 
-``offload`` (``fsdp``/``tp_fsdp`` layers): ``CPUOffloadPolicy``; FSDP2 keeps the sharded
+``offload`` (layers whose spec is ``offloadable``): ``CPUOffloadPolicy``; FSDP2 keeps the sharded
 parameters and gradients in host memory and the optimizer steps them there. The host
 memory is pinned on CUDA ranks (so copies overlap compute) and not on CPU ranks, where
 pinning fails without an accelerator.
@@ -63,7 +62,7 @@ take DTensor parameters without ``tensor.parallel.ddp._pre_dp_module_transform``
 whose layers are all ``replicate`` (pure data parallelism) uses DDP itself: bucketed,
 overlapped, the reference implementation (mixed-precision plans stay on FSDP2, see
 ``runtime.precision``). Gradients of every combination are checked against one process
-in tests/test_runtime_numerics.py and tests/test_runtime_dims.py.
+in tests/runtime/test_runtime_numerics.py and tests/runtime/test_runtime_dims.py.
 """
 
 from __future__ import annotations
@@ -86,6 +85,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from runtime.mesh import DataParallelMeshes
 from runtime.plan import LayerPlan, PlanError
+from runtime.strategies import StrategySpec, spec
 from runtime.tied import check_ties
 
 logger = logging.getLogger(__name__)
@@ -93,7 +93,7 @@ logger = logging.getLogger(__name__)
 
 def uses_ddp(layers: list[LayerPlan], *, mixed_precision: bool = False) -> bool:
     """Pure float32 data parallelism: every planned layer is ``replicate``."""
-    return not mixed_precision and all(layer.strategy == "replicate" for layer in layers)
+    return not mixed_precision and all(layer.spec.ddp for layer in layers)
 
 
 def apply_ddp(model: nn.Module, device: torch.device, group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -109,23 +109,17 @@ def apply_ddp(model: nn.Module, device: torch.device, group: dist.ProcessGroup |
 
 
 def _mesh_for(layer: LayerPlan, meshes: DataParallelMeshes) -> DeviceMesh:
-    if layer.strategy == "hsdp":
+    """The sub-mesh FSDP2 runs a layer on: its data-parallel group (runtime.strategies),
+    sharded over or only replicated over (a 2-D mesh whose shard axis has size 1)."""
+    s = layer.spec
+    if s.hybrid:
         if meshes.hsdp is None:
-            raise PlanError(f"layer {layer.module!r} uses 'hsdp' but the plan has no "
-                            "hsdp_shard_size")
+            raise PlanError(f"layer {layer.module!r} uses {layer.strategy!r} but the plan has "
+                            "no hsdp_shard_size")
         return meshes.hsdp
-    return {
-        "replicate": meshes.world_replicate,
-        "zero1": meshes.world,
-        "zero2": meshes.world,
-        "fsdp": meshes.world,
-        "tp": meshes.dp_replicate,
-        "tp_fsdp": meshes.dp,
-    }[layer.strategy]
-
-
-RESHARD_AFTER_FORWARD = ("fsdp", "hsdp", "tp_fsdp")
-"""Strategies that free gathered parameters after forward (ZeRO-3); zero1/zero2 keep them."""
+    if s.tensor_parallel:
+        return meshes.dp if s.sharded else meshes.dp_replicate
+    return meshes.world if s.sharded else meshes.world_replicate
 
 
 def _offload(layer: LayerPlan, device: torch.device) -> OffloadPolicy:
@@ -157,7 +151,7 @@ def apply_fsdp(
         layer = unit[0]
         modules = [model.get_submodule(la.module) for la in unit]
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=_mesh_for(layer, meshes),
-                    reshard_after_forward=layer.strategy in RESHARD_AFTER_FORWARD,
+                    reshard_after_forward=layer.spec.gather == "per_use",
                     mp_policy=mp_policy or MixedPrecisionPolicy(),
                     offload_policy=_offload(layer, torch.device(meshes.world.device_type)))
         key = layer.strategy + (" offloaded" if layer.offload else "")
@@ -190,13 +184,13 @@ def _units(model: nn.Module, layers: list[LayerPlan]) -> list[list[LayerPlan]]:
     return out
 
 
-def _sync_flags(module: FSDPModule, strategy: str, last: bool) -> None:
+def _sync_flags(module: FSDPModule, s: StrategySpec, last: bool) -> None:
     """Set one FSDP2 module's communication for the next micro-batch (table above)."""
-    if strategy in ("replicate", "tp", "zero1"):
+    if s.reduce == "per_step":
         module.set_requires_gradient_sync(last, recurse=False)
-    if strategy in ("zero1", "zero2"):
+    if s.gather == "per_step":
         module.set_reshard_after_backward(last, recurse=False)
-    if strategy == "hsdp":
+    if s.hybrid:
         module.set_requires_all_reduce(last, recurse=False)
 
 
@@ -212,6 +206,6 @@ def microbatch_sync(module: nn.Module, layers: list[LayerPlan], *, last: bool
     for layer in layers:
         sub = module.get_submodule(layer.module)
         if isinstance(sub, FSDPModule):  # not a layer tied to the root's parameter
-            _sync_flags(sub, layer.strategy, last)
-    _sync_flags(module, "replicate", last)
+            _sync_flags(sub, layer.spec, last)
+    _sync_flags(module, spec("replicate"), last)
     return contextlib.nullcontext()

@@ -1,10 +1,8 @@
 """The device mesh of a plan, and the sub-meshes the data-parallel engines need.
 
-Ranks are numbered row-major over ``(pp, dp, cp, tp)`` (see ``runtime.plan``): ``tp`` is
-the innermost axis, so a tensor-parallel group is a run of consecutive ranks, and the
-context-parallel ranks of one sample sit between dp and tp. The ``pp`` axis is only
-present when the plan has more than one pipeline stage, the ``cp`` axis only when
-``mesh.cp > 1``, so plans without them get the meshes they always had.
+The axes and their order are ``runtime.plan.AXES``. The ``pp`` axis is only present when
+the plan has more than one pipeline stage, the ``cp`` axis only when ``mesh.cp > 1``, so
+plans without them get the meshes they always had.
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from runtime.plan import Mesh, PlanError
+from runtime.plan import AXES, Mesh, PlanError
 
 # Meshes are pure topology, so one per (world, shape) is reused: creating one makes process
 # groups, which cost time and sockets and are never freed before the world is destroyed.
@@ -27,13 +25,8 @@ def build_mesh(plan_mesh: Mesh, device_type: str) -> DeviceMesh:
     ``("pp", "dp", "tp")`` when pp > 1.
 
     Collective: every rank of the default process group must call it. Raises PlanError,
-    before any collective, for a world of the wrong size or pipelines with cp > 1.
+    before any collective, for a world of the wrong size.
     """
-    if plan_mesh.pp > 1 and plan_mesh.cp > 1:
-        raise PlanError(
-            f"mesh {plan_mesh.describe()}: context parallelism (cp > 1) does not run in "
-            "pipelines yet (the stages would need ring attention and position ids passed "
-            "between them); use mesh.pp = 1 or mesh.cp = 1")
     world = dist.get_world_size()
     if plan_mesh.world_size != world:
         raise PlanError(
@@ -41,9 +34,8 @@ def build_mesh(plan_mesh: Mesh, device_type: str) -> DeviceMesh:
             f"process group has {world}; launch {plan_mesh.world_size} ranks or re-plan "
             f"for {world}"
         )
-    names = tuple(axis for axis in ("pp", "dp", "cp", "tp")
-                  if axis in ("dp", "tp") or getattr(plan_mesh, axis) > 1)
-    shape = tuple(getattr(plan_mesh, axis) for axis in names)
+    names = tuple(axis for axis in AXES if axis in ("dp", "tp") or plan_mesh.size(axis) > 1)
+    shape = tuple(plan_mesh.size(axis) for axis in names)
     world_group = dist.group.WORLD
     cached = _MESHES.get((shape, names, device_type))
     if cached is not None and cached[0] is world_group:

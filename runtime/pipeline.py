@@ -18,7 +18,7 @@ Data parallelism is FSDP2 for every strategy, ``replicate`` included (the (n, 1)
 mesh of ``runtime.data_parallel``), never DDP: with the zero-bubble schedules DDP skips
 the all-reduce of the split weight-gradient pass and gives silently wrong gradients
 (shared/TORCH_ON_CPU.md), while the schedules drive FSDP2's reduction themselves
-(``PipelineStage.perform_reduce_grad``). tests/test_pipeline_numerics.py checks every
+(``PipelineStage.perform_reduce_grad``). tests/runtime/test_pipeline_numerics.py checks every
 schedule with dp and tp against one process.
 
 Loss and gradients: each dp replica splits its slice of the global batch into
@@ -46,20 +46,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
-from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._IR import _modify_graph_op_device
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleZBVZeroBubble,
-)
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
+from cost_models.schedule import SCHEDULES
 from runtime.apply import check_world
 from runtime.batch import Inputs, as_inputs, batch_size, check_splits
 from runtime.data_parallel import apply_fsdp
@@ -81,14 +74,9 @@ from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer, _
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_CLASSES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-}
-"""runtime.plan.SCHEDULES name -> torch class; single-stage ones take one stage per rank."""
+SCHEDULE_CLASSES = {name: getattr(schedules, f"Schedule{name}") for name in SCHEDULES}
+"""cost_models.schedule.SCHEDULES name -> torch class; single-stage ones take one stage per
+rank."""
 
 
 def local_stage_ids(plan: Plan, pp_rank: int) -> list[int]:

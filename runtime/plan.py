@@ -4,29 +4,13 @@ A plan is a versioned JSON document that names modules by fully-qualified name. 
 written by the planner, saved, diffed, edited by hand and executed by ``runtime`` without
 the planner. Every rank executes the same plan.
 
-Layout of the device mesh: ranks are numbered row-major over ``(pp, dp, cp, tp)``, so the
-``tp`` axis is innermost and a tensor-parallel group is a run of consecutive ranks (the
-devices of one node); a context-parallel group is ranks ``tp`` apart.
+Layout of the device mesh: named axes, ``AXES`` below (the one place their order is
+written).
 
-Per-layer strategies (``LayerPlan.strategy``):
-
-- ``replicate``: parameters replicated; gradients all-reduced (DDP semantics, ZeRO-0).
-- ``zero1``: optimizer states sharded; parameters gathered once per step and gradients
-  accumulated unsharded across micro-batches, reduce-scattered once per step (ZeRO-1).
-- ``zero2``: optimizer states and gradients sharded; parameters gathered once per step
-  and kept through every micro-batch; gradients reduce-scattered after each micro-batch
-  (ZeRO-2).
-- ``fsdp``: parameters, gradients and optimizer states sharded, parameters gathered
-  before each use (ZeRO-3 / FSDP2).
-- ``hsdp``: ``fsdp`` inside groups of ``Plan.hsdp_shard_size`` consecutive ranks (a node),
-  replicated across the groups (hybrid sharding).
-- ``tp``: Megatron tensor parallelism over the ``tp`` axis using ``tp_styles``;
-  gradients all-reduced over ``dp``.
-- ``tp_fsdp``: tensor parallel over ``tp`` and FSDP-sharded over ``dp``.
-
-A layer that is not tensor-parallel computes redundantly inside its tp group (every
-tp rank sees the same micro-batch), so its replicas span the whole world: ``replicate``
-all-reduces and ``fsdp`` shards over all ``dp * tp`` ranks of its stage.
+Per-layer strategies (``LayerPlan.strategy``): ``replicate``, ``zero1``, ``zero2``, ``fsdp``,
+``hsdp``, ``tp``, ``tp_fsdp``; each one's whole meaning (what it shards over which ranks,
+the engine that runs it, when it communicates, when it is available) is its spec in
+``runtime.strategies``.
 
 Per layer, besides its strategy: ``recompute`` (``none``; ``selective``, the attention
 core recomputed in backward; ``full``, the whole layer's forward recomputed from its
@@ -42,9 +26,8 @@ stay float32; gradients are communicated in ``reduce_dtype``; float16 needs
 
 Pipeline parallelism (``mesh.pp > 1``, ``Plan.pipeline``): layers are cut into
 ``pp * virtual_stages`` contiguous stages (``LayerPlan.stage``, in execution order). Stage
-``s`` runs on pipeline rank ``stage_rank(s)``: looped placement (``s % pp``) for the
-GPipe / 1F1B / interleaved schedules, V placement for ZBVZeroBubble (stages 0..pp-1 go
-down the ranks, pp..2pp-1 come back up). Each of the ``num_microbatches`` micro-batches
+``s`` runs on pipeline rank ``stage_rank(s)``, by the schedule's placement (looped or V;
+the schedules are one table, ``cost_models.schedule.SCHEDULES``). Each of the ``num_microbatches`` micro-batches
 holds ``global_batch / (dp * num_microbatches)`` samples. Data-parallel strategies act
 within a stage's ``dp * tp`` ranks.
 """
@@ -53,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -60,13 +44,19 @@ from pathlib import Path
 from typing import Any
 
 from cost_models.errors import ConfigError
+from cost_models.memory import MemoryTerms
+from cost_models.schedule import SCHEDULES
+from runtime.strategies import STRATEGIES, StrategySpec, spec
 
-PLAN_VERSION = 1
-STRATEGIES = ("replicate", "zero1", "zero2", "fsdp", "hsdp", "tp", "tp_fsdp")
-TP_STRATEGIES = ("tp", "tp_fsdp")
-SHARDED_STRATEGIES = ("zero1", "zero2", "fsdp", "hsdp", "tp_fsdp")
-"""Strategies that shard optimizer states over data-parallel ranks."""
-OFFLOAD_STRATEGIES = ("fsdp", "tp_fsdp")
+PLAN_VERSION = 2
+"""2: layers carry ``expert_parallel``; option costs name ``buffers_bytes``. Older versions are migrated when read
+(``MIGRATIONS``)."""
+AXES = ("pp", "dp", "cp", "tp")
+"""The mesh's axes, outermost first. Ranks are numbered row-major over them, so the last is
+innermost: a tensor-parallel group is a run of consecutive ranks (the devices of one node),
+a context-parallel group ranks ``tp`` apart, a data-parallel group ranks ``cp · tp`` apart,
+and each pipeline stage's ranks are contiguous. Expert parallelism
+(``LayerPlan.expert_parallel``) splits a layer's dp axis as ``(dp / ep, ep)``, ep inner."""
 RECOMPUTE = ("none", "selective", "full")
 COMPUTE_DTYPES = ("float32", "bfloat16", "float16")
 LOSS_SCALING = ("none", "dynamic")
@@ -93,19 +83,8 @@ SELECTIVE_SAVE_OPS = (
     "_c10d_functional_autograd.all_gather_into_tensor",
     "_c10d_functional_autograd.all_to_all_single",
 )
-# Pipeline schedules, named as torch.distributed.pipelining's Schedule* classes, with the
-# virtual stages per rank each accepts ("v" = any v >= 2).
-SCHEDULES = {
-    "GPipe": (1,),
-    "1F1B": (1,),
-    "Interleaved1F1B": ("v",),
-    "InterleavedZeroBubble": ("v",),
-    "ZBVZeroBubble": (2,),
-}
-SPLIT_BACKWARD_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble")
-"""Schedules that run a stage's backward in two passes (input gradients, then weight
-gradients). torch's selective activation checkpointing allows one backward through a
-region, so selective recomputation cannot run under them (full recomputation can)."""
+SPLIT_BACKWARD_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.split_backward)
+"""Schedules that split each backward (cost_models.schedule.ScheduleSpec.split_backward)."""
 
 
 def option_label(strategy: str, recompute: str = "none", offload: bool = False,
@@ -163,19 +142,34 @@ class Mesh:
     """Tensor-parallel degree (devices of one node that split each TP layer)."""
 
     def __post_init__(self) -> None:
-        for axis in ("pp", "dp", "cp", "tp"):
+        for axis in AXES:
             value = getattr(self, axis)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"mesh.{axis} must be a positive integer, got {value!r}")
+        if self.pp > 1 and self.cp > 1:
+            raise PlanError(
+                f"mesh {self.describe()}: context parallelism (cp > 1) does not run in "
+                "pipelines yet (the stages would need ring attention and position ids passed "
+                "between them); use mesh.pp = 1 or mesh.cp = 1")
+
+    def size(self, axis: str) -> int:
+        """The degree of a named axis (one of AXES)."""
+        if axis not in AXES:
+            raise KeyError(f"mesh axis {axis!r} is not one of {', '.join(AXES)}")
+        return getattr(self, axis)
+
+    def stride(self, axis: str) -> int:
+        """How many ranks apart the members of one group along ``axis`` are (the product of
+        the axes inside it)."""
+        return math.prod(self.size(a) for a in AXES[AXES.index(axis) + 1:])
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp * self.cp * self.tp
+        return math.prod(self.size(a) for a in AXES)
 
     def describe(self, sep: str = " × ") -> str:
         """'pp=1 × dp=4 × tp=2'; cp shown only when it is used."""
-        axes = ("pp", "dp", "cp", "tp") if self.cp > 1 else ("pp", "dp", "tp")
-        return sep.join(f"{a}={getattr(self, a)}" for a in axes)
+        return sep.join(f"{a}={self.size(a)}" for a in AXES if a != "cp" or self.cp > 1)
 
     @property
     def replicas(self) -> int:
@@ -203,17 +197,13 @@ class PipelineSpec:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise PlanError(f"pipeline.{name} must be a positive integer, got {value!r}")
-        allowed = SCHEDULES[self.schedule]
+        allowed = SCHEDULES[self.schedule].virtual_stages
         v = self.virtual_stages
-        if not (v in allowed or ("v" in allowed and v >= 2)):
-            want = "2 or more" if "v" in allowed else " or ".join(map(str, allowed))
+        if not SCHEDULES[self.schedule].accepts(v):
+            want = "2 or more" if allowed is None else " or ".join(map(str, allowed))
             raise PlanError(
                 f"pipeline.schedule {self.schedule!r} takes virtual_stages = {want}, got {v}"
             )
-
-    @property
-    def looped(self) -> bool:
-        return self.schedule != "ZBVZeroBubble"
 
 
 def schedule_microbatch_problem(schedule: str, pp: int, m: int) -> str | None:
@@ -235,9 +225,9 @@ def schedule_microbatch_problem(schedule: str, pp: int, m: int) -> str | None:
 
 def stage_rank(stage: int, pp: int, pipeline: PipelineSpec | None) -> int:
     """The pipeline rank (coordinate on the pp axis) that runs ``stage``."""
-    if pipeline is None or pipeline.looped:
+    if pipeline is None:
         return stage % pp
-    return stage if stage < pp else 2 * pp - 1 - stage
+    return SCHEDULES[pipeline.schedule].stage_rank(stage, pp)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -264,7 +254,7 @@ class LayerPlan:
     """One of RECOMPUTE: activations recomputed in backward instead of kept."""
     offload: bool = False
     """Keep this layer's parameters, gradients and optimizer step in host memory
-    (OFFLOAD_STRATEGIES only)."""
+    (strategies whose spec is ``offloadable``)."""
     sequence_parallel: bool = False
     """TP strategies only: norms and element-wise ops split along the sequence."""
     expert_parallel: int = 1
@@ -286,12 +276,13 @@ class LayerPlan:
                     f"{where}: tp_styles[{sub!r}] = {style!r} is not one of "
                     f"{', '.join(TP_STYLES)}"
                 )
-        if self.strategy in TP_STRATEGIES and not self.tp_styles:
+        tensor_parallel = self.spec.tensor_parallel
+        if tensor_parallel and not self.tp_styles:
             raise PlanError(
                 f"{where}: strategy {self.strategy!r} needs tp_styles naming how its "
                 "submodules are split (e.g. {'fc_in': 'colwise', 'fc_out': 'rowwise'})"
             )
-        if self.strategy not in TP_STRATEGIES and self.tp_styles:
+        if not tensor_parallel and self.tp_styles:
             raise PlanError(f"{where}: tp_styles given but strategy is {self.strategy!r}")
         if not isinstance(self.stage, int) or self.stage < 0:
             raise PlanError(f"{where}: stage must be a non-negative integer")
@@ -300,21 +291,28 @@ class LayerPlan:
                 f"{where}: recompute {self.recompute!r} is not one of {', '.join(RECOMPUTE)}")
         if not isinstance(self.offload, bool) or not isinstance(self.sequence_parallel, bool):
             raise PlanError(f"{where}: offload and sequence_parallel must be true or false")
-        if self.offload and self.strategy not in OFFLOAD_STRATEGIES:
+        if self.offload and not self.spec.offloadable:
             raise PlanError(
-                f"{where}: offload needs a fully sharded strategy ({', '.join(OFFLOAD_STRATEGIES)}),"
-                f" got {self.strategy!r}")
+                f"{where}: offload needs a fully sharded strategy "
+                f"({', '.join(s for s in STRATEGIES if spec(s).offloadable)}), "
+                f"got {self.strategy!r}")
         ep = self.expert_parallel
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
             raise PlanError(f"{where}: expert_parallel must be a positive integer, got {ep!r}")
-        if self.sequence_parallel and self.strategy not in TP_STRATEGIES:
+        if self.sequence_parallel and not tensor_parallel:
             raise PlanError(
-                f"{where}: sequence_parallel needs a TP strategy ({', '.join(TP_STRATEGIES)}), "
+                f"{where}: sequence_parallel needs a tensor-parallel strategy "
+                f"({', '.join(s for s in STRATEGIES if spec(s).tensor_parallel)}), "
                 f"got {self.strategy!r}")
 
     @property
+    def spec(self) -> StrategySpec:
+        """What the layer's strategy means (runtime.strategies)."""
+        return spec(self.strategy)
+
+    @property
     def is_tp(self) -> bool:
-        return self.strategy in TP_STRATEGIES
+        return self.spec.tensor_parallel
 
     @property
     def option(self) -> str:
@@ -324,15 +322,10 @@ class LayerPlan:
 
 
 @dataclass(frozen=True, kw_only=True)
-class MemoryBreakdown:
-    """Per-rank memory in bytes, at the step's peak."""
+class MemoryBreakdown(MemoryTerms):
+    """Per-rank memory in bytes, at the step's peak: the five terms (integers here) and the
+    allocator's margin."""
 
-    params_bytes: int = 0
-    grads_bytes: int = 0
-    optimizer_bytes: int = 0
-    activations_bytes: int = 0
-    buffers_bytes: int = 0
-    """Communication buffers and transient gathers (e.g. one FSDP layer unsharded)."""
     margin_bytes: int = 0
     """Allocator fragmentation margin."""
     peak_at: str = ""
@@ -341,14 +334,7 @@ class MemoryBreakdown:
 
     @property
     def total_bytes(self) -> int:
-        return (
-            self.params_bytes
-            + self.grads_bytes
-            + self.optimizer_bytes
-            + self.activations_bytes
-            + self.buffers_bytes
-            + self.margin_bytes
-        )
+        return int(super().total_bytes) + self.margin_bytes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -390,19 +376,15 @@ class SolverReport:
 
 
 @dataclass(frozen=True, kw_only=True)
-class OptionCost:
-    """What one strategy would cost one layer of a class, on the plan's mesh (modelled)."""
+class OptionCost(MemoryTerms):
+    """What one strategy would cost one layer of a class, on the plan's mesh (modelled); its
+    memory terms are integers, ``buffers_bytes`` the transient (an FSDP layer's gathered
+    parameters), of which the plan holds the largest, not the sum."""
 
     strategy: str
     compute_s: float
     comm_s: float
     """Forward + backward + optimizer step; communication not overlapped."""
-    params_bytes: int
-    grads_bytes: int
-    optimizer_bytes: int
-    activations_bytes: int
-    buffer_bytes: int
-    """Transient (an FSDP layer's gathered parameters); the plan holds the largest, not the sum."""
 
     @property
     def time_s(self) -> float:
@@ -410,7 +392,7 @@ class OptionCost:
 
     @property
     def resident_bytes(self) -> int:
-        return self.params_bytes + self.grads_bytes + self.optimizer_bytes + self.activations_bytes
+        return int(self.states_bytes + self.activations_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -495,10 +477,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         if self.version != PLAN_VERSION:
-            raise PlanError(
-                f"plan version {self.version} is not supported (this autopar reads version "
-                f"{PLAN_VERSION}); re-plan with `autopar plan`"
-            )
+            raise PlanError(_unsupported(self.version))
         if not isinstance(self.global_batch, int) or self.global_batch < 1:
             raise PlanError(f"global_batch must be a positive integer, got {self.global_batch!r}")
         if self.global_batch % self.mesh.dp:
@@ -661,7 +640,7 @@ class Plan:
         if not isinstance(data, dict):
             raise PlanError(f"{source}: a plan must be a JSON object")
         try:
-            fields = dict(data)
+            fields = migrate(dict(data), source)
             fields["mesh"] = _build(Mesh, fields.get("mesh", {}), f"{source}: mesh")
             fields["layers"] = tuple(
                 _build(LayerPlan, layer, f"{source}: layers[{i}]")
@@ -718,6 +697,54 @@ class Plan:
         except OSError as e:
             raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
         return cls.from_json(text, source=str(path))
+
+
+def _v1_to_v2(data: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 had no expert parallelism (every layer's ``expert_parallel`` is 1, the
+    field's default, so layers need no change) and called an option cost's transient
+    memory ``buffer_bytes`` (now ``buffers_bytes``, as every memory record names it)."""
+    data = {**data, "version": 2}
+    rationale = data.get("rationale")
+    if isinstance(rationale, dict) and isinstance(rationale.get("classes"), list):
+        data["rationale"] = {**rationale, "classes": [
+            {**c, "options": [_renamed(o, "buffer_bytes", "buffers_bytes")
+                              for o in c.get("options", [])]} if isinstance(c, dict) else c
+            for c in rationale["classes"]]}
+    return data
+
+
+def _renamed(record: Any, old: str, new: str) -> Any:
+    if not isinstance(record, dict) or old not in record:
+        return record
+    return {(new if k == old else k): v for k, v in record.items()}
+
+
+MIGRATIONS = {1: _v1_to_v2}
+"""Version -> the function that turns a plan of that version into the next one."""
+
+
+def readable_versions() -> tuple[int, ...]:
+    return (*sorted(MIGRATIONS), PLAN_VERSION)
+
+
+def migrate(data: dict[str, Any], source: str = "plan") -> dict[str, Any]:
+    """A plan's JSON object brought to PLAN_VERSION, one version at a time."""
+    version = data.get("version", PLAN_VERSION)
+    if not isinstance(version, int) or isinstance(version, bool):
+        raise PlanError(f"{source}: 'version' must be an integer such as {PLAN_VERSION}, got "
+                        f"{version!r}")
+    while version in MIGRATIONS:
+        data = MIGRATIONS[version](data)
+        version = data["version"]
+    if version != PLAN_VERSION:
+        raise PlanError(f"{source}: {_unsupported(version)}")
+    return data
+
+
+def _unsupported(version: Any) -> str:
+    return (f"plan version {version!r} is not supported (this autopar writes version "
+            f"{PLAN_VERSION} and reads versions {', '.join(map(str, readable_versions()))}); "
+            "re-plan with `autopar plan`")
 
 
 def _rationale_from_dict(data: Any, where: str) -> Rationale:

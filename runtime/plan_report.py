@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from runtime.plan import (
-    TP_STRATEGIES,
     LayerPlan,
     MemoryBreakdown,
     OptionCost,
@@ -109,12 +108,9 @@ def _strategy(layer: LayerPlan) -> str:
 
 def shard_degrees(layer: LayerPlan, plan: Plan) -> tuple[int, int]:
     """(tensor-parallel degree, data-parallel shards of its parameters)."""
-    dp, tp = plan.mesh.replicas, plan.mesh.tp
-    return (
-        tp if layer.strategy in TP_STRATEGIES else 1,
-        {"replicate": 1, "tp": 1, "tp_fsdp": dp,
-         "hsdp": plan.hsdp_shard_size or 1}.get(layer.strategy, dp * tp),
-    )
+    s, tp = layer.spec, plan.mesh.tp
+    return (tp if s.tensor_parallel else 1,
+            s.shard_ranks(plan.mesh.replicas, tp, plan.hsdp_shard_size))
 
 
 def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
@@ -162,7 +158,7 @@ def rank_memory(plan: Plan) -> list[tuple[str, MemoryBreakdown]]:
         grads = sum(c.grads_bytes for c in costs)
         optim = sum(c.optimizer_bytes for c in costs)
         acts = sum(c.activations_bytes for c in costs)
-        buffers = max(c.buffer_bytes for c in costs)
+        buffers = max(c.buffers_bytes for c in costs)
         margin = int(mu * (params + grads + optim + acts + buffers))
         rows.append((f"pp rank {rank} (r{rank * block}–r{(rank + 1) * block - 1})",
                      MemoryBreakdown(params_bytes=params, grads_bytes=grads,

@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from runtime.plan import TP_STRATEGIES, LayerPlan, Plan, PlanError, stage_rank
+from runtime.plan import LayerPlan, Plan, PlanError, stage_rank
 
 
 @dataclass(frozen=True)
@@ -108,7 +108,7 @@ def check_ties(model: nn.Module, layers: Sequence[LayerPlan]) -> list[Tie]:
                 f"{tie.describe()}, so they are sharded as one FSDP2 unit and need one "
                 f"strategy, but the plan gives {given}; give them the same strategy "
                 "(and offload), e.g. all 'fsdp' or all 'replicate'")
-        if planned[0].strategy in TP_STRATEGIES:
+        if planned[0].is_tp:
             raise PlanError(
                 f"{tie.describe()}: tensor parallelism would split the parameter in one "
                 f"module and untie it from the other; give them a data-parallel strategy "
@@ -181,7 +181,7 @@ def _check_one_strategy(places: Sequence[tuple[int, str]], plan: Plan) -> None:
     layers = [la for s, name in places for la in plan.layers
               if la.stage == s and (name.startswith(la.module + ".") or not la.module)]
     kinds = {(la.strategy, la.offload) for la in layers}
-    if len(kinds) > 1 or any(la.strategy in TP_STRATEGIES for la in layers):
+    if len(kinds) > 1 or any(la.is_tp for la in layers):
         given = ", ".join(f"{la.module!r} (stage {la.stage}): {la.strategy}" for la in layers)
         raise PlanError(
             f"tied parameter {places[0][1]!r} has copies on stages {[s for s, _ in places]} "

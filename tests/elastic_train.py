@@ -1,4 +1,4 @@
-"""``autopar run`` under torchrun with one injected failure, for tests/test_checkpoint_elastic.py.
+"""``autopar run`` under torchrun with one injected failure, for tests/runtime/test_checkpoint_elastic.py.
 
 Rank ``AUTOPAR_TEST_FAIL_RANK`` exits hard (``os._exit``: no cleanup, like a killed
 process) right after step ``AUTOPAR_TEST_FAIL_STEP``, on the first attempt only

@@ -196,7 +196,7 @@ def _dict_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
 
 def resnet50() -> nn.Module:
     # float64: this layout at test size is ill-conditioned in float32 (a split batch's other
-    # summation order moves gradients by percents; see tests/test_capture_real.py).
+    # summation order moves gradients by percents; see tests/autopar/test_capture_real.py).
     return resnet_layout(width=8).double()
 
 

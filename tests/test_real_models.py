@@ -6,7 +6,7 @@ small configs, a nanoGPT with tied embeddings, a ResNet-50 layout, a model takin
 batch) is
 
 - planned on ``local`` and ``dgx-a100-80g`` with 1 and 4 nodes, every candidate checked by
-  the runtime's own validation of that model (tests/test_plans_run.py);
+  the runtime's own validation of that model (tests/autopar/test_plans_run.py);
 - trained 3 AdamW steps on 2 gloo ranks under the planner's plan for ``local``, and under
   forced plans: every layer fsdp, every layer zero2 with full recomputation, a mixed
   per-layer plan, tp=2 and pp=2 where the model allows them;
@@ -45,7 +45,7 @@ GRAD_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 # A gradient that is exactly zero in one process (softmax's invariance to a key bias, a
 # relative-position bucket no pair of tokens falls in) is rounding noise on two ranks;
-# Adam turns it into an update of up to lr (see tests/test_runtime_numerics.py).
+# Adam turns it into an update of up to lr (see tests/runtime/test_runtime_numerics.py).
 ZERO_GRAD_PARAM_TOL = dict(rtol=1e-5, atol=2e-3)
 KEY_BIASES = ("k_proj.bias", "key.bias", "c_attn.bias")
 """Biases of attention keys (alone or fused with q and v), whose exact gradient is zero."""

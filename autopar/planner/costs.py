@@ -88,39 +88,32 @@ cluster's software runs (``Cluster.optimizer``, cost_models/optimizer.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from autopar.planner.engine_costs import (
     all_reduce_wait_s,
-    back_to_back_skew_s,
     engine_host_s,
     fsdp_copies_s,
 )
-from autopar.planner.loss_costs import loss_bytes, loss_s
+from autopar.planner.estimators import (
+    ANALYTIC,
+    CostContext,
+    DPComm,
+    Estimators,
+    Offload,
+    batch_norm_sync_s,
+)
+from autopar.planner.loss_costs import loss_bytes
 from autopar.planner.moe_costs import moe_layer_cost, with_expert_parallel
-from cost_models.comm import (
-    Group,
-    all_gather_s,
-    all_reduce_s,
-    collective_s,
-    group_link,
-    p2p_s,
-    reduce_scatter_s,
-)
-from cost_models.compute import gemm_shortfall_flops, roofline_s
-from cost_models.hardware import Cluster, Device, Overlap
+from cost_models.compute import roofline_s
+from cost_models.hardware import Cluster, Overlap
 from cost_models.memory import Precision
-from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
+from cost_models.optimizer import optimizer_step_s
 from cost_models.overlap import exposed_comm_s
-from passes.records import CAPTURE_ACTIVATION_BYTES, Collective, LayerInfo, SavedSplit, TPOption
-from runtime.plan import (
-    OFFLOAD_STRATEGIES,
-    RECOMPUTE,
-    TP_STRATEGIES,
-    Mesh,
-    option_label,
-    parse_option,
-)
+from passes.records import LayerInfo
+from runtime.plan import RECOMPUTE, Mesh, option_label, parse_option
+from runtime.strategies import STRATEGY_SPECS, StrategySpec, spec
 
 WGRAD_FRACTION = 0.5
 """Share of backward compute that computes weight gradients: a matmul's backward is two
@@ -217,27 +210,21 @@ def on_ddp(cost: LayerCost) -> LayerCost:
     """A ``replicate`` layer's cost in a plan the runtime runs on DDP (a float32 plan of
     replicate layers at pp = 1, runtime.data_parallel.uses_ddp): none of FSDP2's host time,
     copies and per-layer waits, and one copy of the parameters, not FSDP2's two."""
-    assert cost.strategy == "replicate", cost.option
+    assert spec(cost.strategy).ddp, cost.option
     return replace(cost, compute_s=cost.compute_s - cost.fsdp_only_s,
                    comm_s=cost.comm_s - cost.fsdp_wait_s, gathered_bytes=0.0,
                    fsdp_only_s=0.0, fsdp_wait_s=0.0)
 
 
 def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | None = None,
-                       microbatches: int = 1) -> tuple[str, ...]:
-    """Strategies this layer can take on this mesh. ZeRO-1 differs from ZeRO-2 only when
-    gradients accumulate over micro-batches (FSDP2 reduce-scatters each layer's gradient
-    as soon as its last backward ends), so it is offered only then."""
-    world = mesh.replicas * mesh.tp
-    options = ["replicate"]
-    if world > 1:
-        options += ["zero1", "zero2"] if microbatches > 1 else ["zero2"]
-    options.append("fsdp")
-    if hsdp_shard_size and 1 < hsdp_shard_size < world and world % hsdp_shard_size == 0:
-        options.append("hsdp")
-    if mesh.tp > 1 and layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors):
-        options += ["tp", "tp_fsdp"] if mesh.replicas > 1 else ["tp"]
-    return tuple(options)
+                       microbatches: int = 1, tie: str | None = None) -> tuple[str, ...]:
+    """Strategies this layer can take on this mesh (each spec's ``unavailable``); ``tie``
+    describes the tied weights the layer shares, if any."""
+    tp_split = layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors)
+    return tuple(name for name, s in STRATEGY_SPECS.items()
+                 if s.unavailable(replicas=mesh.replicas, tp=mesh.tp, microbatches=microbatches,
+                                  hsdp_shard_size=hsdp_shard_size, tp_split=tp_split,
+                                  tie=tie) is None)
 
 
 def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
@@ -256,8 +243,9 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
     out = []
     for strategy in allowed_strategies(layer, mesh, hsdp_shard_size=hsdp_shard_size,
                                        microbatches=microbatches):
-        for sp in (False, True) if strategy in TP_STRATEGIES and can_sp else (False,):
-            for off in (False, True) if offload and strategy in OFFLOAD_STRATEGIES else (False,):
+        s = spec(strategy)
+        for sp in (False, True) if s.tensor_parallel and can_sp else (False,):
+            for off in (False, True) if offload and s.offloadable else (False,):
                 out += [option_label(strategy, r, off, sp) for r in modes]
     return with_expert_parallel(layer, mesh, tuple(out))
 
@@ -291,18 +279,22 @@ def layer_cost(
     microbatches: int = 1,
     *,
     hsdp_shard_size: int | None = None,
+    estimators: Estimators = ANALYTIC,
 ) -> LayerCost:
+    """One layer's time and memory under one option, composed from ``estimators``."""
     if layer.moe:  # its experts priced apart, at the option's expert-parallel degree
         return moe_layer_cost(layer, option, mesh, cluster, prec, microbatches,
-                              hsdp_shard_size=hsdp_shard_size, layer_cost=layer_cost)
+                              hsdp_shard_size=hsdp_shard_size,
+                              layer_cost=functools.partial(layer_cost, estimators=estimators))
     choice = parse_option(option)
     strategy, recompute = choice["strategy"], choice["recompute"]
     offload, sp = choice["offload"], choice["sequence_parallel"]
-    # Context parallelism splits samples like data parallelism splits the batch: both are
-    # replicas of the parameters, each on 1 / (dp · cp) of the tokens.
+    s = spec(strategy)
+    ctx = CostContext(mesh=mesh, cluster=cluster, prec=prec, microbatches=microbatches,
+                      strategy=s, recompute=recompute, offload=offload, sequence_parallel=sp,
+                      hsdp_shard_size=hsdp_shard_size)
     dp, tp, m = mesh.replicas, mesh.tp, microbatches
-    is_tp = strategy in TP_STRATEGIES
-    act_scale = prec.activation_bytes / CAPTURE_ACTIVATION_BYTES
+    is_tp, act_scale, device = s.tensor_parallel, ctx.act_scale, cluster.device
 
     # Parameters this rank holds before any data-parallel sharding.
     if is_tp:
@@ -314,79 +306,61 @@ def layer_cost(
     shards = shard_ranks(strategy, dp, tp, hsdp_shard_size)
     local_params = tp_params / shards
 
-    # One micro-batch is 1 / (dp · m) of the captured global batch.
-    fwd_flops = _local_flops(layer, is_tp, dp * m, tp)
-    ratio = fwd_flops / layer.fwd_flops if layer.fwd_flops else 1.0 / (dp * m)
-    device, dtype = cluster.device, prec.compute_dtype
-    # Matmul traffic hides under their compute (one roofline); memory-bound kernels (norms,
-    # activations, dropout) run alone at memory bandwidth (passes/memory_bound.py).
-    mem = (layer.mem_bytes - layer.memory_bound_bytes) * ratio * act_scale
-    alone = _memory_bound_bytes(layer, is_tp, sp, tp) * act_scale / (dp * m)
-    # Small GEMMs run below the large-GEMM rate: their shortfall in asymptote FLOPs, the
-    # same share of backward (two GEMMs over the same dims per forward GEMM).
-    short = (_gemm_shortfall(layer, is_tp, fwd_flops, dp * m, tp, device, dtype)
-             + _attention_shortfall(layer, is_tp, dp * m, tp, device))
-    bwd_short = short * layer.bwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
-    fwd_matmul = roofline_s(fwd_flops + short, mem, layer.num_ops, device, dtype)
-    fwd_alone = roofline_s(0.0, alone, 0, device, dtype)
-    loss_fwd, loss_bwd = loss_s(layer, dp * m, prec, device)
+    compute = estimators.compute(layer, ctx)
     # Recomputing a layer that modifies its inputs in place copies them before its forward
     # and again for the rerun (runtime/recompute.py); each copy reads and writes them.
     inplace = (0.0 if recompute == "none" else
                layer.inplace_input_bytes * act_scale / (dp * m) / (tp if sp else 1))
-    copy_s = roofline_s(0.0, 2 * inplace, 0, device, dtype) if inplace else 0.0
-    fwd_compute = fwd_matmul + fwd_alone + loss_fwd + copy_s
-    bwd_compute = (roofline_s(layer.bwd_flops * ratio + bwd_short, 2 * mem, 2 * layer.num_ops,
-                              device, dtype)
-                   + roofline_s(0.0, 2 * alone, 0, device, dtype) + loss_bwd)
+    copy_s = roofline_s(0.0, 2 * inplace, 0, device, prec.compute_dtype) if inplace else 0.0
+    fwd_compute = compute.fwd_s + copy_s
+    bwd_compute = compute.bwd_s
 
-    tp_fwd, tp_bwd = _tp_comm_s(layer, is_tp, sp, mesh, cluster, act_scale / (dp * m))
-    ring = _ring_attention(layer, is_tp, mesh, cluster, act_scale / (dp * m), fwd_compute)
+    tp_fwd, tp_bwd = estimators.tp_comm(layer, ctx)
+    ring = estimators.ring_attention(layer, ctx, fwd_compute)
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     batch_norm = batch_norm_sync_s(layer, mesh, cluster)
     tp_fwd, tp_bwd = tp_fwd + batch_norm, tp_bwd + batch_norm
-    activations, rematerialized, recompute_s, recompute_comm = _activations(
-        layer, recompute, is_tp, sp, tp, dp * m, act_scale, fwd_matmul, fwd_alone, tp_fwd)
+    rerun = estimators.recompute(layer, ctx, compute, tp_fwd)
+    activations, rematerialized = rerun.kept_bytes, rerun.rematerialized_bytes
+    recompute_s, recompute_comm = rerun.compute_s, rerun.comm_s
     if inplace:  # the copy is the layer's alone, held to backward; the rerun copies it again
         activations, rematerialized = max(activations, inplace), rematerialized + inplace
         recompute_s += copy_s
     loss_kept, loss_transient = loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
-    dp_comm = _dp_comm_s(strategy, mesh, cluster, prec, tp_params, shards)
-    host = _offload_s(local_params, layer.param_tensors, prec, cluster) if offload else (
-        0.0, 0.0, 0.0)
-    host_per_micro, host_per_step, host_optimizer = host
+    dp_comm = estimators.dp_comm(ctx, tp_params, shards)
+    host = estimators.offload(layer, ctx, local_params) if offload else Offload(0.0, 0.0, 0.0)
     if offload:
-        optimizer = host_optimizer
+        optimizer = host.optimizer_s
     else:
         optimizer = optimizer_step_s(local_params, layer.param_tensors, cluster.adam_kernels,
                                      device)
     engine_micro, engine_step = engine_host_s(layer, is_tp, sp, cluster)
-    copies_micro, copies_step = fsdp_copies_s(strategy, m, mesh.pp > 1, tp_params, shards,
+    copies_micro, copies_step = fsdp_copies_s(s, m, mesh.pp > 1, tp_params, shards,
                                                prec, device)
     engine_micro += copies_micro
     optimizer += engine_step + copies_step
-    states = _states_bytes(strategy, offload, tp_params, shards, m, prec,
+    states = _states_bytes(s, offload, tp_params, shards, m, prec,
                            pipelined=mesh.pp > 1)
     # FSDP2's copies and hooks run on the compute stream between the layer's kernels.
     windows = dict(fwd_window=fwd_compute + engine_micro / 2,
                    bwd_window=bwd_compute + recompute_s + engine_micro / 2)
-    hidden = _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, **windows)
+    hidden = _hidden_comm_s(s, mesh, cluster.overlap, dp_comm, **windows)
     per_micro_comm = (tp_fwd + tp_bwd + recompute_comm + 2 * dp_comm.gather_per_micro
-                      + dp_comm.reduce_per_micro + host_per_micro - hidden.fwd - hidden.bwd)
-    wait, ddp_saving = all_reduce_wait_s(strategy, mesh, cluster, prec, tp_params)
-    if strategy == "replicate":  # DDP's buckets may hide more than FSDP2's reduction
-        ddp_saving += _hidden_comm_s(strategy, mesh, cluster.overlap, dp_comm, ddp=True,
+                      + dp_comm.reduce_per_micro + host.per_micro_s - hidden.fwd - hidden.bwd)
+    wait, ddp_saving = all_reduce_wait_s(s, mesh, cluster, prec, tp_params)
+    if s.ddp:  # DDP's buckets may hide more than FSDP2's reduction
+        ddp_saving += _hidden_comm_s(s, mesh, cluster.overlap, dp_comm, ddp=True,
                                      **windows).step - hidden.step
-    per_step_comm = dp_comm.per_step + host_per_step - hidden.step + wait
+    per_step_comm = dp_comm.per_step + host.per_step_s - hidden.step + wait
     return LayerCost(
         option=option_label(strategy, recompute, offload, sp),
         strategy=strategy, recompute=recompute, offload=offload, sequence_parallel=sp,
         microbatches=m,
-        fwd_s=(fwd_compute + tp_fwd + dp_comm.gather_per_micro - hidden.fwd + host_per_micro / 2
-               + engine_micro / 2),
+        fwd_s=(fwd_compute + tp_fwd + dp_comm.gather_per_micro - hidden.fwd
+               + host.per_micro_s / 2 + engine_micro / 2),
         bwd_s=((1 - WGRAD_FRACTION) * bwd_compute + recompute_s + recompute_comm + tp_bwd
                + dp_comm.gather_per_micro + dp_comm.reduce_per_micro - hidden.bwd
-               + host_per_micro / 2 + engine_micro / 2),
+               + host.per_micro_s / 2 + engine_micro / 2),
         wgrad_s=WGRAD_FRACTION * bwd_compute,
         step_s=per_step_comm + optimizer,
         compute_s=m * (fwd_compute + bwd_compute + recompute_s + engine_micro) + optimizer,
@@ -409,250 +383,10 @@ def layer_cost(
 
 
 def shard_ranks(strategy: str, dp: int, tp: int, hsdp_shard_size: int | None) -> int:
-    if strategy == "hsdp":
-        if not hsdp_shard_size:
-            raise ValueError("strategy 'hsdp' needs hsdp_shard_size")
-        return hsdp_shard_size
-    return {"replicate": 1, "tp": 1, "tp_fsdp": dp}.get(strategy, dp * tp)
-
-
-def _memory_bound_bytes(layer: LayerInfo, is_tp: bool, sp: bool, tp: int) -> float:
-    """Memory-bound bytes of the layer on one rank of its tp group, at the captured batch:
-    ops on sharded activations divide by tp, and with SP the rest run on sequence shards."""
-    total = float(layer.memory_bound_bytes)
-    if not is_tp:
-        return total
-    assert layer.tp is not None
-    if sp:
-        return total / tp
-    sharded = layer.tp.sharded_memory_bound_bytes
-    return total - sharded + sharded / tp
-
-
-def _local_flops(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int) -> float:
-    if not is_tp:
-        return layer.fwd_flops / batch_shards
-    assert layer.tp is not None
-    sharded = layer.tp.sharded_fwd_flops
-    return (layer.fwd_flops - sharded) / batch_shards + sharded / (batch_shards * tp)
-
-
-def _gemm_shortfall(layer: LayerInfo, is_tp: bool, local_flops: float, batch_shards: int,
-                    tp: int, device: Device, dtype: str) -> float:
-    """``gemm_shortfall_flops`` of one micro-batch's forward GEMMs on one rank, at the sizes
-    this option runs them (``local_flops``: the forward FLOPs of ``_local_flops``).
-
-    A Linear's m (tokens) divides by the batch shards. Under TP a 'colwise' or
-    'colwise_gather' Linear keeps n / tp of its out features, a 'rowwise' one k / tp of its
-    in features; with SP they still multiply the whole sequence of the micro-batch (colwise
-    inputs are gathered first, rowwise outputs reduce-scattered after), and SP admits no
-    other Linear on the sequence shards. A Linear TP does not split runs whole on every
-    rank. Batched products keep m, n, k: the batch and TP split their count (samples,
-    heads). Which of them TP shards the record does not say, so they take the share of the
-    layer's FLOPs outside the Linears that ``_local_flops`` gives this rank: exact when TP
-    shards all of that (attention split by heads) or none of it.
-    """
-    styles = layer.tp.styles if is_tp and layer.tp is not None else {}
-    linear: list[tuple[float, float]] = []
-    for g in layer.gemms:
-        if g.batched:
-            continue
-        style = styles.get(g.module)
-        split = tp if style in ("colwise", "colwise_gather", "rowwise") else 1
-        n, k = (g.n, g.k / split) if style == "rowwise" else (g.n / split, g.k)
-        linear.append((g.flops / (batch_shards * split), min(g.m / batch_shards, n, k)))
-    outside = layer.fwd_flops - sum(g.flops for g in layer.gemms if not g.batched)
-    share = (local_flops - sum(f for f, _ in linear)) / outside if outside > 0 else 0.0
-    batched = [(g.flops * share, min(g.m, g.n, g.k)) for g in layer.gemms if g.batched]
-    return gemm_shortfall_flops(linear + batched, device, dtype)
-
-
-def _attention_shortfall(layer: LayerInfo, is_tp: bool, batch_shards: int, tp: int,
-                         device: Device) -> float:
-    """FLOPs fused attention loses (or gains) against the large-GEMM rate, counted at that
-    rate: its forward FLOPs on this rank f (heads split by TP) take as long as
-    f / ``Device.attention_efficiency`` FLOPs do at the GEMM rate. Backward loses the same
-    share (``layer_cost`` scales the forward's shortfall by bwd/fwd FLOPs)."""
-    local = layer.attention_fwd_flops / (batch_shards * (tp if is_tp else 1))
-    return local * (1 / device.attention_efficiency - 1)
-
-
-def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: int,
-                 batch_shards: int, act_scale: float, matmul_s: float, alone_s: float,
-                 tp_fwd: float) -> tuple[float, float, float, float]:
-    """(saved bytes of one micro-batch, bytes rematerialized in backward, recompute compute
-    seconds, recompute communication seconds).
-
-    Saved bytes by kind (records.SavedSplit): floating ones scale with the activation
-    dtype, masks do not; the TP-sharded part divides by tp, and with SP so does the part
-    run on sequence shards. Selective recomputation frees its share of each part and reruns
-    the ops outside SELECTIVE_SAVE_OPS: the attention products (their share of the matmul
-    time) and every memory-bound kernel (``alone_s``).
-    """
-    def on_rank(split: SavedSplit, divisor: int) -> tuple[float, float]:
-        kept = (split.floating * act_scale + split.fixed) / (batch_shards * divisor)
-        freed = (split.freed * act_scale + split.freed_fixed) / (batch_shards * divisor)
-        return kept, freed
-
-    parts = [(layer.saved, 1)]
-    if is_tp:
-        assert layer.tp is not None
-        sharded = [(_sharded_saved(layer.tp), tp)]
-        if sp:
-            sharded.append((_sp_saved(layer.tp), tp))
-        parts = [(layer.saved - sum((s for s, _ in sharded), SavedSplit()), 1), *sharded]
-    kept, freed = (sum(v) for v in zip(*(on_rank(s, d) for s, d in parts), strict=True))
-    if recompute == "none":
-        return kept, 0.0, 0.0, 0.0
-    if recompute == "selective":
-        freed = min(freed, kept)
-        share = layer.selective_fwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
-        return kept - freed, freed, share * matmul_s + alone_s, 0.0
-    checkpoint = (layer.input_bytes * act_scale / batch_shards) / (tp if sp else 1)
-    return min(checkpoint, kept), kept, matmul_s + alone_s, tp_fwd
-
-
-def _sharded_saved(option: TPOption) -> SavedSplit:
-    """The TP-sharded saved bytes by kind (all floating when the capture did not split them)."""
-    return option.sharded_saved or SavedSplit(floating=option.sharded_saved_bytes)
-
-
-def _sp_saved(option: TPOption) -> SavedSplit:
-    return option.sp_saved or SavedSplit(floating=option.sp_saved_bytes)
-
-
-def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Cluster,
-               scale: float) -> tuple[float, float]:
-    """Forward and backward tensor-parallel collectives of one micro-batch."""
-    if not is_tp:
-        return 0.0, 0.0
-    assert layer.tp is not None
-    collectives: tuple[Collective, ...] = layer.tp.collectives
-    if sp:
-        assert layer.tp.sp_collectives is not None
-        collectives = layer.tp.sp_collectives
-    group = Group(mesh.tp, 1)
-    times = {"fwd": 0.0, "bwd": 0.0}
-    for c in collectives:  # each blocks the op after it, and waits its skew
-        nbytes = c.nbytes * scale
-        times[c.phase] += collective_s(c.kind, nbytes, group, cluster) + \
-            cluster.device.skew_s(nbytes)
-    return times["fwd"], times["bwd"]
-
-
-BATCH_NORM_STAT_BYTES = 4
-"""BatchNorm statistics are all-reduced in float32 whatever the compute dtype."""
-
-
-def batch_norm_sync_s(layer: LayerInfo, mesh: Mesh, cluster: Cluster) -> float:
-    """BatchNorm's statistics all-reduces over the dp replicas in one direction of one
-    micro-batch (runtime/batch_norm.py): per module, the channel sums with the sample
-    count, then the channel sums of squared deviations; backward all-reduces their
-    gradients, of the same sizes. Each blocks the op after it and waits its skew."""
-    if mesh.dp == 1:
-        return 0.0
-    group = Group(mesh.dp, mesh.tp)
-    total = 0.0
-    for channels in layer.batch_norm_channels:
-        for nbytes in ((channels + 1) * BATCH_NORM_STAT_BYTES, channels * BATCH_NORM_STAT_BYTES):
-            total += all_reduce_s(nbytes, group, cluster) + cluster.device.skew_s(nbytes)
-    return total
-
-
-RING_MERGE_KERNELS = 4
-"""Kernels of one ring step's log-sum-exp merge: the running max, two rescales, the sum."""
-
-
-@dataclass(frozen=True)
-class _Ring:
-    fwd_s: float = 0.0
-    """Exposed transfer time of the forward ring (per micro-batch)."""
-    bwd_s: float = 0.0
-    buffer_bytes: float = 0.0
-    """K/V blocks in hand and arriving, with their gradients in backward: 4 blocks."""
-
-
-def _ring_attention(layer: LayerInfo, is_tp: bool, mesh: Mesh, cluster: Cluster,
-                    scale: float, fwd_compute: float) -> _Ring:
-    """Ring attention of one micro-batch over the cp group (ranks tp apart in the mesh).
-
-    Each of the cp − 1 steps sends this rank's current K/V block on while attending to it;
-    the block's attention is 1 / cp of the rank's attention compute, which is the
-    layer's roofline time scaled by attention's share of the FLOPs. What local attention
-    does not pay: each step merges its partial output into the running one by log-sum-exp
-    (memory-bound: read both, write one; RING_MERGE_KERNELS kernels), and in backward
-    adds its query gradient into the running one.
-    """
-    cp = mesh.cp
-    if cp == 1 or not layer.attention_kv_bytes:
-        return _Ring()
-    block = layer.attention_kv_bytes * scale / (mesh.tp if is_tp else 1)  # TP splits heads
-    share = layer.attention_fwd_flops / layer.fwd_flops if layer.fwd_flops else 0.0
-    step_compute = share * fwd_compute / cp
-    link = group_link(cluster, Group(cp, mesh.tp))
-    out = block / 2  # the output (and query) block: one of K and V's shape
-    device, dtype = cluster.device, "float32"  # the merge runs in fp32 (as flash attention)
-    merge = roofline_s(0.0, 3 * out, RING_MERGE_KERNELS, device, dtype)
-    fwd = (cp - 1) * (max(0.0, p2p_s(block, link) - step_compute) + merge)
-    bwd = (cp - 1) * (max(0.0, p2p_s(2 * block, link) - 2 * step_compute) + merge)
-    return _Ring(fwd_s=fwd, bwd_s=bwd, buffer_bytes=4 * block)
-
-
-@dataclass(frozen=True)
-class _DPComm:
-    gather_per_micro: float
-    """One parameter all-gather, issued before forward and again before backward."""
-    reduce_per_micro: float
-    per_step: float
-
-
-def _dp_comm_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
-               tp_params: float, shards: int) -> _DPComm:
-    """Each gather and reduce-scatter with its skew (``Device.skew_s`` of its size): every
-    rank waits for the others at each. A replicated gradient's all-reduce waits once per
-    layer (``engine_costs.all_reduce_wait_s``)."""
-    dp, tp = mesh.replicas, mesh.tp
-    group = Group(dp, tp) if strategy in TP_STRATEGIES else Group(dp * tp, 1)
-    params = tp_params * prec.param_bytes
-    grads = tp_params * prec.grad_bytes
-    def skew(nbytes: float, *, at_step: bool = False) -> float:
-        """Per micro-batch a collective sits between layers' compute; once per step, the
-        layers' run back to back (``engine_costs.back_to_back_skew_s``)."""
-        return back_to_back_skew_s(nbytes, cluster) if at_step else \
-            cluster.device.skew_s(nbytes)
-
-    def gather(group: Group, at_step: bool = False) -> float:
-        t = all_gather_s(params, group, cluster)
-        return t + skew(params, at_step=at_step) if t else 0.0
-
-    def scatter(group: Group, at_step: bool = False) -> float:
-        t = reduce_scatter_s(grads, group, cluster)
-        return t + skew(grads, at_step=at_step) if t else 0.0
-
-    if strategy in ("replicate", "tp"):
-        # Overlapped with backward; its wait for the other ranks is layer_cost's (it
-        # cannot hide behind compute).
-        return _DPComm(0.0, 0.0, all_reduce_s(grads, group, cluster))
-    if strategy == "zero1":
-        return _DPComm(0.0, 0.0, gather(group, True) + scatter(group, True))
-    if strategy == "zero2":
-        return _DPComm(0.0, scatter(group), gather(group, True))
-    if strategy == "hsdp":
-        shard = Group(shards, 1)
-        replicas = Group(dp * tp // shards, shards)
-        # Reduce-scattered in the shard group every micro-batch (once in a pipeline, as
-        # fsdp below), all-reduced across groups once (runtime/data_parallel.py).
-        across = all_reduce_s(grads / shards, replicas, cluster)
-        across += skew(grads / shards, at_step=True) if across else 0.0
-        if mesh.pp > 1:
-            return _DPComm(gather(shard), 0.0, scatter(shard, True) + across)
-        return _DPComm(gather(shard), scatter(shard), across)
-    # fsdp / tp_fsdp (FSDP2 default): gather for forward, reshard, gather again for
-    # backward; gradients are reduce-scattered every micro-batch and accumulated sharded.
-    # Pipeline schedules reduce once, after the last micro-batch (their REDUCE_GRAD step).
-    if mesh.pp > 1:
-        return _DPComm(gather(group), 0.0, scatter(group, True))
-    return _DPComm(gather(group), scatter(group), 0.0)
+    """Ranks a layer's states are sharded over (runtime.strategies), ``dp`` being dp × cp."""
+    if spec(strategy).hybrid and not hsdp_shard_size:
+        raise ValueError(f"strategy {strategy!r} needs hsdp_shard_size")
+    return spec(strategy).shard_ranks(dp, tp, hsdp_shard_size)
 
 
 @dataclass(frozen=True)
@@ -667,12 +401,7 @@ class _Hidden:
     """Per step: of the once-per-step gradient reduction."""
 
 
-FSDP_RUN = ("zero2", "fsdp", "hsdp", "tp_fsdp")
-"""Strategies whose per-micro-batch gathers and reduce-scatters FSDP2 issues around each
-layer's compute (zero1 gathers and reduces once per step, around the optimizer)."""
-
-
-def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *,
+def _hidden_comm_s(s: StrategySpec, mesh: Mesh, overlap: Overlap, comm: DPComm, *,
                    fwd_window: float, bwd_window: float, ddp: bool = False) -> _Hidden:
     """What of the layer's data-parallel communication hides behind one layer's compute
     (the module docstring's linearisation; cost_models.overlap for one window).
@@ -687,7 +416,9 @@ def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *
 
     fwd = bwd = 0.0
     fsdp_bwd = 0.0
-    if strategy in FSDP_RUN:
+    # FSDP2 issues per-micro-batch gathers and reduce-scatters around each layer's compute
+    # (zero1 gathers and reduces once per step, around the optimizer).
+    if s.reduce == "per_microbatch":
         sigma = overlap.fsdp_slowdown
         fwd = hidden(fwd_window, comm.gather_per_micro, "fsdp", sigma)
         fsdp_bwd = comm.gather_per_micro + comm.reduce_per_micro
@@ -695,15 +426,15 @@ def _hidden_comm_s(strategy: str, mesh: Mesh, overlap: Overlap, comm: _DPComm, *
     step = 0.0
     # The once-per-step all-reduce (DDP's buckets; HSDP's across groups) runs beside the last
     # micro-batch's backward at pp = 1; pipelines reduce after their schedule ends.
-    if mesh.pp == 1 and strategy in ("replicate", "tp", "hsdp") and comm.per_step > 0:
-        pattern = "dp" if ddp and strategy == "replicate" else "fsdp"
+    if mesh.pp == 1 and s.all_reduces and comm.per_step > 0:
+        pattern = "dp" if ddp and s.ddp else "fsdp"
         sigma = overlap.dp_slowdown if pattern == "dp" else overlap.fsdp_slowdown
         both = hidden(bwd_window, fsdp_bwd + comm.per_step, pattern, sigma)
         step = max(0.0, both - bwd)
     return _Hidden(fwd=fwd, bwd=bwd, step=step)
 
 
-def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m: int,
+def _states_bytes(s: StrategySpec, offload: bool, tp_params: float, shards: int, m: int,
                   prec: Precision, *, pipelined: bool = False
                   ) -> tuple[float, float, float, float, float]:
     """(params, grads, optimizer, transient, gathered) bytes on the device; see the module
@@ -713,37 +444,23 @@ def _states_bytes(strategy: str, offload: bool, tp_params: float, shards: int, m
     held = tp_params * prec.held_grad_bytes  # the reduced gradient the optimizer steps
     k = tp_params * prec.optimizer_bytes
     n = shards
-    if strategy in ("replicate", "tp"):
+    once = s.gather == "per_step"  # ZeRO-1/2: the gathered copy stays beside the shard
+    if not s.sharded:
         return p, held, k, 0.0, (p if prec.name == "float32" else 0.0)
     if pipelined:
         collectives = max(p, g + g / n)
-        if strategy in ("zero1", "zero2"):
+        if once:
             return p + p / n, g, k / n, collectives, 0.0
         if offload:
             return 0.0, g, 0.0, collectives + p / n, p
         return p / n, g, k / n, collectives, p
-    if strategy == "zero1":
+    if once and s.reduce == "per_step":  # gradients accumulate unsharded (ZeRO-1)
         return p + p / n, (g if m > 1 else held / n), k / n, (0.0 if m > 1 else g), 0.0
-    if strategy == "zero2":
+    if once:
         return p + p / n, held / n, k / n, g, 0.0
     if offload:
         return 0.0, 0.0, 0.0, 2 * p + g + p / n, 0.0
     return p / n, held / n, k / n, 2 * p + g, 0.0
-
-
-def _offload_s(local_params: float, param_tensors: int, prec: Precision, cluster: Cluster
-               ) -> tuple[float, float, float]:
-    """(host copies per micro-batch, per step, optimizer step on the host) of an offloaded
-    layer: its parameter shard is copied to the device before each of the two gathers,
-    its gradient shard back once per step, and Adam runs at host memory bandwidth, one
-    tensor at a time (torch's AdamW on CPU tensors); link and bandwidth: ``Cluster.host``."""
-    link, shard = cluster.host.link, local_params * prec.param_bytes
-    per_micro = 2 * (shard / (link.bandwidth_GBps * 1e9) + link.latency_s)
-    per_step = local_params * prec.grad_bytes / (link.bandwidth_GBps * 1e9)
-    optimizer = optimizer_step_s(local_params, param_tensors, ADAM_KERNELS["adamw-for-loop"],
-                                 cluster.device,
-                                 bandwidth_GBps=cluster.host.memory_bandwidth_GBps)
-    return per_micro, per_step, optimizer
 
 
 def hsdp_shard_size(cluster: Cluster, pp: int = 1) -> int | None:

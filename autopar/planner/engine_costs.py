@@ -11,23 +11,24 @@ from cost_models.hardware import Cluster, Device
 from cost_models.memory import Precision
 from passes.records import LayerInfo
 from runtime.plan import Mesh
+from runtime.strategies import StrategySpec
 
 
-def all_reduce_wait_s(strategy: str, mesh: Mesh, cluster: Cluster, prec: Precision,
+def all_reduce_wait_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
                       tp_params: float) -> tuple[float, float]:
     """(Skew a replicated layer's gradient all-reduce waits per step, the part of it a plan
     run on DDP does not wait). FSDP2 issues the all-reduce per layer and blocks on each;
     DDP reduces gradients in buckets of ``Overlap.ddp_bucket_bytes`` and waits once per
     bucket, so a layer waits its share of one bucket's skew (``back_to_back_skew_s``), as
     it does in a pipeline. Exposed: a wait hides behind nothing."""
-    group = mesh.replicas if strategy == "tp" else mesh.replicas * mesh.tp
-    if strategy not in ("replicate", "tp") or group == 1 or not tp_params:
+    group = s.group_ranks(mesh.replicas, mesh.tp)
+    if s.sharded or group == 1 or not tp_params:
         return 0.0, 0.0
     grads = tp_params * prec.grad_bytes
     if mesh.pp > 1:  # reduced after the last micro-batch, back to back (never on DDP)
         return back_to_back_skew_s(grads, cluster), 0.0
     skew = cluster.device.skew_s(grads)
-    if strategy == "tp":  # TP layers never run on DDP
+    if not s.ddp:  # TP layers never run on DDP
         return skew, 0.0
     return skew, skew - back_to_back_skew_s(grads, cluster)
 
@@ -45,7 +46,7 @@ FSDP_COPY_KERNELS = 2
 """Kernels of one FSDP2 collective's copies: into its buffer, and out of it."""
 
 
-def fsdp_copies_s(strategy: str, m: int, pipelined: bool, tp_params: float, shards: int,
+def fsdp_copies_s(s: StrategySpec, m: int, pipelined: bool, tp_params: float, shards: int,
                   prec: Precision, device: Device) -> tuple[float, float]:
     """(Per micro-batch, per step) seconds of FSDP2's copies around its collectives
     (torch.distributed.fsdp: ``foreach_all_gather`` copies this rank's shards into one
@@ -53,10 +54,9 @@ def fsdp_copies_s(strategy: str, m: int, pipelined: bool, tp_params: float, shar
     parameter; ``foreach_reduce`` copies the unsharded gradients into one buffer and the
     reduced shard into each sharded gradient): 2P/N + 2P bytes read and written per
     all-gather, 2G + 2G/N per reduce-scatter, at the memory-bound kernels' bandwidth. How
-    often each runs follows runtime/data_parallel.py: replicated layers (replicate, tp; a
-    one-rank shard) gather before each micro-batch's forward and reduce at the step's end,
-    zero1 gathers and reduces once, zero2 gathers once and reduces every micro-batch,
-    fsdp/hsdp/tp_fsdp gather for forward and again for backward; pipelines keep every
+    often each runs is the spec's ``gather`` and ``reduce`` (runtime.strategies): replicated
+    layers (a one-rank shard) copy before each micro-batch's forward, a ``per_step`` gather
+    once, a ``per_use`` gather for forward and again for backward; pipelines keep every
     layer gathered and reduce once."""
     if not tp_params:
         return 0.0, 0.0  # FSDP2 groups no parameters: no collectives, no copies
@@ -65,13 +65,13 @@ def fsdp_copies_s(strategy: str, m: int, pipelined: bool, tp_params: float, shar
     gather = roofline_s(0.0, 2 * p / shards + 2 * p, FSDP_COPY_KERNELS, device, prec.compute_dtype)
     scatter = roofline_s(0.0, 2 * g + 2 * g / shards, FSDP_COPY_KERNELS, device,
                          prec.compute_dtype)
-    if pipelined or strategy == "zero1":
+    if pipelined:
         return 0.0, gather + scatter
-    if strategy in ("replicate", "tp"):
-        return gather, scatter
-    if strategy == "zero2":
-        return scatter, gather
-    return 2 * gather + scatter, 0.0
+    gathers_per_micro = {"never": 1, "per_step": 0, "per_use": 2}[s.gather]
+    per_micro = gathers_per_micro * gather + (scatter if s.reduce == "per_microbatch" else 0.0)
+    per_step = (gather if s.gather == "per_step" else 0.0) + (
+        scatter if s.reduce == "per_step" else 0.0)
+    return per_micro, per_step
 
 
 def engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster

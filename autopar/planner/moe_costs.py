@@ -21,7 +21,7 @@ compare on the same footing.
 
 Expert strategy: the option's strategy, but the experts are not tensor-parallel (their
 3-D weights have no TP style): under ``tp`` they are replicated as under ``replicate``,
-under ``tp_fsdp`` fully sharded as under ``fsdp``; a sharded strategy on a expert mesh of
+under ``tp_fsdp`` fully sharded as under ``fsdp``; a sharded strategy on an expert mesh of
 one rank is ``replicate`` (nothing to shard). EP is not offered with ``hsdp`` (its shard
 group would have to nest the ep group; not modelled).
 
@@ -43,7 +43,8 @@ from cost_models.comm import Group
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from passes.records import CAPTURE_ACTIVATION_BYTES, GemmShape, LayerInfo, MoEInfo
-from runtime.plan import OFFLOAD_STRATEGIES, Mesh, option_label, parse_option
+from runtime.plan import Mesh, option_label, parse_option
+from runtime.strategies import spec
 
 if TYPE_CHECKING:
     from autopar.planner.costs import LayerCost
@@ -215,7 +216,7 @@ def expert_option(strategy: str, recompute: str, offload: bool, expert_mesh: Mes
     mapped = EXPERT_STRATEGY[strategy]
     if mapped != "replicate" and expert_mesh.replicas * expert_mesh.tp == 1:
         mapped = "replicate"
-    return option_label(mapped, recompute, offload and mapped in OFFLOAD_STRATEGIES, False)
+    return option_label(mapped, recompute, offload and spec(mapped).offloadable, False)
 
 
 def moe_layer_cost(layer: LayerInfo, option: str, mesh: Mesh, cluster: Cluster,

@@ -44,7 +44,6 @@ from cost_models.memory import Precision, precision
 from cost_models.schedule import Timeline
 from passes.records import LayerGraph, LayerInfo
 from runtime.plan import (
-    TP_STRATEGIES,
     LayerPlan,
     MemoryBreakdown,
     Mesh,
@@ -53,6 +52,7 @@ from runtime.plan import (
     Prediction,
     SolverReport,
 )
+from runtime.strategies import spec
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -177,9 +177,6 @@ def search(
             raise ConfigError(f"mesh {mesh.describe()}: BatchNorm in training mode "
                               f"({batch_norm_layers(graph)[0]} first) needs whole batches on "
                               "pp = 1 and cp = 1 (runtime/batch_norm.py); use pp=1, cp=1")
-        if mesh.cp > 1 and mesh.pp > 1:
-            raise ConfigError(f"mesh {mesh.describe()}: context parallelism is not combined "
-                              "with pipeline stages; use pp=1 or cp=1")
         if mesh.pp > 1 and pipeline_problem(graph) is not None:
             raise ConfigError(f"mesh {mesh.describe()}: {graph.model_name or 'the model'} "
                               f"cannot be pipelined: {pipeline_problem(graph)}; use pp=1")
@@ -322,7 +319,7 @@ def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh
         return []
     ddp = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
                         costs={o: on_ddp(x) for o, x in c.costs.items()
-                               if x.strategy == "replicate" and x.expert_parallel == 1})
+                               if spec(x.strategy).ddp and x.expert_parallel == 1})
            for c in options]
     return [ddp] if all(c.costs for c in ddp) else []
 
@@ -380,7 +377,7 @@ def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh
             stage=stage, layer_class=layer.layer_class, memory_bytes=int(cost.resident_bytes),
             time_s=cost.time_s, recompute=cost.recompute, offload=cost.offload,
             sequence_parallel=cost.sequence_parallel, expert_parallel=cost.expert_parallel))
-    uses_hsdp = any(cost.strategy == "hsdp" for cost in costs)
+    uses_hsdp = any(spec(cost.strategy).hybrid for cost in costs)
     return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
                 f"{cluster.devices_per_node})", global_batch=graph.batch_size,
                 seq_len=graph.seq_len, mesh=mesh, layers=tuple(layers), param_dtype=prec.name,
@@ -392,7 +389,7 @@ def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh
 
 
 def _tp_styles(layer: LayerInfo, cost: LayerCost) -> dict[str, str]:
-    if cost.strategy not in TP_STRATEGIES or layer.tp is None:
+    if not spec(cost.strategy).tensor_parallel or layer.tp is None:
         return {}
     sp_styles = layer.tp.sp_styles
     if cost.sequence_parallel and sp_styles:
@@ -448,7 +445,7 @@ def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
     """Whether the runtime wraps this plan in DDP (runtime.data_parallel.uses_ddp): pp = 1,
     float32, every layer replicate, no layer expert-parallel."""
     return (mesh.pp == 1 and prec.name == "float32"
-            and all(c.strategy == "replicate" and c.expert_parallel == 1 for c in costs))
+            and all(spec(c.strategy).ddp and c.expert_parallel == 1 for c in costs))
 
 
 PlanCheck = Callable[[Plan], "str | None"]

@@ -47,13 +47,12 @@ from cost_models.comm import Group, all_reduce_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from passes.records import LayerGraph, LayerInfo
-from runtime.plan import STRATEGIES, TP_STRATEGIES, Mesh, Plan, stage_rank
+from runtime.plan import Mesh, Plan, stage_rank
+from runtime.strategies import spec
 from runtime.tied import Tie, owner
 
 MAX_FIELDS = ("buffer_bytes", "loss_buffer_bytes", "collective_buffer_bytes")
 """Transient memory: the plan holds the largest buffer over its layers, not the sum."""
-DATA_PARALLEL = tuple(s for s in STRATEGIES if s not in TP_STRATEGIES)
-"""What tied layers may take (runtime/tied.py ``check_ties`` refuses TP for them)."""
 SAME_FIELDS = ("option", "strategy", "recompute", "offload", "sequence_parallel",
                "microbatches")
 
@@ -71,8 +70,9 @@ def join_ties(graph: LayerGraph, options: list[ClassOptions]) -> list[ClassOptio
         members = [m for m in tie.modules if m]
         parts = {m: by_name[class_of[m]].costs for m in members}
         labels = [o for o in parts[members[0]] if all(o in p for p in parts.values())]
-        allowed = ("replicate",) if "" in tie.modules else DATA_PARALLEL
-        labels = [o for o in labels if parts[members[0]][o].strategy in allowed]
+        # A tie to the root's parameter stays with the root (replicate); any other takes
+        # one data-parallel strategy: runtime/tied.py ``check_ties`` refuses TP for ties.
+        labels = [o for o in labels if _tie_may_take(parts[members[0]][o].strategy, tie)]
         for m in members:
             counts[class_of[m]] -= 1
         units.append(ClassOptions(
@@ -183,14 +183,18 @@ def tie_strategies(graph: LayerGraph, mesh: Mesh, microbatches: int,
     Offloading is left out: the copies' gradients are all-reduced where they live, and an
     offloaded gradient lives on the host, out of NCCL's reach."""
     layers = [layer for layer in graph.layers if graph.tie_of(layer.name)]
-    common = [s for s in allowed_strategies(layers[0], mesh, hsdp_shard_size=hsdp_shard_size,
-                                            microbatches=microbatches)
-              if s in DATA_PARALLEL]
+    tie = graph.tie_of(layers[0].name)
+    common = list(allowed_strategies(layers[0], mesh, hsdp_shard_size=hsdp_shard_size,
+                                     microbatches=microbatches, tie=tie.describe()))
     for layer in layers[1:]:
         mine = allowed_strategies(layer, mesh, hsdp_shard_size=hsdp_shard_size,
-                                  microbatches=microbatches)
+                                  microbatches=microbatches, tie=tie.describe())
         common = [s for s in common if s in mine]
     return tuple(common)
+
+
+def _tie_may_take(strategy: str, tie: Tie) -> bool:
+    return strategy == "replicate" if "" in tie.modules else not spec(strategy).tensor_parallel
 
 
 def with_copy(layer: LayerInfo, role: TieRole) -> LayerInfo:

@@ -8,7 +8,7 @@ the trainer's). ``model(input_ids)`` returns a ``ModelOutput``; the loss reads i
 
 Each case trains 3 AdamW steps under a pp = 2 plan (GPipe, 1F1B; Interleaved1F1B with 2
 stages per rank) and compares every rank with one process on the global batch, at
-tests/test_pipeline_numerics.py's tolerances (loss rtol 1e-5; first gradients rtol 1e-5,
+tests/runtime/test_pipeline_numerics.py's tolerances (loss rtol 1e-5; first gradients rtol 1e-5,
 atol 1e-7; final parameters rtol 1e-5, atol 5e-5, see that file for why).
 """
 

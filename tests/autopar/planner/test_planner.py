@@ -24,7 +24,8 @@ from autopar.planner.search import accumulation_steps, candidate_meshes, class_o
 from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Host, Link, Overlap
 from cost_models.memory import precision
 from passes.records import Collective, LayerGraph
-from runtime.plan import TP_STRATEGIES, Mesh, Plan
+from runtime.plan import Mesh, Plan
+from runtime.strategies import STRATEGIES, spec
 
 FP32 = precision("float32")
 
@@ -153,7 +154,7 @@ def check_invariants(plan: Plan, graph: LayerGraph, cluster) -> None:
     assert 0 <= plan.solver.gap <= 1
     assert [lp.module for lp in plan.layers] == [layer.name for layer in graph.layers]
     for lp, layer in zip(plan.layers, graph.layers, strict=True):
-        if lp.strategy in TP_STRATEGIES:
+        if lp.is_tp:
             assert layer.tp is not None and all(d % mesh.tp == 0 for d in layer.tp.divisors)
             assert lp.tp_styles == (layer.tp.sp_styles if lp.sequence_parallel else layer.tp.styles)
     # The plan survives its own JSON.
@@ -323,7 +324,7 @@ def test_moves_from_data_parallel_to_recompute_to_tp_as_memory_shrinks():
         plan = search(graph, cluster, pipeline=False).plan
         check_invariants(plan, graph, cluster)
         used = {lp.strategy for lp in plan.layers}
-        phases.append("tp" if used & set(TP_STRATEGIES) else
+        phases.append("tp" if used & {s for s in STRATEGIES if spec(s).tensor_parallel} else
                       "recompute" if any(lp.recompute != "none" for lp in plan.layers) else "dp")
     assert phases == ["dp", "recompute", "tp"]
 

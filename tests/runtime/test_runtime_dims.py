@@ -1,7 +1,7 @@
 """Recompute, ZeRO-1/2, HSDP, offload, gradient accumulation and mixed precision, on 2 and
 4 gloo ranks, train like one process on the global batch.
 
-float32 cases use tests/test_runtime_numerics.py's comparison (3 AdamW steps; losses rtol
+float32 cases use tests/runtime/test_runtime_numerics.py's comparison (3 AdamW steps; losses rtol
 1e-5, first gradients rtol 1e-5 / atol 1e-7, parameters rtol 1e-5 / atol 1e-5, same
 reference). Gradients are read after the whole step's micro-batches, so accumulation is
 checked against one backward on the full batch.
@@ -31,7 +31,7 @@ Against float32 (how far the precision moves training, not a runtime check): the
 step's loss and gradients, from identical weights. Measured: loss 1.8e-4 (bf16) and
 1.7e-5 (fp16) relative; gradients 1.9e-2 (bf16) and 1.2e-2 (fp16) of the max. Bounds:
 loss rtol 5e-4 / 5e-5, gradients 3e-2 / 2.5e-2. The k_proj bias (exact gradient zero,
-see tests/test_runtime_numerics.py) holds only noise and is left out of the low-precision
+see tests/runtime/test_runtime_numerics.py) holds only noise and is left out of the low-precision
 gradient checks.
 
 All jobs run on the session-wide pools of ranks (tests/dist_pool.py).
@@ -195,7 +195,7 @@ def _observe(trainer) -> tuple[list, object]:
 
 
 def assert_fp32_matches(results: list[dict], model: tuple) -> None:
-    """tests/test_runtime_numerics.py's comparison (first step's gradients)."""
+    """tests/runtime/test_runtime_numerics.py's comparison (first step's gradients)."""
     assert_matches_reference([{**r, "grads": r["grads"][0]} for r in results], model)
 
 
@@ -464,7 +464,7 @@ def test_hsdp_without_shard_size_is_a_plan_error():
 
 
 def pipeline_dims_job(plan_json: str) -> dict:
-    """tests/test_pipeline_numerics.py's job, with gradients as a one-step list."""
+    """tests/runtime/test_pipeline_numerics.py's job, with gradients as a one-step list."""
     from test_pipeline_numerics import GPT6, pipeline_job
 
     out = pipeline_job(GPT6, plan_json)

@@ -1,6 +1,6 @@
 """Expert parallelism in the planner: which degrees a MoE layer is offered, what each costs
 (against hand calculations), and that the search picks EP where it wins and not where it
-loses. Synthetic layers here; HF Mixtral and the zoo MoE in test_moe_real_plans.py.
+loses. Synthetic layers here; HF Mixtral and the zoo MoE in tests/autopar/test_moe_real_plans.py.
 
 The MoE layer throughout: E = 8 experts, top_k = 2, H = 1024, I = 2048, gated, so an
 expert holds 1024·4096 + 2048·1024 = 6,291,456 weights and the block 50,331,648; its

@@ -1,7 +1,7 @@
 """Tied parameters end to end: the runtime shards tied modules as one FSDP2 unit and
 matches one process, refuses tied modules given different strategies before any
 collective, and sums a pipeline's tied copies' gradients; the planner gives tied modules
-one strategy on every cluster (pipelines: tests/test_tied_pipeline.py).
+one strategy on every cluster (pipelines: tests/runtime/test_tied_pipeline.py).
 
 Models: a nanoGPT-style model with ``lm_head.weight = wte.weight`` and Hugging Face's
 ``GPT2LMHeadModel`` (tiny config, random init, dropout off so ranks match one process).
@@ -369,7 +369,7 @@ def test_planner_pipelines_tied_models_with_one_strategy_per_tie():
 
 
 def _tied_instance(seed: int):
-    """A random planner instance (tests/test_planner.py) whose first and last layers share
+    """A random planner instance (tests/autopar/planner/test_planner.py) whose first and last layers share
     a parameter; they may share their class with untied layers."""
     import dataclasses
     import random
@@ -546,7 +546,7 @@ def test_two_tied_copies_on_one_pipeline_rank_are_refused(pool2):
 
 def planned_json(model: str, dtype: str) -> str:
     """The planner's plan on the local data-parallel mesh (its pipeline plans of tied
-    models are trained in tests/test_tied_pipeline.py)."""
+    models are trained in tests/runtime/test_tied_pipeline.py)."""
     import autopar
 
     return autopar.plan(build(model), _cluster("local", None), batch(0)[0],

@@ -18,7 +18,7 @@ from autopar.cli import main
 from runtime.launch import free_port
 from runtime.plan import Plan
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 

@@ -36,7 +36,7 @@ from runtime.recompute import apply_recompute
 STEPS = 3
 LR = 1e-3
 MODES = ("full", "selective")
-# As tests/test_capture_real.py: atol is a fraction of the tensor's largest element.
+# As tests/autopar/test_capture_real.py: atol is a fraction of the tensor's largest element.
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 

@@ -25,6 +25,7 @@ from cost_models.hardware import Cluster, Host, Link, Overlap
 from cost_models.memory import precision
 from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
 from runtime.plan import Mesh, SolverReport, option_label
+from runtime.strategies import spec
 
 FP32, BF16 = precision("float32"), precision("bfloat16")
 
@@ -318,9 +319,9 @@ def test_the_skew_grows_with_the_message_between_calibrated_points():
     # point), as under DDP.
     share = 4e6 / cpu.overlap.ddp_bucket_bytes * 9e-3
     assert back_to_back_skew_s(4e6, cpu) == pytest.approx(share)
-    assert all_reduce_wait_s("replicate", Mesh(pp=2, dp=2), cpu, FP32, 10**6) == \
+    assert all_reduce_wait_s(spec("replicate"), Mesh(pp=2, dp=2), cpu, FP32, 10**6) == \
         pytest.approx((share, 0.0))
-    assert all_reduce_wait_s("replicate", Mesh(dp=4), cpu, FP32, 10**6) == \
+    assert all_reduce_wait_s(spec("replicate"), Mesh(dp=4), cpu, FP32, 10**6) == \
         pytest.approx((at_4e6, at_4e6 - share))
 
 

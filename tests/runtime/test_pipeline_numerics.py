@@ -1,6 +1,6 @@
 """Pipeline plans, with every schedule, train like one process on the global batch.
 
-The comparison is tests/test_runtime_numerics.py's (same reference, same steps, same
+The comparison is tests/runtime/test_runtime_numerics.py's (same reference, same steps, same
 loss and gradient tolerances), on a 6-block gpt-tiny cut into 2, 4 or 8 stages:
 
 - the global loss of every step:            rtol 1e-5, atol 1e-6
@@ -42,6 +42,7 @@ from test_runtime_numerics import (
 from test_runtime_numerics import assert_matches_reference as matches_reference
 from test_sequence_parallel import BLOCK_SP
 
+from cost_models.schedule import SCHEDULES as SCHEDULE_TABLE
 from runtime.plan import (
     SPLIT_BACKWARD_SCHEDULES,
     LayerPlan,
@@ -90,7 +91,7 @@ def pipeline_plan(schedule: str, pp: int, *, dp: int = 1, tp: int = 1, m: int = 
     ).to_json()
 
 
-SCHEDULES = ("GPipe", "1F1B", "Interleaved1F1B", "InterleavedZeroBubble", "ZBVZeroBubble")
+SCHEDULES = tuple(SCHEDULE_TABLE)
 
 
 # -- jobs (run on every rank of a pool) ---------------------------------------------------

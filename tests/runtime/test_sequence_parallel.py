@@ -1,6 +1,6 @@
 """Sequence parallelism: offered from graph facts, trains like one process, saves what it says.
 
-Numerics use the helpers and tolerances of tests/test_runtime_numerics.py (3 AdamW steps of
+Numerics use the helpers and tolerances of tests/runtime/test_runtime_numerics.py (3 AdamW steps of
 the seeded gpt-tiny, losses / first gradients / final parameters against one process).
 """
 

@@ -5,7 +5,7 @@ Each model is planned with its dict batch (``autopar.plan``) and trained for 3 A
 steps on 2 gloo ranks under the planner's plan for ``local``, under every layer forced to
 fsdp, and under gradient accumulation, without a ``loss_fn``; every step's loss and the
 final parameters match one process training on the whole batch (fp32: losses rtol 1e-5,
-parameters rtol 1e-5 / atol 1e-5, as tests/test_runtime_numerics.py explains).
+parameters rtol 1e-5 / atol 1e-5, as tests/runtime/test_runtime_numerics.py explains).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
 PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
 ZERO_GRAD_PARAM_TOL = dict(rtol=1e-5, atol=1e-4)
 """Attention key biases: their exact gradient is zero, so they hold amplified rounding
-noise (tests/test_runtime_numerics.py)."""
+noise (tests/runtime/test_runtime_numerics.py)."""
 BATCH, SEQ, VOCAB = 4, 8, 64
 
 

@@ -14,7 +14,7 @@ from test_runtime_numerics import gpt_tp
 
 from autopar.cli import main
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 3
 
 TRAIN = '''

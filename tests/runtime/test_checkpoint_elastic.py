@@ -17,13 +17,17 @@ import pytest
 from reference import single_process_losses
 from test_runtime_numerics import gpt_all
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[1]
 
 
 def torchrun(tmp: Path, *, fail_step: int = 0, steps: int = 6) -> tuple[dict[int, str], str]:
     plan = tmp / "plan.json"
     plan.write_text(gpt_all("fsdp", 2))
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
+    # The script's own folder (tests/) comes first on its sys.path; the checkout's root
+    # after it keeps tests/runtime from standing in for the runtime package.
+    root = str(TESTS.parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]),
+           "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",
            "AUTOPAR_TEST_FAIL_STEP": str(fail_step), "AUTOPAR_TEST_FAIL_RANK": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "--max-restarts", "1", str(TESTS / "elastic_train.py"),

@@ -1,7 +1,7 @@
 """Checkpoints: round trips across plans and world sizes, async save, crashes, bad input.
 
-Plans: DDP, FSDP2, TP and their mixes from tests/test_runtime_numerics.py, and pipeline
-plans (one stage per rank, with FSDP2 or TP inside) from tests/test_pipeline_numerics.py.
+Plans: DDP, FSDP2, TP and their mixes from tests/runtime/test_runtime_numerics.py, and pipeline
+plans (one stage per rank, with FSDP2 or TP inside) from tests/runtime/test_pipeline_numerics.py.
 
 Jobs run on the session-wide rank pools (tests/dist_pool.py); checkpoints live in pytest's
 tmp_path, which every local rank sees. "Bit-identical" is ``torch.equal`` on every full

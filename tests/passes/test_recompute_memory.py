@@ -16,7 +16,7 @@ Predicted, from the block's LayerInfo: ``none`` saved_bytes; ``selective`` saved
 selective_saved_bytes - selective_fixed_bytes; ``full`` input_bytes. The capture models
 dropout as CUDA runs it (``native_dropout``, a 1-byte bool mask); CPU's ``aten.dropout``
 keeps a float32 noise tensor instead, so on CPU each fixed byte (here every one is a
-dropout mask element, tests/test_activation_capture.py) is 4 bytes. Selective and full
+dropout mask element, tests/passes/test_activation_capture.py) is 4 bytes. Selective and full
 recompute every dropout, so this changes only ``none``.
 
 Tolerance: none. The capture runs the same aten ops on meta tensors that the block runs

@@ -111,7 +111,8 @@ def test_resnet_batch_norm_layers_recorded_per_layer():
 def test_batch_norm_all_reduces_are_costed():
     """Forward and backward each add, per BatchNorm, all-reduces of C+1 and C float32s over
     the dp replicas (runtime/batch_norm.py), as the cost model prices an all-reduce."""
-    from autopar.planner.costs import batch_norm_sync_s, layer_cost
+    from autopar.planner.costs import layer_cost
+    from autopar.planner.estimators import batch_norm_sync_s
     from cost_models.comm import Group, all_reduce_s
     from cost_models.memory import precision
 

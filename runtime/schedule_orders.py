@@ -1,0 +1,43 @@
+"""The order in which torch.distributed.pipelining's schedules run each rank's actions,
+read from torch's own schedule classes, so that the planner simulates what runs.
+
+The multi-stage schedules (Interleaved1F1B, InterleavedZeroBubble, ZBVZeroBubble) build
+their whole program as a table when constructed: per rank, a list of actions (stage,
+forward / backward / weight-gradient pass, micro-batch), with empty slots where a rank
+waits. ``torch_rank_orders`` asks each schedule's own ``_calculate_single_rank_operations``
+for that table without building stages or process groups: the method reads only the
+degrees set here (torch 2.13; tests/runtime/test_schedule_orders.py fails if that
+changes). GPipe and 1F1B run imperatively, with no table; their orders are the textbook
+ones (cost_models.schedule.rank_orders).
+"""
+
+from __future__ import annotations
+
+from torch.distributed.pipelining import schedules
+from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _ComputationType
+
+ACTION_OF = {
+    _ComputationType.FORWARD: "F",
+    _ComputationType.FULL_BACKWARD: "B",
+    _ComputationType.BACKWARD_INPUT: "B",
+    _ComputationType.BACKWARD_WEIGHT: "W",
+}
+"""torch's computation types as the simulator's actions (cost_models.schedule.ACTIONS)."""
+
+
+def torch_rank_orders(schedule: str, pp: int, virtual_stages: int, microbatches: int
+                      ) -> list[list[tuple[str, int, int]]] | None:
+    """Per pipeline rank, the (action, stage, micro-batch) sequence torch's schedule runs;
+    None for schedules without a table (GPipe, 1F1B)."""
+    cls = getattr(schedules, f"Schedule{schedule}")
+    if not issubclass(cls, PipelineScheduleMulti):
+        return None
+    table = object.__new__(cls)  # the table needs the degrees, not the stages
+    rounds = max(1, microbatches // pp)
+    table.__dict__.update(pp_group_size=pp, n_local_stages=virtual_stages,
+                          _n_microbatches=microbatches, n_microbatches=microbatches,
+                          num_stages=pp * virtual_stages, _num_stages=pp * virtual_stages,
+                          number_of_rounds=rounds, microbatches_per_round=microbatches // rounds)
+    return [[(ACTION_OF[a.computation_type], a.stage_index, a.microbatch_index)
+             for a in table._calculate_single_rank_operations(rank) if a is not None]
+            for rank in range(pp)]
