@@ -285,7 +285,8 @@ def layer_cost(
     if layer.moe:  # its experts priced apart, at the option's expert-parallel degree
         return moe_layer_cost(layer, option, mesh, cluster, prec, microbatches,
                               hsdp_shard_size=hsdp_shard_size,
-                              layer_cost=functools.partial(layer_cost, estimators=estimators))
+                              layer_cost=functools.partial(layer_cost, estimators=estimators),
+                              all_to_all=estimators.expert_all_to_all)
     choice = parse_option(option)
     strategy, recompute = choice["strategy"], choice["recompute"]
     offload, sp = choice["offload"], choice["sequence_parallel"]

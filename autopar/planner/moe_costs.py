@@ -67,6 +67,9 @@ COST_TERMS_NOT_SUMMED = ("microbatches", "expert_parallel", "output_bytes")
 """LayerCost's numeric fields that are not a sum of the two parts: the output is the
 dense part's (the experts' rows return into it)."""
 
+AllToAllFn = Callable[[LayerInfo, int, Mesh, Cluster, Precision, int], tuple[float, float]]
+"""``all_to_all_s``'s signature (imbalance aside): ``Estimators.expert_all_to_all``."""
+
 CostFn = Callable[..., "LayerCost"]
 """``costs.layer_cost``: (layer, option, mesh, cluster, prec, microbatches, *,
 hsdp_shard_size) -> LayerCost."""
@@ -221,8 +224,11 @@ def expert_option(strategy: str, recompute: str, offload: bool, expert_mesh: Mes
 
 def moe_layer_cost(layer: LayerInfo, option: str, mesh: Mesh, cluster: Cluster,
                    prec: Precision, microbatches: int, *, hsdp_shard_size: int | None,
-                   layer_cost: CostFn, imbalance: float = LOAD_IMBALANCE) -> LayerCost:
-    """The cost of a MoE layer under ``option`` (its ``ep<n>`` part included)."""
+                   layer_cost: CostFn, all_to_all: AllToAllFn | None = None,
+                   imbalance: float = LOAD_IMBALANCE) -> LayerCost:
+    """The cost of a MoE layer under ``option`` (its ``ep<n>`` part included), its parts
+    priced by ``layer_cost`` and its all-to-alls by ``all_to_all`` (``all_to_all_s`` at
+    ``imbalance`` unless given: ``Estimators.expert_all_to_all``)."""
     choice = parse_option(option)
     ep = choice.pop("expert_parallel")
     if ep > 1 and (ep not in ep_degrees(layer, mesh) or choice["strategy"] not in EP_STRATEGIES):
@@ -238,7 +244,12 @@ def moe_layer_cost(layer: LayerInfo, option: str, mesh: Mesh, cluster: Cluster,
         expert_layer(layer, ep, mesh, m, imbalance),
         expert_option(choice["strategy"], choice["recompute"], choice["offload"], expert_mesh),
         expert_mesh, cluster, prec, m, hsdp_shard_size=hsdp_shard_size)
-    a2a, buffer = all_to_all_s(layer, ep, mesh, cluster, prec, m, imbalance)
+    if ep == 1:  # every expert on the rank: no tokens travel
+        a2a, buffer = 0.0, 0.0
+    elif all_to_all is None:
+        a2a, buffer = all_to_all_s(layer, ep, mesh, cluster, prec, m, imbalance)
+    else:
+        a2a, buffer = all_to_all(layer, ep, mesh, cluster, prec, m)
     fwd_a2a = 2 * a2a  # dispatch and combine
     bwd_a2a = 2 * a2a + (2 * a2a if choice["recompute"] == "full" else 0.0)
     total = _sum(dense, experts)
