@@ -16,9 +16,12 @@ from planner_cases import make_cluster
 
 from autopar.api import search_plans
 from autopar.explain import explain, format_explanation
+from autopar.planner import moe_costs
+from autopar.planner.costs import layer_cost
 from autopar.zoo import get_model
 from cost_models import moe
 from cost_models.hardware import Link, MiB
+from cost_models.memory import precision
 from passes.layer_graph import build_layer_graph
 from runtime.plan import Mesh, parse_option
 from runtime.plan_report import ms
@@ -75,6 +78,16 @@ def test_mixtral_layers_carry_their_experts():
     assert block.param_count == 8 * (256 * 2048 + 1024 * 256)
     assert (block.shape.num_experts, block.shape.top_k, block.shape.gated) == (8, 2, True)
     assert not next(x for x in graph.layers if x.name == "lm_head").moe
+    # Hugging Face runs the experts as grouped_mm, which PyTorch's FLOP counter does not
+    # count: the capture sees none of their 2·1024·(256·2048 + 1024·256) FLOPs, which the
+    # planner prices itself, at ep = 1 too.
+    assert block.fwd_flops == 0
+    assert moe.expert_fwd_flops(block.tokens, block.shape, 1) == 2 * 1024 * (256 * 2048
+                                                                             + 1024 * 256)
+    cluster, prec = make_cluster(per_node=4), precision("bfloat16")
+    whole = layer_cost(layer, "fsdp", Mesh(dp=4), cluster, prec)
+    dense = layer_cost(moe_costs.dense_part(layer), "fsdp", Mesh(dp=4), cluster, prec)
+    assert whole.compute_s > dense.compute_s
 
 
 def test_ep_is_set_on_exactly_the_moe_layers_when_it_wins(wide_experts_plan):
