@@ -13,12 +13,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autopar.planner.moe_costs import ep_problem
+from autopar.planner.moe_costs import ep_problem, runtime_problem
 from autopar.planner.search import SearchResult, class_options
 from autopar.planner.ties import describe_tie, with_tied_choices
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.records import LayerGraph
+from runtime.data_parallel import uses_ddp
 from runtime.plan import (
     Alternative,
     ClassCosts,
@@ -219,20 +220,24 @@ def _expert_parallel(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...
 
     with_ep = [v for v in verdicts if degree(v) > 1]
     if with_ep:
-        return _ep_verdict(verdicts, with_ep, [v for v in verdicts if degree(v) == 1])
+        return _ep_verdict(plan, verdicts, with_ep, [v for v in verdicts if degree(v) == 1])
+    where = dict(precision=plan.param_dtype, microbatches=plan.gradient_accumulation)
     layer = next((x for x in graph.layers if x.name == module), None) if graph else None
     if layer is not None:
-        why = ep_problem(layer, plan.mesh)
+        why = ep_problem(layer, plan.mesh, **where)
         return f"not available: {why}" if why else "not available"
     if plan.mesh.dp == 1:
         return "not available: mesh.dp is 1: no data-parallel ranks to split the experts over"
+    runtime = runtime_problem(plan.mesh, **where)
+    if runtime:
+        return f"not available in this plan: {runtime}"
     return ("not available: this layer holds no mixture-of-experts block the planner "
             "recognises (runtime/moe_blocks.py), or no divisor of mesh.dp="
             f"{plan.mesh.dp} above 1 divides its experts' count")
 
 
-def _ep_verdict(verdicts: tuple[OptionVerdict, ...], with_ep: list[OptionVerdict],
-                without: list[OptionVerdict]) -> str:
+def _ep_verdict(plan: Plan, verdicts: tuple[OptionVerdict, ...],
+                with_ep: list[OptionVerdict], without: list[OptionVerdict]) -> str:
     chosen = next(v for v in verdicts if v.chosen)
     if chosen in with_ep:
         return _ep_chosen(chosen, without)
@@ -241,9 +246,15 @@ def _ep_verdict(verdicts: tuple[OptionVerdict, ...], with_ep: list[OptionVerdict
         return (f"not chosen: the best expert-parallel option, {best_ep.strategy}, takes "
                 f"{ms(best_ep.time_s)} per layer against {ms(chosen.time_s)} for "
                 f"{chosen.strategy}")
-    return (f"not chosen: {best_ep.strategy} would be {ms(chosen.time_s - best_ep.time_s)} "
-            "faster per layer, but " + ("does not fit in memory" if not best_ep.fits
-                                        else "loses on the whole plan"))
+    head = (f"not chosen: {best_ep.strategy} would be {ms(chosen.time_s - best_ep.time_s)} "
+            "faster per layer, but ")
+    if not best_ep.fits:
+        return head + "does not fit in memory"
+    if plan.mesh.pp == 1 and uses_ddp(list(plan.layers),
+                                      mixed_precision=plan.param_dtype != "float32"):
+        return (head + "the plan runs on DDP (every layer replicate, in float32), which is "
+                "faster on the whole than FSDP2 and runs no expert parallelism")
+    return head + "loses on the whole plan"
 
 
 def _ep_chosen(chosen: OptionVerdict, without: list[OptionVerdict]) -> str:

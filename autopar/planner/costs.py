@@ -105,7 +105,7 @@ from autopar.planner.estimators import (
     batch_norm_sync_s,
 )
 from autopar.planner.loss_costs import loss_bytes
-from autopar.planner.moe_costs import moe_layer_cost, with_expert_parallel
+from autopar.planner.moe_costs import moe_layer_cost, runnable, with_expert_parallel
 from cost_models.compute import roofline_s
 from cost_models.hardware import Cluster, Overlap
 from cost_models.memory import Precision
@@ -247,7 +247,7 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
         for sp in (False, True) if s.tensor_parallel and can_sp else (False,):
             for off in (False, True) if offload and s.offloadable else (False,):
                 out += [option_label(strategy, r, off, sp) for r in modes]
-    return with_expert_parallel(layer, mesh, tuple(out))
+    return with_expert_parallel(layer, mesh, tuple(out), microbatches=microbatches)
 
 
 def undominated(costs: dict[str, LayerCost], terms) -> dict[str, LayerCost]:
@@ -477,9 +477,9 @@ def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cl
                   ) -> dict[str, LayerCost]:
     """Every option of one layer with its cost, dominated options removed."""
     hsdp = hsdp_shard_size(cluster, mesh.pp)
-    labels = allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
-                             microbatches=microbatches, selective=selective,
-                             offload=cluster.host.offload)
+    labels = runnable(allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
+                                      microbatches=microbatches, selective=selective,
+                                      offload=cluster.host.offload), prec.name)
     return prune_dominated({
         o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp)
         for o in labels})

@@ -19,11 +19,17 @@ on one rank (and counts no FLOPs at all where its GEMMs are grouped_mm calls). E
 option of such a layer, ep = 1 included, is priced this way, so EP and non-EP options
 compare on the same footing.
 
+Which options: a degree ep > 1 for every divisor of dp that divides each block's expert
+count, with each strategy the runtime combines EP with, in the plans it runs
+(``runtime_problem``: today a pure data-parallel mesh, float32, no gradient accumulation,
+no offload or recomputation of the layer, runtime/expert_parallel.py). The costs below
+price more than that (TP meshes, offload, recomputation), so that an estimate of a plan
+the runtime does not run yet can still be made.
+
 Expert strategy: the option's strategy, but the experts are not tensor-parallel (their
 3-D weights have no TP style): under ``tp`` they are replicated as under ``replicate``,
 under ``tp_fsdp`` fully sharded as under ``fsdp``; a sharded strategy on an expert mesh of
-one rank is ``replicate`` (nothing to shard). EP is not offered with ``hsdp`` (its shard
-group would have to nest the ep group; not modelled).
+one rank is ``replicate`` (nothing to shard).
 
 Approximations, stated: the ranks holding one expert shard are ep·cp·tp apart but their
 gradient collectives are priced as consecutive ranks (exact inside one node, optimistic
@@ -52,8 +58,10 @@ if TYPE_CHECKING:
 EXPERT_STRATEGY = {"replicate": "replicate", "zero1": "zero1", "zero2": "zero2",
                    "fsdp": "fsdp", "tp": "replicate", "tp_fsdp": "fsdp", "hsdp": "hsdp"}
 """The strategy a MoE layer's experts take under the layer's strategy (module docstring)."""
-EP_STRATEGIES = ("replicate", "zero1", "zero2", "fsdp", "tp", "tp_fsdp")
-"""Strategies offered with an expert-parallel degree above 1."""
+EP_STRATEGIES = ("replicate", "zero1", "zero2", "fsdp")
+"""Strategies offered with an expert-parallel degree above 1: those the runtime combines
+with it (``SUPPORTED_STRATEGIES`` of runtime/expert_parallel.py, which should be read from
+there once both are in one tree)."""
 
 LOAD_IMBALANCE = moe.DEFAULT_LOAD_IMBALANCE
 """The busiest rank's routed rows over the mean, assumed by the planner."""
@@ -86,7 +94,8 @@ def ep_degrees(layer: LayerInfo, mesh: Mesh) -> tuple[int, ...]:
     return tuple(d for d in range(2, mesh.dp + 1) if mesh.dp % d == 0 and experts % d == 0)
 
 
-def ep_problem(layer: LayerInfo, mesh: Mesh) -> str | None:
+def ep_problem(layer: LayerInfo, mesh: Mesh, *, precision: str = "float32",
+               microbatches: int = 1) -> str | None:
     """Why the layer cannot take expert parallelism on this mesh, or None when it can."""
     if not layer.moe:
         return "no mixture-of-experts block in this layer"
@@ -96,20 +105,51 @@ def ep_problem(layer: LayerInfo, mesh: Mesh) -> str | None:
         counts = ", ".join(str(b.shape.num_experts) for b in layer.moe)
         return (f"no divisor of mesh.dp={mesh.dp} above 1 divides the experts' count "
                 f"({counts})")
+    return runtime_problem(mesh, precision=precision, microbatches=microbatches)
+
+
+def runtime_problem(mesh: Mesh, *, precision: str = "float32", microbatches: int = 1,
+                    strategy: str = "replicate", recompute: str = "none",
+                    offload: bool = False) -> str | None:
+    """What of this combination the expert-parallel runtime does not run yet
+    (runtime/expert_parallel.py refuses it in ``runtime.validate``), or None. The search
+    offers only what the runtime runs."""
+    if (mesh.pp, mesh.cp, mesh.tp) != (1, 1, 1):
+        return (f"the runtime runs expert parallelism on a data-parallel mesh only, and "
+                f"this one is {mesh.describe()}")
+    if precision != "float32":
+        return f"the runtime runs expert parallelism in float32 only, not {precision}"
+    if microbatches > 1:
+        return "the runtime runs expert parallelism without gradient accumulation only"
+    if strategy not in EP_STRATEGIES:
+        return (f"the runtime combines expert parallelism with {', '.join(EP_STRATEGIES)} "
+                f"only, not {strategy}")
+    if offload or recompute != "none":
+        return "the runtime runs expert parallelism without offload or recomputation only"
     return None
 
 
-def with_expert_parallel(layer: LayerInfo, mesh: Mesh, labels: tuple[str, ...]
-                         ) -> tuple[str, ...]:
-    """``labels`` and, for a MoE layer, each label of an EP_STRATEGIES strategy at every
-    expert-parallel degree the layer can take."""
+def with_expert_parallel(layer: LayerInfo, mesh: Mesh, labels: tuple[str, ...], *,
+                         microbatches: int = 1) -> tuple[str, ...]:
+    """``labels`` and, for a MoE layer, each label the runtime can run with expert
+    parallelism (``runtime_problem``) at every degree the layer can take."""
     out = list(labels)
     for ep in ep_degrees(layer, mesh):
         for label in labels:
             choice = parse_option(label)
-            if choice["strategy"] in EP_STRATEGIES:
-                out.append(option_label(**{**choice, "expert_parallel": ep}))
+            if runtime_problem(mesh, microbatches=microbatches, strategy=choice["strategy"],
+                               recompute=choice["recompute"], offload=choice["offload"]):
+                continue
+            out.append(option_label(**{**choice, "expert_parallel": ep}))
     return tuple(out)
+
+
+def runnable(labels: tuple[str, ...], precision: str) -> tuple[str, ...]:
+    """``labels`` less the expert-parallel ones where the runtime cannot run them in
+    ``precision`` (``runtime_problem``)."""
+    if runtime_problem(Mesh(), precision=precision) is None:
+        return labels
+    return tuple(o for o in labels if parse_option(o)["expert_parallel"] == 1)
 
 
 # -- the two parts ----------------------------------------------------------------------------

@@ -47,20 +47,21 @@ def tokens(batch: int, seq: int) -> dict:
 
 @pytest.fixture(scope="module")
 def wide_experts_plan():
-    """H = 256, I = 1024: 6.3M expert weights a layer against 0.2M dense; 512 tokens. On 4
+    """Float32 (the runtime's EP runs in float32 only) throughout.
+    H = 256, I = 1024: 6.3M expert weights a layer against 0.2M dense; 512 tokens. On 4
     ranks of one node, holding every expert costs each rank the optimizer step and the
     gradient all-reduce of all 8; all-to-alls of 128 tokens on NVLink cost microseconds."""
     return search_plans(mixtral(256, 1024), make_cluster(per_node=4), tokens(8, 64),
-                        precision="bfloat16", mesh=Mesh(dp=4)).plan
+                        precision="float32", mesh=Mesh(dp=4)).plan
 
 
 @pytest.fixture(scope="module")
 def slow_network_plan():
-    """H = I = 64: 98,304 expert weights a layer (a 0.2 MB bf16 gradient: all-reduced
-    across 4 nodes in 2·¾·0.2 MB/1 GB/s = 0.29 ms); 8,192 tokens, 2,048 a rank, each
-    all-to-all at ep = 2 sends ½·2048·2·64·2 bytes over the network: 0.26 ms + 50 µs,
-    four a micro-batch, 1.25 ms: more than EP could save."""
-    return search_plans(mixtral(64, 64), SLOW, tokens(16, 512), precision="bfloat16",
+    """H = I = 64: 98,304 expert weights a layer (a 0.39 MB float32 gradient: all-reduced
+    across 4 nodes in 2·¾·0.39 MB/1 GB/s = 0.59 ms); 8,192 tokens, 2,048 a rank, each
+    all-to-all at ep = 2 sends ½·2048·2·64·4 bytes over the network: 0.52 ms + 50 µs,
+    four a micro-batch, 2.3 ms: more than EP could save."""
+    return search_plans(mixtral(64, 64), SLOW, tokens(16, 512), precision="float32",
                         mesh=Mesh(dp=4)).plan
 
 
@@ -84,7 +85,7 @@ def test_mixtral_layers_carry_their_experts():
     assert block.fwd_flops == 0
     assert moe.expert_fwd_flops(block.tokens, block.shape, 1) == 2 * 1024 * (256 * 2048
                                                                              + 1024 * 256)
-    cluster, prec = make_cluster(per_node=4), precision("bfloat16")
+    cluster, prec = make_cluster(per_node=4), precision("float32")
     whole = layer_cost(layer, "fsdp", Mesh(dp=4), cluster, prec)
     dense = layer_cost(moe_costs.dense_part(layer), "fsdp", Mesh(dp=4), cluster, prec)
     assert whole.compute_s > dense.compute_s
@@ -142,6 +143,14 @@ def test_explain_says_why_ep_was_unavailable():
         "not available: no mixture-of-experts block in this layer")
     assert "no mixture-of-experts block the planner recognises" in \
         explain(four, "lm_head").expert_parallel  # a saved plan alone narrows it down
+    mixed = search_plans(model, make_cluster(per_node=4), inputs, precision="bfloat16",
+                         mesh=Mesh(dp=4)).plan
+    assert all(x.expert_parallel == 1 for x in mixed.layers)
+    float32_only = "the runtime runs expert parallelism in float32 only, not bfloat16"
+    assert explain(mixed, "model.layers.0", graph).expert_parallel == \
+        f"not available: {float32_only}"
+    assert explain(mixed, "model.layers.0").expert_parallel == \
+        f"not available in this plan: {float32_only}"
     model3 = mixtral(64, 64, experts=3)
     three = search_plans(model3, make_cluster(per_node=4), inputs, mesh=Mesh(dp=4)).plan
     assert all(x.expert_parallel == 1 for x in three.layers)
@@ -150,14 +159,15 @@ def test_explain_says_why_ep_was_unavailable():
 
 
 def test_zoo_moe_takes_ep_on_its_moe_blocks_when_memory_binds():
-    """moe-small (4 blocks of 8 experts, top-2) on 4 ranks of 20 MiB: FSDP of the whole
-    layer gathers every expert (all 8 at once, and the next layer's prefetched); under
-    fsdp+ep2 a rank gathers its 4 experts from the 2 ranks holding their shards, so the
-    transient is about half and the plan fits where it would not without EP."""
+    """moe-small (4 blocks of 8 experts, top-2), batch 8 × 64, on 4 ranks of 30 MiB: FSDP
+    of the whole layer gathers every expert (all 8 at once, and the next layer's
+    prefetched); under fsdp+ep2 a rank gathers its 4 experts from the 2 ranks holding
+    their shards, so the transient is about half and fsdp+ep2 fits where fsdp does not,
+    faster than what fits without EP (recomputation)."""
     spec = get_model("moe-small")
-    model, inputs = spec.build("meta"), spec.example_inputs(32, 64, device="meta")
-    plan = search_plans(model, make_cluster(per_node=4, memory_bytes=20 * MiB), inputs,
-                        precision="bfloat16", mesh=Mesh(dp=4)).plan
+    model, inputs = spec.build("meta"), spec.example_inputs(8, 64, device="meta")
+    plan = search_plans(model, make_cluster(per_node=4, memory_bytes=30 * MiB), inputs,
+                        precision="float32", mesh=Mesh(dp=4)).plan
     with_ep = {x.module for x in plan.layers if x.expert_parallel > 1}
     assert with_ep == moe_layers(model, inputs) == {f"h.{i}" for i in range(4)}
     e = explain(plan, "h.0")
@@ -170,7 +180,7 @@ def test_zoo_moe_tiny_keeps_its_experts_whole_on_ample_memory():
     all-to-alls a micro-batch cost more than splitting the experts saves."""
     spec = get_model("moe-tiny")
     model, inputs = spec.build("meta"), spec.example_inputs(8, 64, device="meta")
-    plan = search_plans(model, make_cluster(per_node=4), inputs, precision="bfloat16",
+    plan = search_plans(model, make_cluster(per_node=4), inputs, precision="float32",
                         mesh=Mesh(dp=4)).plan
     assert all(x.expert_parallel == 1 for x in plan.layers)
     assert explain(plan, "h.0").expert_parallel.startswith(
@@ -187,3 +197,18 @@ def test_the_expert_estimator_counts_the_flops_the_zoo_moe_registers():
     (block,) = next(x for x in graph.layers if x.name == "h.0").moe
     assert block.fwd_flops == 50_331_648
     assert moe.expert_fwd_flops(block.tokens, block.shape, 1) == block.fwd_flops
+
+
+def test_explain_names_ddp_when_it_beats_a_faster_ep_layer():
+    """moe-small, batch 32 × 64, on 4 ranks of 80 GiB: per layer replicate+ep2 is a little
+    faster than replicate under FSDP2, but the all-replicate plan runs on DDP, without
+    FSDP2's host time, and wins on the whole; DDP runs no expert parallelism."""
+    spec = get_model("moe-small")
+    model, inputs = spec.build("meta"), spec.example_inputs(32, 64, device="meta")
+    plan = search_plans(model, make_cluster(per_node=4), inputs, precision="float32",
+                        mesh=Mesh(dp=4)).plan
+    assert all(x.strategy == "replicate" and x.expert_parallel == 1 for x in plan.layers)
+    text = explain(plan, "h.0").expert_parallel
+    assert text.startswith("not chosen: replicate+ep")
+    assert text.endswith("the plan runs on DDP (every layer replicate, in float32), which "
+                         "is faster on the whole than FSDP2 and runs no expert parallelism")

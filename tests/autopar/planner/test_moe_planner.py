@@ -17,7 +17,7 @@ import pytest
 from planner_cases import graph_of, make_cluster, make_layer
 
 from autopar.planner import moe_costs
-from autopar.planner.costs import allowed_options, layer_cost
+from autopar.planner.costs import allowed_options, layer_cost, layer_options
 from autopar.planner.estimators import ANALYTIC
 from autopar.planner.ilp import ClassOptions
 from autopar.planner.search import ddp_programs, runs_on_ddp, search
@@ -25,7 +25,7 @@ from cost_models.hardware import GiB, Link
 from cost_models.memory import precision
 from cost_models.moe import ExpertShape
 from passes.records import MoEInfo
-from runtime.plan import Mesh
+from runtime.plan import Mesh, parse_option
 
 BF16 = precision("bfloat16")
 SHAPE = ExpertShape(num_experts=8, top_k=2, hidden_size=1024, intermediate_size=2048)
@@ -149,49 +149,71 @@ def stack(n: int = 4, **kw) -> list:
 
 
 def test_finds_ep_when_memory_binds_on_fast_links():
-    """4 ranks in one node, 1.2 GiB each. Every expert on every rank (replicate) needs
-    4 · 54.5M · 18 bytes = 3.9 GB: it does not fit. FSDP fits but gathers all 8 experts
-    (100.7 MB in bf16) twice a micro-batch and reduce-scatters their gradients:
-    3 · ¾ · 100.7 MB / 200 GB/s = 1.13 ms a layer, partly hidden behind compute. Under
-    ep = 4 a rank holds the same expert bytes (2 experts whole, as 8 sharded over 4) and
-    moves only tokens: 4 all-to-alls of 46.46 µs = 0.19 ms
-    (test_ep_adds_four_all_to_alls_per_micro_batch). EP on every MoE layer, none on the
-    dense head, and faster than the same option without it."""
-    cluster = make_cluster(per_node=4, memory_bytes=int(1.2 * GiB))
+    """4 ranks in one node, 3 GiB each, float32 (the runtime's EP runs in float32 only):
+    4 bytes a weight, 4 its gradient, 8 Adam's, 4 FSDP2's gathered copy. Every expert on
+    every rank (replicate) needs 4 · 54.5M · 20 bytes = 4.4 GB: it does not fit. FSDP
+    fits but gathers all 8 experts (201 MB) twice a micro-batch and reduce-scatters their
+    gradients: 3 · ¾ · 201 MB / 200 GB/s = 2.26 ms a layer, partly hidden behind compute.
+    Under ep = 4 a rank holds 2 experts and moves only tokens: 4 all-to-alls of
+    ¾·16.8 MB/200 GB/s + 3·5 µs = 78 µs. EP on every MoE layer, none on the dense head, and
+    faster than the same option without it."""
+    fp32 = precision("float32")
+    cluster = make_cluster(per_node=4, memory_bytes=3 * GiB)
     graph = graph_of(stack(), batch=8)
-    plan = search(graph, cluster, precision_name="bfloat16", mesh=Mesh(dp=4),
+    plan = search(graph, cluster, precision_name="float32", mesh=Mesh(dp=4),
                   pipeline=False).plan
     degrees = {x.module: x.expert_parallel for x in plan.layers}
     assert degrees["head"] == 1
     assert all(degrees[f"layers.{i}"] > 1 for i in range(4)), degrees
-    chosen = layer_cost(graph.layers[0], plan.layers[0].option, plan.mesh, cluster, BF16)
+    chosen = layer_cost(graph.layers[0], plan.layers[0].option, plan.mesh, cluster, fp32)
     same = layer_cost(graph.layers[0], plan.layers[0].option.replace(
-        f"+ep{chosen.expert_parallel}", ""), plan.mesh, cluster, BF16)
+        f"+ep{chosen.expert_parallel}", ""), plan.mesh, cluster, fp32)
     assert chosen.time_s < same.time_s
-    whole = layer_cost(graph.layers[0], "replicate", plan.mesh, cluster, BF16)
-    assert whole.states_bytes == pytest.approx((DENSE_PARAMS + EXPERT_PARAMS) * 18)
-    assert 4 * whole.states_bytes > 1.2 * GiB
+    whole = layer_cost(graph.layers[0], "replicate", plan.mesh, cluster, fp32)
+    assert whole.states_bytes == pytest.approx((DENSE_PARAMS + EXPERT_PARAMS) * 20)
+    assert 4 * whole.states_bytes > 3 * GiB
+
+
+def test_offers_ep_only_where_the_runtime_runs_it():
+    """Today the runtime runs EP on a data-parallel mesh in float32, without gradient
+    accumulation, offload or recomputation, with replicate, zero1, zero2 or fsdp."""
+    layer, cluster = moe_layer(), make_cluster(per_node=4)
+    fp32 = layer_options(layer, None, Mesh(dp=4), cluster, precision("float32"))
+    assert {parse_option(o)["strategy"] for o in fp32 if "+ep" in o} <= set(
+        moe_costs.EP_STRATEGIES)
+    assert all(parse_option(o)["recompute"] == "none" and not parse_option(o)["offload"]
+               for o in fp32 if "+ep" in o)
+    assert any("+ep" in o for o in fp32)
+    assert not any("+ep" in o for o in layer_options(layer, None, Mesh(dp=4), cluster, BF16))
+    assert not any("+ep" in o for o in allowed_options(layer, Mesh(dp=4), microbatches=2))
+    assert not any("+ep" in o for o in allowed_options(layer, Mesh(dp=2, tp=2)))
+    assert "float32 only, not bfloat16" in moe_costs.ep_problem(layer, Mesh(dp=4),
+                                                                precision="bfloat16")
+    assert "data-parallel mesh only" in moe_costs.ep_problem(layer, Mesh(dp=2, tp=2))
 
 
 def test_keeps_experts_whole_when_ep_crosses_a_slow_network():
     """4 nodes of one rank on a 1 GB/s, 50 µs network; small experts (H = 256, I = 512:
     393,216 weights each, 3,145,728 the block) and many tokens (16,384 a rank, routing
-    32,768 rows of 256 bf16 values: S = 16.8 MB). At ep = 2 every all-to-all sends
-    ½·S over the network: 8.39 ms + 50 µs, 4 of them: 33.8 ms a layer. The most EP can
-    save is the experts' gradient all-reduce across the 4 nodes (2·¾·6.29 MB / 1 GB/s
-    = 9.4 ms) and some GEMM efficiency: EP loses, on every layer."""
+    32,768 rows of 256 float32 values: S = 33.6 MB). At ep = 2 every all-to-all sends
+    ½·S over the network: 16.8 ms + 50 µs, 4 of them: 67.2 ms a layer. The most EP can
+    save is the experts' gradient all-reduce across the 4 nodes (2·¾·12.6 MB / 1 GB/s
+    = 18.9 ms) and some GEMM efficiency: EP loses, on every layer."""
     slow = replace(make_cluster(nodes=4, per_node=1),
                    inter_node=Link(kind="network", bandwidth_GBps=1.0, latency_s=50e-6))
     shape = ExpertShape(num_experts=8, top_k=2, hidden_size=256, intermediate_size=512)
     graph = graph_of(stack(shape=shape, tokens=4 * 16384), batch=64)
-    plan = search(graph, slow, precision_name="bfloat16", mesh=Mesh(dp=4),
+    fp32 = precision("float32")
+    plan = search(graph, slow, precision_name="float32", mesh=Mesh(dp=4),
                   pipeline=False).plan
     assert all(x.expert_parallel == 1 for x in plan.layers), [x.option for x in plan.layers]
-    a2a = 0.5 * 32768 * 256 * 2 / 1e9 + 50e-6
-    all_reduce = 2 * 0.75 * 3_145_728 * 2 / 1e9
+    options = layer_options(graph.layers[0], None, plan.mesh, slow, fp32)
+    assert any("+ep" in o for o in options)  # offered, and lost
+    a2a = 0.5 * 32768 * 256 * 4 / 1e9 + 50e-6
+    all_reduce = 2 * 0.75 * 3_145_728 * 4 / 1e9
     assert 4 * a2a > 3 * all_reduce
-    ep2 = layer_cost(graph.layers[0], "replicate+ep2", plan.mesh, slow, BF16)
-    whole = layer_cost(graph.layers[0], "replicate", plan.mesh, slow, BF16)
+    ep2 = layer_cost(graph.layers[0], "replicate+ep2", plan.mesh, slow, fp32)
+    whole = layer_cost(graph.layers[0], "replicate", plan.mesh, slow, fp32)
     assert ep2.comm_s - whole.comm_s > 4 * a2a - all_reduce
 
 
