@@ -65,12 +65,13 @@ class MemoryTerms:
     """The five kinds of memory a rank holds, in bytes: the one record of them that layer
     costs, liveness events, option costs and a plan's predicted peak all build on."""
 
-    params_bytes: float = 0
-    grads_bytes: float = 0
-    optimizer_bytes: float = 0
-    activations_bytes: float = 0
+    params_bytes: int | float = 0
+    """Integers in a plan's records; modelled averages may be fractional."""
+    grads_bytes: int | float = 0
+    optimizer_bytes: int | float = 0
+    activations_bytes: int | float = 0
     """Saved for backward."""
-    buffers_bytes: float = 0
+    buffers_bytes: int | float = 0
     """Transient: communication buffers, gathered parameters, recomputed activations."""
 
     @property

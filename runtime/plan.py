@@ -39,9 +39,12 @@ import json
 import math
 import os
 import tempfile
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import msgspec
 
 from cost_models.errors import ConfigError
 from cost_models.memory import MemoryTerms
@@ -637,43 +640,23 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "plan") -> Plan:
+        """A plan from its JSON object: migrated from an older version, every field checked
+        (names, types, ranges, then each record's own rules), errors naming the field."""
         if not isinstance(data, dict):
-            raise PlanError(f"{source}: a plan must be a JSON object")
+            raise PlanError(f"{source}: a plan must be a JSON object, got {_json_type(data)}")
+        data = migrate(dict(data), source)
+        _check_names(cls, data, source)
+        _check_integers(data, source, "")
         try:
-            fields = migrate(dict(data), source)
-            fields["mesh"] = _build(Mesh, fields.get("mesh", {}), f"{source}: mesh")
-            fields["layers"] = tuple(
-                _build(LayerPlan, layer, f"{source}: layers[{i}]")
-                for i, layer in enumerate(fields.get("layers", []))
-            )
-            if fields.get("prediction") is not None:
-                pred = dict(fields["prediction"])
-                pred["memory"] = _build(
-                    MemoryBreakdown, pred.get("memory", {}), f"{source}: prediction.memory"
-                )
-                pred["rank_memory"] = tuple(
-                    _build(MemoryBreakdown, m, f"{source}: prediction.rank_memory[{i}]")
-                    for i, m in enumerate(pred.get("rank_memory", ()))
-                )
-                fields["prediction"] = _build(Prediction, pred, f"{source}: prediction")
-            if fields.get("pipeline") is not None:
-                fields["pipeline"] = _build(PipelineSpec, fields["pipeline"], f"{source}: pipeline")
-            if fields.get("solver") is not None:
-                fields["solver"] = _build(SolverReport, fields["solver"], f"{source}: solver")
-            if fields.get("rationale") is not None:
-                fields["rationale"] = _rationale_from_dict(fields["rationale"],
-                                                           f"{source}: rationale")
-            return _build(cls, fields, source)
-        except PlanError as e:
-            if str(e).startswith(source):
-                raise
-            raise PlanError(f"{source}: {e}") from e
+            return msgspec.convert(data, cls)
+        except msgspec.ValidationError as e:
+            raise PlanError(f"{source}: {_located(str(e))}") from None
 
     @classmethod
     def from_json(cls, text: str, *, source: str = "plan") -> Plan:
         try:
             data = json.loads(text)
-        except json.JSONDecodeError as e:
+        except ValueError as e:  # JSONDecodeError, or an integer of more than 4300 digits
             raise PlanError(f"{source}: not valid JSON ({e})") from e
         return cls.from_dict(data, source=source)
 
@@ -693,9 +676,14 @@ class Plan:
     def load(cls, path: str | os.PathLike) -> Plan:
         path = Path(path)
         try:
-            text = path.read_text()
+            raw = path.read_bytes()
         except OSError as e:
             raise PlanError(f"cannot read plan file {path}: {e.strerror}") from e
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise PlanError(f"{path}: not a UTF-8 text file (byte {e.start} is "
+                            f"{raw[e.start:e.start + 1]!r}); a plan is JSON in UTF-8") from None
         return cls.from_json(text, source=str(path))
 
 
@@ -747,40 +735,68 @@ def _unsupported(version: Any) -> str:
             "re-plan with `autopar plan`")
 
 
-def _rationale_from_dict(data: Any, where: str) -> Rationale:
-    if not isinstance(data, dict):
-        raise PlanError(f"{where}: expected a JSON object, got {type(data).__name__}")
-    fields = dict(data)
-    fields["classes"] = tuple(
-        _build(ClassCosts, {**c, "options": tuple(
-            _build(OptionCost, o, f"{where}: classes[{i}].options[{j}]")
-            for j, o in enumerate(c.get("options", []) if isinstance(c, dict) else []))},
-            f"{where}: classes[{i}]")
-        for i, c in enumerate(fields.get("classes", []))
-    )
-    alternatives = []
-    for i, a in enumerate(fields.get("alternatives", [])):
-        here = f"{where}: alternatives[{i}]"
-        if not isinstance(a, dict):
-            raise PlanError(f"{here}: expected a JSON object, got {type(a).__name__}")
-        a = dict(a)
-        a["mesh"] = _build(Mesh, a.get("mesh", {}), f"{here}.mesh")
-        if a.get("pipeline") is not None:
-            a["pipeline"] = _build(PipelineSpec, a["pipeline"], f"{here}.pipeline")
-        alternatives.append(_build(Alternative, a, here))
-    fields["alternatives"] = tuple(alternatives)
-    return _build(Rationale, fields, where)
+JSON_INT_LIMIT = 2**63
+"""Integers a plan may hold (the range of int64, as JSON readers in other languages take)."""
 
 
-def _build(cls: type, data: Any, where: str) -> Any:
-    """Construct a dataclass from a dict, naming unknown or missing fields."""
-    if not isinstance(data, dict):
-        raise PlanError(f"{where}: expected a JSON object, got {type(data).__name__}")
+def plan_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a plan file (docs/plan.schema.json is this, published)."""
+    return msgspec.json.schema(Plan)
+
+
+def _json_type(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean",
+            int: "an integer", float: "a number", type(None): "null"}.get(type(value),
+                                                                        type(value).__name__)
+
+
+def _located(message: str) -> str:
+    """msgspec's 'what - at `$.a.b[0]`' as 'a.b[0]: what'."""
+    what, sep, path = message.rpartition(" - at `$")
+    if not sep:
+        return message
+    path = path.rstrip("`").lstrip(".")
+    return f"{path}: {what}" if path else what
+
+
+def _check_names(cls: type, data: Any, where: str) -> None:
+    """Unknown field names, at every level of the plan's records, named with the valid ones
+    (types are msgspec's to check)."""
+    if not isinstance(data, dict) or not dataclasses.is_dataclass(cls):
+        return
+    hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - names)
     if unknown:
         raise PlanError(f"{where}: unknown field(s) {unknown}; valid fields: {sorted(names)}")
-    try:
-        return cls(**data)
-    except TypeError as e:
-        raise PlanError(f"{where}: {e}") from e
+    for name, value in data.items():
+        record = _record_type(hints[name])
+        if record is None:
+            continue
+        if isinstance(value, list):
+            for i, item in enumerate(value):
+                _check_names(record, item, f"{where}: {name}[{i}]")
+        else:
+            _check_names(record, value, f"{where}: {name}")
+
+
+def _record_type(hint: Any) -> type | None:
+    """The dataclass a field holds (alone, optional, or as a tuple of them), if any."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    for arg in typing.get_args(hint):
+        if arg is not Ellipsis and dataclasses.is_dataclass(arg):
+            return arg
+    return None
+
+
+def _check_integers(data: Any, where: str, path: str) -> None:
+    if isinstance(data, dict):
+        for key, value in data.items():
+            _check_integers(value, where, f"{path}.{key}" if path else str(key))
+    elif isinstance(data, list):
+        for i, value in enumerate(data):
+            _check_integers(value, where, f"{path}[{i}]")
+    elif isinstance(data, int) and not isinstance(data, bool) and abs(data) >= JSON_INT_LIMIT:
+        raise PlanError(f"{where}: {path}: an integer of {data.bit_length()} bits is out of "
+                        "range (plans hold integers below 2**63)")

@@ -10,7 +10,7 @@ import pytest
 from reference import single_process_losses
 
 from autopar.cli import main
-from runtime.plan import Plan
+from runtime.plan import PLAN_VERSION, Plan
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
@@ -28,7 +28,7 @@ def test_plan_prints_layers_step_time_and_memory_and_writes_json(tmp_path, capsy
     assert "predicted step time" in out and "peak memory per rank" in out
     assert f"{plan.prediction.step_time_s * 1e3:.3f} ms" in out
     assert plan.global_batch == 16 and plan.seq_len == 512
-    assert json.loads(path.read_text())["version"] == 1
+    assert json.loads(path.read_text())["version"] == PLAN_VERSION
 
 
 def test_plan_output_is_the_plan_alone():
