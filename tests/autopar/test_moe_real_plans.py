@@ -23,7 +23,7 @@ from cost_models import moe
 from cost_models.hardware import Link, MiB
 from cost_models.memory import precision
 from passes.layer_graph import build_layer_graph
-from runtime.plan import Mesh, parse_option
+from runtime.plan import Mesh, Plan, parse_option
 from runtime.plan_report import ms
 
 transformers = pytest.importorskip("transformers")
@@ -212,3 +212,12 @@ def test_explain_names_ddp_when_it_beats_a_faster_ep_layer():
     assert text.startswith("not chosen: replicate+ep")
     assert text.endswith("the plan runs on DDP (every layer replicate, in float32), which "
                          "is faster on the whole than FSDP2 and runs no expert parallelism")
+
+
+def test_a_saved_ep_plan_loads_and_explains_the_same(wide_experts_plan, tmp_path):
+    path = tmp_path / "plan.json"
+    wide_experts_plan.save(path)
+    loaded = Plan.load(path)
+    assert [x.expert_parallel for x in loaded.layers] == \
+        [x.expert_parallel for x in wide_experts_plan.layers]
+    assert explain(loaded, "model.layers.0") == explain(wide_experts_plan, "model.layers.0")
