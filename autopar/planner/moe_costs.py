@@ -60,8 +60,7 @@ EXPERT_STRATEGY = {"replicate": "replicate", "zero1": "zero1", "zero2": "zero2",
 """The strategy a MoE layer's experts take under the layer's strategy (module docstring)."""
 EP_STRATEGIES = ("replicate", "zero1", "zero2", "fsdp")
 """Strategies offered with an expert-parallel degree above 1: those the runtime combines
-with it (``SUPPORTED_STRATEGIES`` of runtime/expert_parallel.py, which should be read from
-there once both are in one tree)."""
+with it (``SUPPORTED_STRATEGIES`` of runtime/expert_parallel.py)."""
 
 LOAD_IMBALANCE = moe.DEFAULT_LOAD_IMBALANCE
 """The busiest rank's routed rows over the mean, assumed by the planner."""
