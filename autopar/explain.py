@@ -13,11 +13,13 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.planner.moe_costs import ep_problem, runtime_problem
 from autopar.planner.search import SearchResult, class_options
 from autopar.planner.ties import describe_tie, with_tied_choices
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.records import LayerGraph
+from runtime.data_parallel import uses_ddp
 from runtime.plan import (
     Alternative,
     ClassCosts,
@@ -130,10 +132,16 @@ class Explanation:
     """Strategies the planner could not offer this layer, with the reason."""
     reason: str
     source: str
+    expert_parallel: str = ""
+    """Why the layer's mixture-of-experts blocks were or were not split over ranks (its
+    best expert-parallel option against its best other one), or why expert parallelism
+    was not available to it."""
 
 
-def explain(plan: Plan, module: str) -> Explanation:
-    """Why ``module`` got its strategy, and what every other option would cost."""
+def explain(plan: Plan, module: str, graph: LayerGraph | None = None) -> Explanation:
+    """Why ``module`` got its strategy, and what every other option would cost. ``graph``
+    (the layer graph the plan was made from, when at hand) lets the expert-parallel part
+    name exactly why EP was unavailable; a saved plan alone narrows it down."""
     from autopar.errors import ConfigError
 
     try:
@@ -161,7 +169,8 @@ def explain(plan: Plan, module: str) -> Explanation:
                        strategy=layer.option, class_mix=mix, options=verdicts,
                        unavailable=unavailable, reason=_tie_reason(plan, module, verdicts)
                        or _reason(plan, verdicts, mix),
-                       source=plan.prediction.source)
+                       source=plan.prediction.source,
+                       expert_parallel=_expert_parallel(plan, module, verdicts, graph))
 
 
 def _verdict(plan: Plan, chosen: OptionCost, option: OptionCost) -> OptionVerdict:
@@ -201,6 +210,71 @@ def _why_unavailable(strategy: str, plan: Plan, module: str) -> str:
         replicas=mesh.replicas, tp=mesh.tp, microbatches=plan.microbatches,
         hsdp_shard_size=plan.hsdp_shard_size, tp_split=False, tie=tie)
     return reason or "another option is at least as fast and needs no more memory (dominated)"
+
+
+def _expert_parallel(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...],
+                     graph: LayerGraph | None) -> str:
+    """The expert-parallel sentence of ``Explanation``."""
+    def degree(v: OptionVerdict) -> int:
+        return parse_option(v.strategy)["expert_parallel"]
+
+    with_ep = [v for v in verdicts if degree(v) > 1]
+    if with_ep:
+        return _ep_verdict(plan, verdicts, with_ep, [v for v in verdicts if degree(v) == 1])
+    where = dict(precision=plan.param_dtype, microbatches=plan.gradient_accumulation)
+    layer = next((x for x in graph.layers if x.name == module), None) if graph else None
+    if layer is not None:
+        why = ep_problem(layer, plan.mesh, **where)
+        return f"not available: {why}" if why else "not available"
+    if plan.mesh.dp == 1:
+        return "not available: mesh.dp is 1: no data-parallel ranks to split the experts over"
+    runtime = runtime_problem(plan.mesh, **where)
+    if runtime:
+        return f"not available in this plan: {runtime}"
+    return ("not available: this layer holds no mixture-of-experts block the planner "
+            "recognises (runtime/moe_blocks.py), or no divisor of mesh.dp="
+            f"{plan.mesh.dp} above 1 divides its experts' count")
+
+
+def _ep_verdict(plan: Plan, verdicts: tuple[OptionVerdict, ...],
+                with_ep: list[OptionVerdict], without: list[OptionVerdict]) -> str:
+    chosen = next(v for v in verdicts if v.chosen)
+    if chosen in with_ep:
+        return _ep_chosen(chosen, without)
+    best_ep = min(with_ep, key=lambda v: v.time_s)
+    if best_ep.time_s >= chosen.time_s:
+        return (f"not chosen: the best expert-parallel option, {best_ep.strategy}, takes "
+                f"{ms(best_ep.time_s)} per layer against {ms(chosen.time_s)} for "
+                f"{chosen.strategy}")
+    head = (f"not chosen: {best_ep.strategy} would be {ms(chosen.time_s - best_ep.time_s)} "
+            "faster per layer, but ")
+    if not best_ep.fits:
+        return head + "does not fit in memory"
+    if plan.mesh.pp == 1 and uses_ddp(list(plan.layers),
+                                      mixed_precision=plan.param_dtype != "float32"):
+        return (head + "the plan runs on DDP (every layer replicate, in float32), which is "
+                "faster on the whole than FSDP2 and runs no expert parallelism")
+    return head + "loses on the whole plan"
+
+
+def _ep_chosen(chosen: OptionVerdict, without: list[OptionVerdict]) -> str:
+    """Why an expert-parallel option won: against the fastest option without EP, and, if
+    that one does not fit, the fastest without EP that does."""
+    head = f"chosen ({chosen.strategy}, {ms(chosen.time_s)} per layer)"
+    if not without:
+        return f"{head}: no option without expert parallelism was priced"
+    fastest = min(without, key=lambda v: v.time_s)
+    fitting = [v for v in without if v.fits]
+    best_fit = min(fitting, key=lambda v: v.time_s) if fitting else None
+    if fastest.time_s >= chosen.time_s:
+        return f"{head}: the best option without it, {fastest.strategy}, takes {ms(fastest.time_s)}"
+    if fastest.fits:
+        return (f"{head}: {fastest.strategy} without it takes {ms(fastest.time_s)} and would "
+                "fit, but loses on the whole plan")
+    rest = (f"the fastest that fits, {best_fit.strategy}, takes {ms(best_fit.time_s)}"
+            if best_fit else "none without it fits")
+    return (f"{head}: the fastest option without it, {fastest.strategy} at "
+            f"{ms(fastest.time_s)}, does not fit in memory; {rest}")
 
 
 def _tie_reason(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...]) -> str | None:
@@ -256,6 +330,8 @@ def format_explanation(e: Explanation) -> str:
               for r in rows]
     for s, why in e.unavailable.items():
         lines.append(f"  {s}: not available ({why})")
+    if e.expert_parallel:
+        lines.append(f"expert parallelism: {e.expert_parallel}")
     return "\n".join(lines)
 
 

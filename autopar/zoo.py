@@ -21,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cost_models.errors import ConfigError
+from runtime.grouped_experts import grouped_swiglu
 
 ATTENTION = ("fused", "unfused")
 """GPTConfig.attention choices."""
@@ -48,6 +49,13 @@ class GPTConfig:
     softmax and dropout, whose s×s intermediates autograd stores (Megatron-LM's GPT)."""
     tie_embeddings: bool = False
     """The LM head's weight is the token embedding's (GPT-2's and nanoGPT's tying)."""
+    n_expert: int = 0
+    """Experts per MoE block; 0: every block's MLP is dense. With experts, each block's MLP
+    is a dropless top-k mixture of SwiGLU experts (``MoE``) in HF Mixtral's layout."""
+    top_k: int = 2
+    """Experts each token is routed to (with ``n_expert`` > 0)."""
+    expert_hidden: int = 0
+    """One expert's width; 0: 4 * n_embd // top_k, so the active FLOPs match a dense MLP's."""
 
     def __post_init__(self) -> None:
         if self.n_embd % self.n_head:
@@ -56,6 +64,13 @@ class GPTConfig:
             raise ConfigError(f"attention={self.attention!r}; valid: {', '.join(ATTENTION)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"dropout={self.dropout} must be in [0, 1)")
+        if self.n_expert < 0 or (self.n_expert and not 1 <= self.top_k <= self.n_expert):
+            raise ConfigError(f"n_expert={self.n_expert}, top_k={self.top_k}: need n_expert >= 0 "
+                              "and, with experts, 1 <= top_k <= n_expert")
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_hidden or 4 * self.n_embd // self.top_k
 
 
 def _dropout(x: torch.Tensor, p: float) -> torch.Tensor:
@@ -116,13 +131,71 @@ class MLP(nn.Module):
         return _dropout(y, self.dropout if self.training else 0.0)
 
 
+class TopKRouter(nn.Module):
+    """Softmax over experts, then the top k, renormalised (Mixtral's router)."""
+
+    def __init__(self, n_embd: int, n_expert: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(n_expert, n_embd))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k], expert indices [T, k])."""
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, index = torch.topk(probs, self.top_k, dim=-1)
+        return (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype), index
+
+
+class Experts(nn.Module):
+    """E SwiGLU experts stored as 3-D weights, HF Mixtral's layout and forward signature
+    (``runtime.moe_blocks``): gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
+
+    def __init__(self, n_embd: int, n_expert: int, width: int) -> None:
+        super().__init__()
+        self.num_experts = n_expert
+        self.gate_up_proj = nn.Parameter(torch.empty(n_expert, 2 * width, n_embd))
+        self.down_proj = nn.Parameter(torch.empty(n_expert, n_embd, width))
+        self.act_fn = F.silu
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden [T, H]; each token's k experts and weights [T, k] -> [T, H]. Dropless:
+        every token reaches all its experts. The (token, choice) pairs are sorted by expert
+        and run as one grouped op, so every shape is static and the model is captured and
+        costed on meta tensors (``runtime.grouped_experts``)."""
+        k = top_k_index.shape[-1]
+        choice = top_k_index.reshape(-1)
+        order = torch.argsort(choice, stable=True)
+        token = order // k
+        experts = torch.arange(self.num_experts, device=choice.device)
+        counts = (choice.unsqueeze(1) == experts).sum(dim=0)
+        y = grouped_swiglu(hidden[token], counts, self.gate_up_proj, self.down_proj)
+        y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1)
+        return torch.zeros_like(hidden).index_add(0, token, y)
+
+
+class MoE(nn.Module):
+    """Router + experts: forward(x [..., H]) -> [..., H]."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.gate = TopKRouter(cfg.n_embd, cfg.n_expert, cfg.top_k)
+        self.experts = Experts(cfg.n_embd, cfg.n_expert, cfg.expert_width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.size(-1))
+        weights, index = self.gate(flat)
+        return self.experts(flat, index, weights).view_as(x)
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.attn = CausalSelfAttention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.mlp = MLP(cfg.n_embd, cfg.bias, cfg.dropout)
+        self.mlp = MoE(cfg) if cfg.n_expert else MLP(cfg.n_embd, cfg.bias, cfg.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -164,6 +237,9 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, (TopKRouter, Experts)):
+            for p in module.parameters(recurse=False):
+                nn.init.normal_(p, mean=0.0, std=0.02)
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor | None = None) -> torch.Tensor:
         """``pos`` [T]: each token's position (default 0..T-1); context parallelism passes
@@ -313,6 +389,10 @@ MODELS: dict[str, ModelSpec] = {
         _gpt("gpt2-xl", 48, 25, 1600, 1024, 8, "GPT-2 1.5B (Radford et al. 2019)"),
         _gpt("gpt3-1.3b", 24, 16, 2048, 2048, 512, "GPT-3 XL 1.3B (Brown et al. 2020)"),
         _gpt("gpt3-175b", 96, 96, 12288, 2048, 1536, "GPT-3 175B (Brown et al. 2020)"),
+        _gpt("moe-tiny", 2, 4, 64, 16, 8, "2-layer GPT whose MLPs are 4 experts, top-2",
+             vocab_size=128, block_size=64, n_expert=4, top_k=2),
+        _gpt("moe-small", 4, 4, 128, 64, 16, "4-layer GPT whose MLPs are 8 experts, top-2",
+             vocab_size=512, block_size=256, n_expert=8, top_k=2),
         ModelSpec(name="mlp", kind="mlp", config=MLPConfig(), default_batch=64,
                   default_seq=None, description="4-block residual MLP classifier"),
     )
@@ -331,9 +411,12 @@ def get_model(name: str) -> ModelSpec:
 def gpt_param_count(cfg: GPTConfig) -> int:
     """Closed form, for tests: embeddings + blocks + final norm + head."""
     h, v, t, b = cfg.n_embd, cfg.vocab_size, cfg.block_size, int(cfg.bias)
-    block = 4 * (h * h + b * h) + (4 * h * h + b * 4 * h) + (4 * h * h + b * h) + 2 * (h + b * h)
+    mlp = (4 * h * h + b * 4 * h) + (4 * h * h + b * h)
+    if cfg.n_expert:  # router + E x (gate_up [2I, H] + down [H, I])
+        mlp = cfg.n_expert * h + cfg.n_expert * 3 * cfg.expert_width * h
+    block = 4 * (h * h + b * h) + mlp + 2 * (h + b * h)
     return v * h + t * h + cfg.n_layer * block + (h + b * h) + v * h
 
 
-__all__ = ["GPT", "GPTConfig", "MLPConfig", "MLPNet", "ModelSpec", "MODELS", "get_model",
+__all__ = ["GPT", "GPTConfig", "MoE", "Experts", "TopKRouter", "MLPConfig", "MLPNet", "ModelSpec", "MODELS", "get_model",
            "gpt_param_count"]

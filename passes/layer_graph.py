@@ -60,6 +60,7 @@ from passes.context_parallel import attention_flops, context_parallel_problem, k
 from passes.group_layers import LayerGroup, find_ties, group_layers, owning_layer
 from passes.inplace import count_inplace_inputs, inplace_input_bytes
 from passes.memory_bound import memory_bound_bytes
+from passes.moe import attach_moe_blocks
 from passes.records import GemmShape, LayerGraph, LayerInfo, TPOption
 from passes.tensor_parallel import find_tensor_parallel
 from passes.trace import inputs_to_meta, placeholder_values, to_meta, trace_module
@@ -106,6 +107,7 @@ def build_layer_graph(
         _layer_info(group, *by_class[group.layer_class], loss.get(group.name, 0))
         for group in groups
     ))
+    layers = attach_moe_blocks(layers, groups, meta_model)
     info: K.CaptureInfo = gm.meta[K.CAPTURE]
     ties = find_ties(meta_model, groups)
     return LayerGraph(

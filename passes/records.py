@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from cost_models.moe import ExpertShape
 from runtime.tied import Tie
 
 CAPTURE_ACTIVATION_BYTES = 4
@@ -108,6 +109,35 @@ class TPOption:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MoEInfo:
+    """A mixture-of-experts block inside a layer (passes/moe.py), with what the capture
+    counted for its experts module: the planner replaces those numbers by the experts'
+    own costs under each expert-parallel degree (autopar/planner/moe_costs.py)."""
+
+    block: str
+    """The block's path relative to the layer ('' when the layer is the block)."""
+    experts: str
+    """The experts module's path relative to the layer."""
+    shape: ExpertShape
+    tokens: int
+    """Tokens through the block at the captured batch (the router's rows)."""
+    param_count: int
+    """Parameters of the experts module (every expert)."""
+    param_tensors: int
+    fwd_flops: float = 0.0
+    """Forward FLOPs the capture counted inside the experts module (0 where its GEMMs run
+    as an op the FLOP counter does not know, such as grouped_mm)."""
+    selective_fwd_flops: float = 0.0
+    saved_bytes: int = 0
+    saved_fixed_bytes: int = 0
+    selective_saved_bytes: int = 0
+    selective_fixed_bytes: int = 0
+    mem_bytes: int = 0
+    memory_bound_bytes: int = 0
+    num_ops: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
 class LayerInfo:
     """One layer: a module of the user's model, with the costs of its ops."""
 
@@ -177,6 +207,9 @@ class LayerInfo:
     keeps one float32 copy of it from forward to backward and two more in its backward
     (planner/costs.py charges them). Not part of ``layer_class``: the output layer gets a
     class of its own (passes/layer_graph.py)."""
+    moe: tuple[MoEInfo, ...] = ()
+    """The mixture-of-experts blocks inside this layer (passes/moe.py): the layer can take
+    an expert-parallel degree (``runtime.plan.LayerPlan.expert_parallel``)."""
 
     @property
     def saved(self) -> SavedSplit:

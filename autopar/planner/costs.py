@@ -88,6 +88,7 @@ cluster's software runs (``Cluster.optimizer``, cost_models/optimizer.py).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 from autopar.planner.engine_costs import (
@@ -104,6 +105,7 @@ from autopar.planner.estimators import (
     batch_norm_sync_s,
 )
 from autopar.planner.loss_costs import loss_bytes
+from autopar.planner.moe_costs import moe_layer_cost, runnable, with_expert_parallel
 from cost_models.compute import roofline_s
 from cost_models.hardware import Cluster, Overlap
 from cost_models.memory import Precision
@@ -183,6 +185,8 @@ class LayerCost:
     """Under pipelining, the part of buffer_bytes that is FSDP2's one all-gather and one
     reduce-scatter of the step: alive in the layer's first forward and last backward only
     (planner/liveness.py). 0 at pp = 1, where FSDP2 gathers in every pass."""
+    expert_parallel: int = 1
+    """The expert-parallel degree of the layer's MoE blocks (autopar/planner/moe_costs.py)."""
 
     @property
     def time_s(self) -> float:
@@ -243,7 +247,7 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
         for sp in (False, True) if s.tensor_parallel and can_sp else (False,):
             for off in (False, True) if offload and s.offloadable else (False,):
                 out += [option_label(strategy, r, off, sp) for r in modes]
-    return tuple(out)
+    return with_expert_parallel(layer, mesh, tuple(out), microbatches=microbatches)
 
 
 def undominated(costs: dict[str, LayerCost], terms) -> dict[str, LayerCost]:
@@ -278,6 +282,11 @@ def layer_cost(
     estimators: Estimators = ANALYTIC,
 ) -> LayerCost:
     """One layer's time and memory under one option, composed from ``estimators``."""
+    if layer.moe:  # its experts priced apart, at the option's expert-parallel degree
+        return moe_layer_cost(layer, option, mesh, cluster, prec, microbatches,
+                              hsdp_shard_size=hsdp_shard_size,
+                              layer_cost=functools.partial(layer_cost, estimators=estimators),
+                              all_to_all=estimators.expert_all_to_all)
     choice = parse_option(option)
     strategy, recompute = choice["strategy"], choice["recompute"]
     offload, sp = choice["offload"], choice["sequence_parallel"]
@@ -468,9 +477,9 @@ def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cl
                   ) -> dict[str, LayerCost]:
     """Every option of one layer with its cost, dominated options removed."""
     hsdp = hsdp_shard_size(cluster, mesh.pp)
-    labels = allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
-                             microbatches=microbatches, selective=selective,
-                             offload=cluster.host.offload)
+    labels = runnable(allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
+                                      microbatches=microbatches, selective=selective,
+                                      offload=cluster.host.offload), prec.name)
     return prune_dominated({
         o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp)
         for o in labels})

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from autopar.planner.engine_costs import back_to_back_skew_s
 from autopar.planner.loss_costs import loss_s
+from autopar.planner.moe_costs import all_to_all_s as expert_all_to_all_s
 from cost_models.comm import (
     Group,
     all_gather_s,
@@ -190,6 +191,10 @@ class Estimators:
         recompute_cost
     dp_comm: Callable[[CostContext, float, int], DPComm] = dp_comm_s
     offload: Callable[[LayerInfo, CostContext, float], Offload] = offload_s
+    expert_all_to_all: Callable[[LayerInfo, int, Mesh, Cluster, Precision, int],
+                                tuple[float, float]] = expert_all_to_all_s
+    """A MoE layer's dispatch (or combine) at an expert-parallel degree, per micro-batch,
+    and its buffers (autopar/planner/moe_costs.py)."""
 
 
 ANALYTIC = Estimators()

@@ -319,7 +319,8 @@ def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh
         return []
     ddp = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
                         costs={o: on_ddp(x) for o, x in c.costs.items()
-                               if spec(x.strategy).ddp}) for c in options]
+                               if spec(x.strategy).ddp and x.expert_parallel == 1})
+           for c in options]
     return [ddp] if all(c.costs for c in ddp) else []
 
 
@@ -375,7 +376,7 @@ def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh
             module=layer.name, strategy=cost.strategy, tp_styles=_tp_styles(layer, cost),
             stage=stage, layer_class=layer.layer_class, memory_bytes=int(cost.resident_bytes),
             time_s=cost.time_s, recompute=cost.recompute, offload=cost.offload,
-            sequence_parallel=cost.sequence_parallel))
+            sequence_parallel=cost.sequence_parallel, expert_parallel=cost.expert_parallel))
     uses_hsdp = any(spec(cost.strategy).hybrid for cost in costs)
     return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
                 f"{cluster.devices_per_node})", global_batch=graph.batch_size,
@@ -442,9 +443,9 @@ def memory_breakdown(peak: Usage, margin_fraction: float) -> MemoryBreakdown:
 
 def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
     """Whether the runtime wraps this plan in DDP (runtime.data_parallel.uses_ddp): pp = 1,
-    float32, every layer replicate."""
+    float32, every layer replicate, no layer expert-parallel."""
     return (mesh.pp == 1 and prec.name == "float32"
-            and all(spec(c.strategy).ddp for c in costs))
+            and all(spec(c.strategy).ddp and c.expert_parallel == 1 for c in costs))
 
 
 PlanCheck = Callable[[Plan], "str | None"]
