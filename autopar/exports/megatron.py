@@ -100,17 +100,18 @@ def _pipeline(plan: Plan, first: int, last: int, warnings: list[str]) -> list[st
     if plan.mesh.pp == 1:
         return []
     assert plan.pipeline is not None  # Plan requires it when pp > 1
-    stages: list[str] = [""] * plan.num_stages
-    for i, layer in enumerate(plan.layers):
-        stages[layer.stage] += "E" if i < first else "t" if i <= last else "L"
-    layout = "|".join(_compact(s) for s in stages)
-    misplaced = [s for s in stages[1:] if "E" in s] + [s for s in stages[:-1] if "L" in s]
-    if misplaced:
+    blocks = [0] * plan.num_stages
+    for layer in plan.layers[first:last + 1]:
+        blocks[layer.stage] += 1
+    # Megatron-LM's layout names the embedding (E) once, on the first stage, and the final
+    # norm, head and loss (L) once, on the last.
+    split = {la.stage for la in plan.layers[:first]} | {la.stage for la in plan.layers[last + 1:]}
+    if split - {0, plan.num_stages - 1}:
         warnings.append("Megatron-LM keeps the embedding on the first stage and the head on "
-                        "the last; the plan cuts inside them, so the layout moves them")
-        stages = [s.replace("E", "").replace("L", "") for s in stages]
-        stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
-        layout = "|".join(_compact(s) for s in stages)
+                        "the last; the plan cuts inside them")
+    stages = ["t" * n for n in blocks]
+    stages[0], stages[-1] = "E" + stages[0], stages[-1] + "L"
+    layout = "|".join(_compact(s) for s in stages)
     v = plan.pipeline.virtual_stages
     schedule = MEGATRON_SCHEDULES[1 if v == 1 else None]
     if plan.pipeline.schedule != schedule:
@@ -234,6 +235,11 @@ def export_megatron(plan: Plan, plan_path: str, *, nodes: int | None = None,
         ': "${MEGATRON_LM:?set MEGATRON_LM to a Megatron-LM checkout (it holds pretrain_gpt.py)}"']
     if launch.nodes > 1:
         lines.append(': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}"')
+    if (plan.mesh.tp > 1 or plan.mesh.cp > 1) and "--use-megatron-fsdp" not in args:
+        # Megatron-LM's validate_args requires it for tp or cp > 1 before Blackwell (one
+        # CUDA stream queue orders its TP communication behind compute); Megatron-FSDP
+        # requires it unset.
+        lines.append("export CUDA_DEVICE_MAX_CONNECTIONS=1")
     lines += ["AUTOPAR_ARGS=(", *_arg_lines(args), ")",
               "# the model's, data's, tokenizer's and optimizer's arguments follow the script's "
               "name (a later flag overrides one above)",
