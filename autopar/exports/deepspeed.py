@@ -29,14 +29,19 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
     """The ds_config dict, and what of the plan it cannot express."""
     dp = data_parallel(plan)
     warnings = list(dp.warnings)
-    zero: dict = {"stage": dp.zero_stage}
-    if dp.zero_stage:
+    stage = dp.zero_stage
+    if plan.mesh.pp > 1 and stage > 1:
+        stage = 1  # DeepSpeed's PipelineEngine refuses ZeRO-2 and ZeRO-3
+        warnings.append(f"ZeRO stage 1: DeepSpeed's pipeline engine runs stage 1 at most; "
+                        f"the plan shards as stage {dp.zero_stage}")
+    zero: dict = {"stage": stage}
+    if stage:
         zero |= {"overlap_comm": True, "contiguous_gradients": True}
     if dp.offload:
         zero["offload_optimizer"] = {"device": "cpu"}
-        if dp.zero_stage == 3:
+        if stage == 3:
             zero["offload_param"] = {"device": "cpu"}
-    if dp.hybrid:
+    if dp.hybrid and stage == 3:
         zero["zero_hpz_partition_size"] = plan.hsdp_shard_size
         warnings.append("hybrid sharding as ZeRO++ hierarchical partitioning: a second copy "
                         f"of the parameters sharded over {plan.hsdp_shard_size} ranks, so "
@@ -55,12 +60,12 @@ def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
         config["communication_data_type"] = DTYPES[plan.reduce_dtype]
     if plan.mesh.tp > 1:
         config["tensor_parallel"] = {"autotp_size": plan.mesh.tp}
-    warnings += _model_code(plan, dp.zero_stage)
+    warnings += _model_code(plan)
     config["autopar"] = {"not_expressed": warnings} if warnings else {}
     return config, warnings
 
 
-def _model_code(plan: Plan, zero_stage: int) -> list[str]:
+def _model_code(plan: Plan) -> list[str]:
     """What DeepSpeed leaves to the model's code."""
     notes = []
     if plan.mesh.pp > 1:
@@ -69,9 +74,6 @@ def _model_code(plan: Plan, zero_stage: int) -> list[str]:
         notes.append(f"pipeline parallelism is the model's PipelineModule(num_stages="
                      f"{plan.mesh.pp}); the plan's stages hold {stages} layer(s) with "
                      f"schedule {plan.pipeline.schedule}")
-        if zero_stage >= 2:
-            notes.append(f"DeepSpeed's pipeline engine runs ZeRO stage 1 at most; the plan "
-                         f"needs stage {zero_stage}")
     recomputed = sum(la.recompute != "none" for la in plan.layers)
     if recomputed:
         notes.append(f"activation recomputation is the model's (deepspeed.checkpointing or "
