@@ -122,7 +122,7 @@ def export_accelerate(plan: Plan, plan_path: str, *, nodes: int | None = None,
              ': "${1:?usage: accelerate_launch.sh train.py [ARGS]}"']
     if config["num_machines"] > 1:
         lines += [': "${MASTER_ADDR:?set MASTER_ADDR to the address of the first node}"',
-                  ': "${NODE_RANK:?set NODE_RANK to this node\'s rank (0 on the first)}"']
+                  ': "${NODE_RANK:?set NODE_RANK to the rank of this node (0 on the first)}"']
         launch += ['--machine_rank "$NODE_RANK"', '--main_process_ip "$MASTER_ADDR"',
                    '--main_process_port "${MASTER_PORT:-29500}"']
     lines += [f"export ACCELERATE_GRADIENT_ACCUMULATION_STEPS={plan.microbatches}",
