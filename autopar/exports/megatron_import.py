@@ -184,23 +184,19 @@ class _Builder:
         return ranks // n if n > 1 and ranks % n == 0 else None
 
     def strategy(self, layer: LayerInfo) -> str:
-        """The strategy Megatron-LM's flags give this layer, among those it can take."""
+        """The strategy Megatron-LM's flags give this layer, among those it can take:
+        tensor-parallel whenever it can be (Megatron-LM splits every layer it can), with
+        the ZeRO stage of the flags, or else the nearest one."""
         j = self.job
         tie = self.graph.tie_of(layer.name)
         allowed = allowed_strategies(layer, self.mesh, hsdp_shard_size=self.hsdp_shard_size,
                                      microbatches=j.microbatches,
                                      tie=tie.describe() if tie else None)
-        hybrid = self.hsdp_shard_size is not None
-        for name in allowed:  # the planner's order: the one matching the flags best first
-            s = spec(name)
-            if s.tensor_parallel != (j.tp > 1 and any(spec(x).tensor_parallel for x in allowed)):
-                continue
-            if s.zero_stage == j.zero_stage and s.hybrid == (hybrid and j.zero_stage == 3):
-                return name
-        # ZeRO-1/2 of a TP layer, or ZeRO-1 at one micro-batch: the nearest strategy.
-        return min((n for n in allowed if spec(n).tensor_parallel == (j.tp > 1 and any(
-            spec(x).tensor_parallel for x in allowed))),
-            key=lambda n: (abs(spec(n).zero_stage - j.zero_stage), spec(n).hybrid))
+        split = any(spec(name).tensor_parallel for name in allowed)
+        candidates = [name for name in allowed if spec(name).tensor_parallel == split]
+        hybrid = self.hsdp_shard_size is not None and j.zero_stage == 3
+        return min(candidates, key=lambda name: (abs(spec(name).zero_stage - j.zero_stage),
+                                                 spec(name).hybrid != hybrid))
 
     def stages(self, blocks: list[LayerInfo]) -> list[int]:
         """Stage of each layer of the graph."""
@@ -287,6 +283,9 @@ def _notes(job: MegatronJob, layers: list[LayerPlan]) -> list[str]:
     if job.optimizer_offload:
         notes.append("--optimizer-cpu-offload is not priced: autopar's offload also moves "
                      "parameters and gradients, Megatron-LM's only the optimizer")
+    if job.optimizer_instances > 1 and job.zero_stage < 3:
+        notes.append(f"{job.optimizer_instances} distributed-optimizer instances are priced "
+                     "as one: autopar shards ZeRO-1/2 over every data-parallel rank")
     mismatched = sorted({la.option for la in layers
                          if spec(la.strategy).zero_stage != job.zero_stage})
     if mismatched:
