@@ -1,0 +1,19 @@
+"""Plans handed to the engines teams already run: one function per engine, plan -> files.
+
+Each returns an ``Export`` (its files, and what of the plan the engine cannot express as
+warnings, also written in the files' header); ``Export.write(dir)`` writes the files
+atomically, scripts executable. ``plan_from_megatron`` reads an existing Megatron-LM job's
+arguments back into a plan, to be priced next to autopar's own.
+"""
+
+from autopar.exports.accelerate import export_accelerate
+from autopar.exports.common import Export, ExportFile
+from autopar.exports.deepspeed import export_deepspeed
+from autopar.exports.megatron import export_megatron
+
+EXPORTERS = {"megatron": export_megatron, "deepspeed": export_deepspeed,
+             "accelerate": export_accelerate}
+"""Engine name -> its export function (``plan, plan_path, **launch`` -> ``Export``)."""
+
+__all__ = ["EXPORTERS", "Export", "ExportFile", "export_accelerate", "export_deepspeed",
+           "export_megatron"]
