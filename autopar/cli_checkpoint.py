@@ -11,6 +11,7 @@ import argparse
 import os
 import sys
 
+from autopar.cli_types import nonnegative_int, positive_int
 from autopar.errors import AutoparError
 from autopar.training import describe_run
 from autopar.zoo import MODELS, get_model
@@ -28,12 +29,13 @@ def add_checkpoint_options(run: argparse.ArgumentParser) -> None:
         "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N "
         "--max-restarts R -m autopar.cli run ...)")
     g.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint root (save / resume here)")
-    g.add_argument("--ckpt-every", type=int, default=0, metavar="K",
+    g.add_argument("--ckpt-every", type=nonnegative_int, default=0, metavar="K",
                    help="save every K steps (default: only after the last step)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --ckpt-dir, resharding it "
                         "(and re-planning) if the world size changed")
-    g.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
+    g.add_argument("--keep", type=positive_int, default=2,
+                   help="checkpoints to keep (default 2, at least 1)")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in a background thread")
 

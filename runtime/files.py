@@ -60,7 +60,8 @@ def check_output(path: str | os.PathLike, *, force: bool = False, what: str = "o
     if path.is_dir():
         raise OutputError(f"{what} {path} is a directory; give a file name")
     if not parent.is_dir():
-        raise OutputError(f"{what} {path}: directory {parent} does not exist; create it first")
+        raise OutputError(f"output directory {parent} does not exist; create it first (for "
+                          f"{what} {path})")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise OutputError(f"{what} {path}: directory {parent} is not writable")
     if (path.exists() or path.is_symlink()) and not force:
