@@ -16,6 +16,7 @@ from autopar.api import search_plans
 from autopar.cli_checkpoint import (
     add_checkpoint_options,
     add_reshard_command,
+    check_built_in_run,
     cmd_run_resumable,
     under_torchrun,
 )
@@ -37,7 +38,7 @@ from cost_models.hardware import Cluster
 from cost_models.memory import PRECISIONS
 from runtime.device import DEVICE_TYPES
 from runtime.files import write_atomic
-from runtime.plan import Plan
+from runtime.launch import load_plan
 
 EXIT_BAD_INPUT = 2
 DEFAULT_MODEL = "gpt-small"
@@ -190,12 +191,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise AutoparError("--nodes is for a script (autopar run --nodes N train.py); a "
                            "built-in model runs on one node's --nproc ranks")
     args.model = args.model or DEFAULT_MODEL
-    plan = Plan.load(args.plan) if args.plan else None
+    plan = load_plan(args.plan) if args.plan else None
     nproc = args.nproc = args.nproc or (plan.world_size if plan is not None else 2)
     if args.ckpt_dir or args.resume or under_torchrun():
         return cmd_run_resumable(args)
     spec = get_model(args.model)
-    batch = args.batch or spec.default_batch
+    batch = args.batch or (plan.global_batch if plan is not None else spec.default_batch)
+    check_built_in_run(spec, plan, nproc, batch, args.seq)  # before any rank starts
     if plan is None:
         plan = plan_for_local_run(spec, nproc, batch, args.seq)
     losses = run_local(spec, plan, nproc=nproc, steps=args.steps, batch=batch, seq=args.seq,

@@ -14,7 +14,8 @@ import sys
 from autopar.cli_types import nonnegative_int, positive_int
 from autopar.errors import AutoparError
 from autopar.training import describe_run
-from autopar.zoo import MODELS, get_model
+from autopar.zoo import MODELS, ModelSpec, get_model
+from runtime.launch import load_plan
 from runtime.plan import Plan
 
 
@@ -57,7 +58,7 @@ def add_reshard_command(sub) -> None:
 def cmd_reshard(args: argparse.Namespace) -> int:
     from runtime.checkpoint import reshard, verify
 
-    plan = Plan.load(args.plan)
+    plan = load_plan(args.plan)
     _, manifest, _ = verify(args.ckpt)
     name = args.model or manifest.model or plan.model
     if not name:
@@ -74,8 +75,8 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
     from runtime.launch import init_from_env, spawn
 
     spec = get_model(args.model)
-    batch = args.batch or spec.default_batch
-    plan = Plan.load(args.plan) if args.plan else None
+    plan = load_plan(args.plan) if args.plan else None
+    batch = args.batch or (plan.global_batch if plan is not None else spec.default_batch)
     ckpt = None
     if args.ckpt_dir:
         ckpt = CheckpointOptions(dir=args.ckpt_dir, every=args.ckpt_every, resume=args.resume,
@@ -83,6 +84,9 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
     elif args.resume:
         raise AutoparError("--resume needs --ckpt-dir")
     if not under_torchrun():
+        check_built_in_run(spec, plan, args.nproc, batch, args.seq)
+        if args.resume:
+            check_resume(args.ckpt_dir)
         result = spawn(resumable_worker, args.nproc, spec.name, plan.to_json() if plan else None,
                        args.steps, batch, args.seq, args.seed, ckpt, args.device,
                        backend=backend_for(args.device), timeout_s=args.timeout)[0]
@@ -112,6 +116,43 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def check_built_in_run(spec: ModelSpec, plan: Plan | None, nproc: int, batch: int,
+                       seq: int | None) -> None:
+    """Before any rank starts: the sequence fits the model, and a given plan is for this
+    world size, batch and sequence and runs on this model (``runtime.validate``)."""
+    from autopar.api import check_stage_split
+    from runtime.batch import as_inputs
+    from runtime.validate import check_plan
+
+    example = spec.example_inputs(batch, seq, device="meta")  # --seq beyond block_size
+    if plan is None:
+        return
+    if plan.world_size != nproc:
+        raise AutoparError(f"the plan is for {plan.world_size} ranks (mesh "
+                           f"{plan.mesh.describe()}) but --nproc is {nproc}; pass --nproc "
+                           f"{plan.world_size} or re-plan")
+    if batch != plan.global_batch:
+        raise AutoparError(f"--batch {batch}, but the plan was made for a global batch of "
+                           f"{plan.global_batch}; pass --batch {plan.global_batch} or re-plan")
+    if seq is not None and plan.seq_len and seq != plan.seq_len:
+        raise AutoparError(f"--seq {seq}, but the plan was made for sequence length "
+                           f"{plan.seq_len}; pass --seq {plan.seq_len} or re-plan")
+    model = spec.build("meta")
+    check_plan(model, plan)
+    if plan.mesh.pp > 1:
+        check_stage_split(model, plan, as_inputs(example), planned=False)
+
+
+def check_resume(ckpt_dir: str) -> None:
+    """Before any rank starts: the checkpoint a resume would load is sound and is data
+    (``runtime.checkpoint_format.verify``); none yet is fine (the run starts fresh)."""
+    from runtime.checkpoint_format import latest, verify
+
+    found = latest(ckpt_dir)
+    if found is not None:
+        verify(found)
 
 
 def _restarts_may_hang() -> bool:
