@@ -56,8 +56,9 @@ def add_reshard_command(sub) -> None:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from runtime.checkpoint import reshard, verify
+    from runtime.checkpoint import check_reshard_out, reshard, verify
 
+    check_reshard_out(args.out)
     plan = load_plan(args.plan)
     _, manifest, _ = verify(args.ckpt)
     name = args.model or manifest.model or plan.model

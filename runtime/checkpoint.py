@@ -399,6 +399,18 @@ def _set_rng(state: dict[str, torch.Tensor]) -> None:
 # -- offline resharding --------------------------------------------------------------------
 
 
+def check_reshard_out(out: str | os.PathLike) -> Path:
+    """``out`` can become a new checkpoint root: it does not exist, its parent does and is
+    writable. Checked before anything is read."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise CheckpointExistsError(f"{out} exists; choose a new --out directory (nothing was written)")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {out}: directory {out.parent} does not exist or is "
+                              "not writable (nothing was read)")
+    return out
+
+
 def reshard(src: str | os.PathLike, out: str | os.PathLike, plan: Plan, model: nn.Module) -> Path:
     """Rewrite checkpoint ``src`` as a checkpoint root ``out`` labelled with ``plan``.
 
@@ -416,12 +428,7 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, plan: Plan, model: n
 
     from runtime.validate import check_plan
 
-    out = Path(out)
-    if out.exists() or out.is_symlink():
-        raise CheckpointExistsError(f"{out} exists; choose a new --out directory (nothing was written)")
-    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"cannot write {out}: directory {out.parent} does not exist or is "
-                              "not writable (nothing was read)")
+    out = check_reshard_out(out)
     ckpt, manifest, metadata = verify(src)
     compare_fingerprints(manifest.fingerprint, fingerprint(model.state_dict()), str(ckpt))
     check_plan(model, plan)
