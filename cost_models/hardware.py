@@ -49,8 +49,9 @@ in MiB)."""
 
 MAX_NODES = 100_000
 MAX_DEVICES_PER_NODE = 1024
+MAX_DEVICES = 2**20
 """Far beyond any real cluster; a larger count is a typo (and would make the planner's
-enumeration of mesh shapes run for hours)."""
+enumeration of mesh shapes run for minutes or hours)."""
 
 RANGES: dict[str, tuple[float, float]] = {
     # field (SI units): (lowest, highest) a file may give; far beyond real hardware both
@@ -252,6 +253,7 @@ class Cluster:
 
     def with_nodes(self, nodes: int) -> Cluster:
         _check_positive_int("nodes", nodes, self.name)
+        _check_world(nodes, self.devices_per_node, self.name)
         return replace(self, nodes=nodes)
 
     # -- constructors ---------------------------------------------------------------------
@@ -381,6 +383,7 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     for key in ("nodes", "devices_per_node"):
         if key in top:
             _check_positive_int(key, top[key], source)
+    _check_world(top.get("nodes", 1), top.get("devices_per_node", 8), source)
     if "optimizer" in top and (not isinstance(top["optimizer"], str)
                                or top["optimizer"] not in ADAM_KERNELS):
         raise ConfigError(f"{source}: optimizer = {top['optimizer']!r} is not one of "
@@ -561,6 +564,13 @@ def _check_positive_int(key: str, value: Any, where: str) -> None:
     if value > limit:
         raise ConfigError(f"{where}: {key} = {value} is beyond the limit of {limit}; "
                           "is it a typo?")
+
+
+def _check_world(nodes: int, devices_per_node: int, where: str) -> None:
+    if nodes * devices_per_node > MAX_DEVICES:
+        raise ConfigError(f"{where}: {nodes} nodes × {devices_per_node} devices = "
+                          f"{nodes * devices_per_node} devices is beyond the limit of "
+                          f"{MAX_DEVICES}; is a count a typo?")
 
 
 def _check_range(key: str, value: Any, where: str, limits: str, *, scale: float = 1.0,
