@@ -8,6 +8,7 @@ into an empty directory and returns a dict of names for ``argv`` (a format strin
 
 from __future__ import annotations
 
+import os
 import pickle
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def crafted_checkpoint(d: Path) -> dict:
 
 def outside_pointer(d: Path) -> dict:
     crafted_checkpoint(d)
-    (d / "ck" / "latest").write_text("../elsewhere\n")
+    (d / "ck" / "latest").write_text(f"{os.pardir}/elsewhere\n")
     return {}
 
 
@@ -178,8 +179,8 @@ CASES: list[tuple[str, object, list[str], str]] = [
      "the file may be crafted to run code (nothing in it was executed)"),
     ("run --resume: latest points outside", outside_pointer,
      ["run", "--model", "gpt-tiny", "--ckpt-dir", "{d}/ck", "--resume"],
-     "names '../elsewhere', which is not a step_N directory inside {d}/ck; refusing to look "
-     "outside the checkpoint root"),
+     f"names '{os.pardir}/elsewhere', which is not a step_N directory inside "
+     "{d}/ck; refusing to look outside the checkpoint root"),
     ("reshard --out exists", files(**{"o__keep.txt": "mine"}),
      ["reshard", "{d}/ck", "--plan", "{d}/p.json", "--out", "{d}/o"],
      "{d}/o exists; choose a new --out directory"),
