@@ -303,6 +303,12 @@ class Cluster:
     @classmethod
     def load(cls, name_or_path: str, *, nodes: int | None = None) -> Cluster:
         """A preset name, 'local', or a path to a .toml file."""
+        if isinstance(name_or_path, os.PathLike):
+            return cls.from_toml(name_or_path, nodes=nodes)
+        if not isinstance(name_or_path, str):
+            raise ConfigError(f"a cluster is a preset name or a .toml path, got "
+                              f"{type(name_or_path).__name__} {name_or_path!r}; presets: "
+                              f"{', '.join(cls.preset_names() + ['local'])}")
         if name_or_path.endswith(".toml") or os.sep in name_or_path:
             return cls.from_toml(name_or_path, nodes=nodes)
         return cls.preset(name_or_path, nodes=nodes)

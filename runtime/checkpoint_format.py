@@ -54,7 +54,7 @@ from runtime.checkpoint_errors import (  # re-exported: callers import them from
     CheckpointMismatchError,
     UnsafeCheckpointError,
 )
-from runtime.dcp_safe import read_metadata
+from runtime.dcp_safe import plain_name, read_metadata
 from runtime.files import fsync_dir, write_atomic
 from runtime.plan import Plan, PlanError
 
@@ -167,9 +167,37 @@ class Manifest:
                 f"reads version {FORMAT_VERSION})"
             )
         try:
-            return cls(**data)
+            manifest = cls(**data)
         except TypeError as e:
             raise CheckpointCorruptError(f"{path}: malformed manifest ({e})") from e
+        manifest.check(path)
+        return manifest
+
+    def check(self, path: Path) -> None:
+        """Every field has its type (a damaged or hand-edited manifest is named, not a
+        traceback later): counts are integers, files map plain names to sizes."""
+        def bad(name: str, want: str) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{path}: malformed manifest: {name} must be {want}, "
+                                          f"got {getattr(self, name)!r}"[:400])
+
+        for name in ("step", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (
+                    0 if name == "step" else 1):
+                raise bad(name, "a non-negative integer" if name == "step" else "a positive integer")
+        for name, kind, want in (("plan", dict, "an object"), ("model", str, "a string"),
+                                 ("fingerprint", list, "a list"),
+                                 ("loader_state", dict, "an object"), ("files", dict, "an object"),
+                                 ("resharded_from", str, "a string")):
+            if not isinstance(getattr(self, name), kind):
+                raise bad(name, want)
+        if not all(isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                   for row in self.fingerprint):
+            raise bad("fingerprint", "a list of [name, shape, dtype]")
+        for name, size in self.files.items():
+            if (not plain_name(name) or isinstance(size, bool) or not isinstance(size, int)
+                    or size < 0):
+                raise bad("files", "an object of plain file names and sizes in bytes")
 
 
 def list_files(ckpt: Path) -> dict[str, int]:

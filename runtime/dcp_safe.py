@@ -85,14 +85,15 @@ def read_metadata(path: str | Path) -> dcp_metadata.Metadata:
         raise UnsafeCheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata")
     for info in (metadata.storage_data or {}).values():
         name = getattr(info, "relative_path", None)
-        if not isinstance(info, _StorageInfo) or not _plain_name(name):
+        if not isinstance(info, _StorageInfo) or not plain_name(name):
             raise UnsafeCheckpointError(
                 f"{path} points at data file {name!r}, which is not a file of its own "
                 "directory; refusing to read it")
     return metadata
 
 
-def _plain_name(name: object) -> bool:
+def plain_name(name: object) -> bool:
+    """A file name of a checkpoint directory itself: no separator, not . or .."""
     return (isinstance(name, str) and name not in ("", ".", "..")
             and "/" not in name and "\\" not in name and "\0" not in name)
 

@@ -45,6 +45,7 @@ def files(**contents: str):
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
         (d / "p.json").write_text(tiny_plan().to_json())
+        (d / "tp.json").write_text(_TP_PLAN.to_json())
         return {}
     return setup
 
@@ -133,6 +134,10 @@ CASES: list[tuple[str, object, list[str], str]] = [
      "argument --nproc-per-node: expected a positive rank count per node, got -2"),
     ("export --nodes 8 --nproc-per-node 1, tp 2", plan_file(_TP_PLAN),
      ["export", "{d}/p.json", "--nodes", "8", "--nproc-per-node", "1"],
+     "a TP group must stay inside a node"),
+    ("run train.py --nodes 8 --nproc 1, tp 2", files(**{"train.py": "import autopar\n"}),
+     ["run", "--plan", "{d}/tp.json", "--nodes", "8", "--nproc", "1", "--rdzv-endpoint",
+      "node0:29500", "{d}/train.py"],
      "a TP group must stay inside a node"),
     # -- outputs, refused before any work
     ("plan --json in a missing directory", nothing,
