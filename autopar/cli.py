@@ -38,7 +38,7 @@ from cost_models.hardware import Cluster
 from cost_models.memory import PRECISIONS
 from runtime.device import DEVICE_TYPES
 from runtime.files import write_atomic
-from runtime.launch import load_plan
+from runtime.plan import Plan
 
 EXIT_BAD_INPUT = 2
 DEFAULT_MODEL = "gpt-small"
@@ -191,7 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise AutoparError("--nodes is for a script (autopar run --nodes N train.py); a "
                            "built-in model runs on one node's --nproc ranks")
     args.model = args.model or DEFAULT_MODEL
-    plan = load_plan(args.plan) if args.plan else None
+    plan = Plan.load(args.plan) if args.plan else None
     nproc = args.nproc = args.nproc or (plan.world_size if plan is not None else 2)
     if args.ckpt_dir or args.resume or under_torchrun():
         return cmd_run_resumable(args)

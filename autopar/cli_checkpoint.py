@@ -15,7 +15,6 @@ from autopar.cli_types import nonnegative_int, positive_int
 from autopar.errors import AutoparError
 from autopar.training import describe_run
 from autopar.zoo import MODELS, ModelSpec, get_model
-from runtime.launch import load_plan
 from runtime.plan import Plan
 
 
@@ -59,7 +58,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     from runtime.checkpoint import check_reshard_out, reshard, verify
 
     check_reshard_out(args.out)
-    plan = load_plan(args.plan)
+    plan = Plan.load(args.plan)
     _, manifest, _ = verify(args.ckpt)
     name = args.model or manifest.model or plan.model
     if not name:
@@ -76,7 +75,7 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
     from runtime.launch import init_from_env, spawn
 
     spec = get_model(args.model)
-    plan = load_plan(args.plan) if args.plan else None
+    plan = Plan.load(args.plan) if args.plan else None
     batch = args.batch or (plan.global_batch if plan is not None else spec.default_batch)
     ckpt = None
     if args.ckpt_dir:

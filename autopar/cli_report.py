@@ -20,7 +20,6 @@ from autopar.export import (
 )
 from runtime.device import DEVICE_TYPES
 from runtime.files import check_output, check_output_dir, write_atomic
-from runtime.launch import load_plan
 from runtime.plan import Plan
 from runtime.plan_report import alternatives_lines
 
@@ -68,7 +67,7 @@ def add_commands(sub) -> None:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    plan = load_plan(args.plan)
+    plan = Plan.load(args.plan)
     if args.layer is None:
         lines = alternatives_lines(plan, args.top)
         print("\n".join(lines[1:]) if lines else "the plan carries no alternatives (re-plan)")
@@ -78,7 +77,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    d = diff(load_plan(args.plan_a), load_plan(args.plan_b))
+    d = diff(Plan.load(args.plan_a), Plan.load(args.plan_b))
     print(format_diff(d, args.plan_a, args.plan_b))
     return 0 if d.is_empty else 1
 
@@ -86,7 +85,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     if args.out:
         check_output(args.out, force=args.force, what="--out")
-    plan = load_plan(args.plan)
+    plan = Plan.load(args.plan)
     if args.script is not None and not Path(args.script).is_file():
         raise ConfigError(f"script {args.script} does not exist (or is not a file)")
     if args.script is not None and args.steps is not None:

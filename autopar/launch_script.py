@@ -26,7 +26,7 @@ from autopar.errors import AutoparError
 from autopar.export import Launch, check_launch
 from autopar.logs import LOG_ENV, configured_logging, default_level
 from runtime.device import resolve_device_type
-from runtime.launch import PLAN_ENV, compile_called, load_plan
+from runtime.launch import PLAN_ENV, compile_called
 from runtime.plan import Plan
 
 EXIT_BAD_INPUT = 2
@@ -58,7 +58,7 @@ def check_request(req: ScriptRun) -> tuple[Launch, Plan | None]:
         raise AutoparError(f"script {req.script} does not exist (or is not a file); give the "
                            "path of your training script, e.g. `autopar run train.py`")
     resolve_device_type(req.device)  # --device cuda without a GPU fails here, not on a rank
-    plan = load_plan(req.plan_path) if req.plan_path else None
+    plan = Plan.load(req.plan_path) if req.plan_path else None
     nproc = req.nproc_per_node
     if nproc is None:
         nproc = max(1, plan.world_size // req.nodes) if plan is not None else 2

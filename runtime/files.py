@@ -1,4 +1,4 @@
-"""Files a user names: read as UTF-8 with a clear error, checked before work, written atomically.
+"""Output files a user names: checked before the work, written atomically.
 
 Every output autopar writes (plans, reports, plots, cluster profiles, launch scripts)
 goes through ``write_atomic``: a temporary file from ``tempfile`` in the target's own
@@ -31,24 +31,6 @@ _HOST = re.sub(r"[^A-Za-z0-9-]", "-", socket.gethostname())[:40] or "host"
 
 class OutputError(ConfigError):
     """An output path is unusable (missing directory, not writable, a directory, exists)."""
-
-
-def read_text(path: str | os.PathLike, what: str = "file") -> str:
-    """The UTF-8 text of ``path``; ConfigError naming the file for a missing, unreadable or
-    non-UTF-8 one."""
-    path = Path(path)
-    try:
-        data = path.read_bytes()
-    except IsADirectoryError:
-        raise ConfigError(f"{what} {path} is a directory; give a file") from None
-    except OSError as e:
-        raise ConfigError(f"cannot read {what} {path}: {e.strerror or e}") from None
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ConfigError(
-            f"{what} {path} is not UTF-8 text (byte {e.start} is 0x{data[e.start]:02x}); "
-            "save it as UTF-8") from None
 
 
 def check_output(path: str | os.PathLike, *, force: bool = False, what: str = "output",

@@ -29,10 +29,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_models.errors import AutoparError, ConfigError
+from cost_models.errors import AutoparError
 from runtime.device import backend_for, rank_device
-from runtime.files import read_text
-from runtime.plan import Plan, PlanError
+from runtime.plan import Plan
 
 logger = logging.getLogger(__name__)
 
@@ -192,17 +191,7 @@ def launched_plan(plan: Plan | None) -> Plan | None:
     if plan is not None or not path:
         return plan
     logger.info("executing the plan %s (from $%s)", path, PLAN_ENV)
-    return load_plan(path)
-
-
-def load_plan(path: str | os.PathLike) -> Plan:
-    """The plan in the JSON file ``path``; PlanError naming the file for a missing,
-    unreadable, non-UTF-8 or invalid one."""
-    try:
-        text = read_text(path, "plan file")
-    except ConfigError as e:
-        raise PlanError(str(e)) from None
-    return Plan.from_json(text, source=str(path))
+    return Plan.load(path)
 
 
 def compile_called() -> bool:

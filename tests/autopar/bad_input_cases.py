@@ -164,7 +164,7 @@ CASES: list[tuple[str, object, list[str], str]] = [
      "--out {d}/run.sh exists; pass --force to overwrite it"),
     # -- plans
     ("plan file not UTF-8", plan_file(raw=b'{"model": "caf\xe9"}'), ["explain", "{d}/p.json"],
-     "plan file {d}/p.json is not UTF-8 text (byte 14 is 0xe9)"),
+     "{d}/p.json: not a UTF-8 text file (byte 14 is b'\\xe9'); a plan is JSON in UTF-8"),
     ("run --batch 6 with a plan for 8", plan_file(),
      ["run", "--model", "gpt-tiny", "--plan", "{d}/p.json", "--batch", "6"],
      "--batch 6, but the plan was made for a global batch of 8; pass --batch 8 or re-plan"),

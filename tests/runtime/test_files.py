@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from cost_models.errors import ConfigError
-from runtime.files import OutputError, check_output, check_output_dir, read_text, write_atomic
+from runtime.files import OutputError, check_output, check_output_dir, write_atomic
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -98,12 +97,3 @@ def test_check_output_dir_names_every_file_it_would_overwrite(tmp_path):
         check_output_dir(tmp_path / "a" / "b", ["x"])
     with pytest.raises(OutputError, match="is a file, not a directory"):
         check_output_dir(tmp_path / "job.slurm", ["x"])
-
-
-def test_read_text_names_a_non_utf8_file(tmp_path):
-    bad = tmp_path / "cluster.toml"
-    bad.write_bytes(b'name = "caf\xe9"\n')
-    with pytest.raises(ConfigError, match=r"cluster.toml is not UTF-8 text \(byte 11 is 0xe9\)"):
-        read_text(bad, "cluster file")
-    with pytest.raises(ConfigError, match="cannot read plan file"):
-        read_text(tmp_path / "nope.json", "plan file")
