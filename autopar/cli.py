@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: CUDA (NCCL) on LOCAL_RANK when available, else CPU (gloo)")
     r.add_argument("--steps", type=positive_int, default=3, help="optimizer steps")
     r.add_argument("--plan", metavar="PATH", help="a plan JSON (default: plan afresh)")
-    r.add_argument("--batch", type=positive_int, help="global batch (default: the model's)")
+    r.add_argument("--batch", type=positive_int,
+                   help="global batch (default: the plan's, else the model's)")
     r.add_argument("--seq", type=positive_int, help="sequence length (GPT models)")
     r.add_argument("--seed", type=seed, default=0)
     r.add_argument("--timeout", type=positive_seconds, default=300,

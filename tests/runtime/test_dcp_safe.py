@@ -220,3 +220,29 @@ def test_crafted_metadata_is_refused_on_every_rank_of_a_resumed_run(pool2, tmp_p
         assert got["unchanged"] and got["optimizer_fresh"]
     assert not marker.exists()
     shutil.rmtree(root)
+
+
+def save_into_planted_job(root: str) -> str:
+    from test_checkpoint import GPT, _trainer, gpt_all
+
+    from runtime import checkpoint
+    from runtime.checkpoint_format import CheckpointError
+
+    try:
+        checkpoint.save(_trainer(GPT, gpt_all("fsdp", 2)), root, step=2)
+    except CheckpointError as e:
+        return str(e)
+    return "saved"
+
+
+def test_save_does_not_follow_a_planted_temp_symlink(pool2, tmp_path):
+    root = tmp_path / "c"
+    root.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("mine")
+    (root / ".tmp-step_00000002").symlink_to(victim)
+    for got in pool2.run(save_into_planted_job, str(root)):
+        assert "cannot create" in got, got
+    assert [p.name for p in victim.iterdir()] == ["keep.txt"]
+    assert not (root / "step_00000002").exists()
