@@ -26,7 +26,6 @@ import os
 import platform
 import statistics
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -44,6 +43,7 @@ from autopar.calibration_measure import (
     overlap_slowdowns,
     slowest,
 )
+from autopar.generated import comment, toml_value
 from cost_models.calibrate import (
     AlphaBeta,
     CalibrationError,
@@ -59,6 +59,8 @@ from cost_models.calibrate import (
     spread,
 )
 from cost_models.hardware import Cluster, Device, GiB, Host, Link
+from runtime import files
+from runtime.files import write_atomic
 
 __all__ = ["COLLECTIVES", "OVERLAP_PATTERNS", "Measurements", "OverlapSample", "Settings",
            "calibrate", "fit", "write_profile"]  # measured in autopar.calibration_measure
@@ -199,7 +201,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
               + (f"; overlap slowdown measured ({', '.join(overlap)}) on float32 GEMM "
                  f"{settings.overlap_gemm_size}" if overlap else ""))
     lines = [
-        f"# Calibrated by `autopar calibrate` on {host}, {when}.",
+        f"# Calibrated by `autopar calibrate` on {comment(host)}, {when}.",
         f"# Backend {m.backend}, {m.nproc} ranks. GEMM throughput was measured with all {m.nproc}",
         "# ranks multiplying at once (ranks share the machine, so that is what a rank gets), as",
         "# an n -> n Linear's forward and backward on n tokens (three n x n x n GEMMs).",
@@ -218,8 +220,8 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"# GEMM rates are the median of {settings.gemm_windows} windows of "
         f"{settings.gemm_window_s:g} s; [extra.gemm.<dtype>]",
         "# tflops_min/tflops_max give the windows' spread (the rate of a shared machine moves).",
-        f'name = "calibrated-{_bare(host)}"',
-        f'source = "{source}"',
+        f"name = {toml_value(f'calibrated-{_bare(host)}')}",
+        f"source = {toml_value(source)}",
         'provenance = "calibrated"',
         f"nodes = {1 if topology is None else topology.nodes}",
         f"devices_per_node = {m.nproc if topology is None else topology.devices_per_node}",
@@ -227,7 +229,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f'optimizer = "{"adamw-foreach" if gpu else "adamw-for-loop"}"',
         "",
         "[device]",
-        f'name = "{torch.cuda.get_device_name(0) if gpu else "cpu-process"}"',
+        f"name = {toml_value(torch.cuda.get_device_name(0) if gpu else 'cpu-process')}",
         f"memory_gib = {memory / GiB:.3f}",
         f"memory_bandwidth_GBps = {bandwidth:.4g}",
         f"matmul_efficiency = {eff:.4f}",
@@ -254,7 +256,7 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
               + "]"]
     if attention is not None:
         a = m.attention
-        lines += ["", "[extra.attention]", f'dtype = "{a.dtype}"', f"shape = {list(a.shape)}",
+        lines += ["", "[extra.attention]", f"dtype = {toml_value(a.dtype)}", f"shape = {list(a.shape)}",
                   f"tflops = {a.flops / a.seconds / 1e12:.4g}"]
     if loss is not None:
         lines += ["", "[extra.loss]", f"shape = {list(m.loss.shape)}",
@@ -293,7 +295,7 @@ def _measured_link_lines(fits: dict[str, AlphaBeta], kind: str) -> list[str]:
 
 def _link_table(table: str, link: Link) -> list[str]:
     """``[table]`` of one link, as ``Cluster.from_toml`` reads it."""
-    return ["", f"[{table}]", f'kind = "{link.kind}"',
+    return ["", f"[{table}]", f"kind = {toml_value(link.kind)}",
             f"bandwidth_GBps = {link.bandwidth_GBps:.6g}",
             f"latency_us = {link.latency_s * 1e6:.6g}"]
 
@@ -304,7 +306,8 @@ def _topology_lines(topology: Cluster) -> list[str]:
     o = topology.overlap
     links = {"intra_node": topology.intra_node, "inter_node": topology.inter_node,
              **{f"collective_links.{k}": x for k, x in topology.collective_links.items()}}
-    lines = ["", f"# Links and overlap: {topology.name} ({topology.source}), not measured here."]
+    lines = ["", f"# Links and overlap: {comment(topology.name)} ({comment(topology.source)}), "
+             "not measured here."]
     lines += [line for table, x in links.items() for line in _link_table(table, x)]
     return lines + ["", "[overlap]", f"dp_slowdown = {o.dp_slowdown:.6g}",
                     f"fsdp_slowdown = {o.fsdp_slowdown:.6g}", f"pp_slowdown = {o.pp_slowdown:.6g}",
@@ -422,18 +425,15 @@ def _efficiency(curve: GemmCurve | None, times: dict[int, float]) -> float:
 
 
 def write_profile(cal: Calibration, path: str | os.PathLike, *, force: bool = False) -> Cluster:
-    """Write the profile (refusing to overwrite unless ``force``) and load it back."""
+    """Write the profile atomically (refusing to overwrite unless ``force``) and load it back."""
     check_output(path, force=force)
-    Path(path).write_text(cal.cluster_text)
+    write_atomic(path, cal.cluster_text)
     return Cluster.from_toml(path)
 
 
 def check_output(path: str | os.PathLike, *, force: bool = False) -> None:
-    path = Path(path)
-    if not path.parent.is_dir():
-        raise CalibrationError(f"output directory {path.parent} does not exist")
-    if path.exists() and not force:
-        raise CalibrationError(f"{path} exists; pass --force to overwrite it")
+    """Before measuring: ``path`` can be written (``runtime.files.check_output``)."""
+    files.check_output(path, force=force, what="--out")
 
 
 def format_table(cal: Calibration) -> str:

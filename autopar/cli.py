@@ -9,17 +9,26 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 
 from autopar.api import search_plans
 from autopar.cli_checkpoint import (
     add_checkpoint_options,
     add_reshard_command,
+    check_built_in_run,
     cmd_run_resumable,
     under_torchrun,
 )
-from autopar.cli_report import add_commands, add_plan_options, write_outputs
+from autopar.cli_report import add_commands, add_plan_options, check_outputs, write_outputs
+from autopar.cli_types import (
+    node_count,
+    positive_int,
+    positive_ints,
+    positive_seconds,
+    ranks_per_node,
+    seed,
+)
 from autopar.errors import AutoparError
 from autopar.logs import LEVELS, configured_logging, default_level
 from autopar.progress import SearchProgress
@@ -28,6 +37,7 @@ from autopar.zoo import MODELS, get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import PRECISIONS
 from runtime.device import DEVICE_TYPES
+from runtime.files import write_atomic
 from runtime.plan import Plan
 
 EXIT_BAD_INPUT = 2
@@ -71,13 +81,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="gpt2-xl", help=f"one of: {', '.join(MODELS)}")
     p.add_argument("--cluster", default="dgx-a100-80g",
                    help=f"a preset ({', '.join(Cluster.preset_names())}, local) or a .toml file")
-    p.add_argument("--nodes", type=positive_int, help="override the cluster's node count")
+    p.add_argument("--nodes", type=node_count, help="override the cluster's node count")
     p.add_argument("--batch", type=positive_int, help="global batch (samples per step)")
     p.add_argument("--seq", type=positive_int, help="sequence length (GPT models)")
     p.add_argument("--dtype", default="float32", choices=list(PRECISIONS),
                    help="parameter and compute precision to plan for")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
-    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit, seconds")
+    p.add_argument("--time-limit", type=positive_seconds, default=10.0,
+                   help="ILP time limit, seconds")
+    p.add_argument("--force", action="store_true",
+                   help="overwrite existing --json, --export and --plot files")
     add_plan_options(p)
     p.set_defaults(handler=cmd_plan)
     add_commands(sub)
@@ -91,9 +104,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     r.add_argument("--model", help=f"built-in model, without a script: one of {', '.join(MODELS)}"
                                    f" (default {DEFAULT_MODEL})")
-    r.add_argument("--nproc", type=positive_int,
+    r.add_argument("--nproc", type=ranks_per_node,
                    help="ranks (per node): default the plan's world size, else 2")
-    r.add_argument("--nodes", type=positive_int, default=1,
+    r.add_argument("--nodes", type=node_count, default=1,
                    help="with a script: nodes, each running this command (torchrun --nnodes)")
     r.add_argument("--rdzv-endpoint", metavar="HOST:PORT",
                    help="with --nodes > 1: the first node's address (c10d rendezvous)")
@@ -101,17 +114,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto: CUDA (NCCL) on LOCAL_RANK when available, else CPU (gloo)")
     r.add_argument("--steps", type=positive_int, default=3, help="optimizer steps")
     r.add_argument("--plan", metavar="PATH", help="a plan JSON (default: plan afresh)")
-    r.add_argument("--batch", type=positive_int, help="global batch (default: the model's)")
+    r.add_argument("--batch", type=positive_int,
+                   help="global batch (default: the plan's, else the model's)")
     r.add_argument("--seq", type=positive_int, help="sequence length (GPT models)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--timeout", type=float, default=300, help="seconds before ranks give up")
+    r.add_argument("--seed", type=seed, default=0)
+    r.add_argument("--timeout", type=positive_seconds, default=300,
+                   help="seconds before ranks give up")
     add_log_level(r, argparse.SUPPRESS)
     r.set_defaults(handler=cmd_run)
     add_checkpoint_options(r)
     add_reshard_command(sub)
 
     c = sub.add_parser("calibrate", help="measure this machine and write a cluster profile")
-    c.add_argument("--nproc", type=positive_int, default=2,
+    c.add_argument("--nproc", type=ranks_per_node, default=2,
                    help="local ranks (at least 2; 1 with --topology)")
     c.add_argument("--out", default="calibrated.toml", help="profile to write (.toml)")
     c.add_argument("--force", action="store_true", help="overwrite an existing --out file")
@@ -132,39 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-NUMBERS = {2: "two", 3: "three"}
-
-
-def positive_ints(what: str, example: str) -> Callable[[str], tuple[int, ...]]:
-    """An argparse type: as many comma-separated positive integers as ``example`` has."""
-    count = len(example.split(","))
-
-    def parse(text: str) -> tuple[int, ...]:
-        parts = text.split(",")
-        if len(parts) != count:
-            raise argparse.ArgumentTypeError(
-                f"expected {what} as {NUMBERS[count]} integers like {example}; "
-                f"got {text!r}")
-        return tuple(positive_int(p.strip()) for p in parts)
-
-    return parse
-
-
 attention_shape = positive_ints("batch x heads, sequence and head dim", "8,512,64")
 loss_shape = positive_ints("tokens and vocabulary", "2048,8192")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    check_outputs(args)  # before minutes of planning, not after
     spec = get_model(args.model)
     cluster = Cluster.load(args.cluster, nodes=args.nodes)
     batch = args.batch or spec.default_batch
@@ -180,7 +168,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         progress.close()
     print(format_plan(result.plan, top_k=args.top))
     if args.json:
-        result.plan.save(args.json)
+        write_atomic(args.json, result.plan.to_json())
         print(f"\nplan written to {args.json}")
 
     def scaling():
@@ -209,7 +197,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.ckpt_dir or args.resume or under_torchrun():
         return cmd_run_resumable(args)
     spec = get_model(args.model)
-    batch = args.batch or spec.default_batch
+    batch = args.batch or (plan.global_batch if plan is not None else spec.default_batch)
+    check_built_in_run(spec, plan, nproc, batch, args.seq)  # before any rank starts
     if plan is None:
         plan = plan_for_local_run(spec, nproc, batch, args.seq)
     losses = run_local(spec, plan, nproc=nproc, steps=args.steps, batch=batch, seq=args.seq,

@@ -11,9 +11,10 @@ import argparse
 import os
 import sys
 
+from autopar.cli_types import nonnegative_int, positive_int
 from autopar.errors import AutoparError
 from autopar.training import describe_run
-from autopar.zoo import MODELS, get_model
+from autopar.zoo import MODELS, ModelSpec, get_model
 from runtime.plan import Plan
 
 
@@ -28,12 +29,13 @@ def add_checkpoint_options(run: argparse.ArgumentParser) -> None:
         "(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc-per-node N "
         "--max-restarts R -m autopar.cli run ...)")
     g.add_argument("--ckpt-dir", metavar="DIR", help="checkpoint root (save / resume here)")
-    g.add_argument("--ckpt-every", type=int, default=0, metavar="K",
+    g.add_argument("--ckpt-every", type=nonnegative_int, default=0, metavar="K",
                    help="save every K steps (default: only after the last step)")
     g.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --ckpt-dir, resharding it "
                         "(and re-planning) if the world size changed")
-    g.add_argument("--keep", type=int, default=2, help="checkpoints to keep (default 2)")
+    g.add_argument("--keep", type=positive_int, default=2,
+                   help="checkpoints to keep (default 2, at least 1)")
     g.add_argument("--async-save", action="store_true",
                    help="write checkpoints in a background thread")
 
@@ -53,8 +55,9 @@ def add_reshard_command(sub) -> None:
 
 
 def cmd_reshard(args: argparse.Namespace) -> int:
-    from runtime.checkpoint import reshard, verify
+    from runtime.checkpoint import check_reshard_out, reshard, verify
 
+    check_reshard_out(args.out)
     plan = Plan.load(args.plan)
     _, manifest, _ = verify(args.ckpt)
     name = args.model or manifest.model or plan.model
@@ -72,8 +75,8 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
     from runtime.launch import init_from_env, spawn
 
     spec = get_model(args.model)
-    batch = args.batch or spec.default_batch
     plan = Plan.load(args.plan) if args.plan else None
+    batch = args.batch or (plan.global_batch if plan is not None else spec.default_batch)
     ckpt = None
     if args.ckpt_dir:
         ckpt = CheckpointOptions(dir=args.ckpt_dir, every=args.ckpt_every, resume=args.resume,
@@ -81,6 +84,9 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
     elif args.resume:
         raise AutoparError("--resume needs --ckpt-dir")
     if not under_torchrun():
+        check_built_in_run(spec, plan, args.nproc, batch, args.seq)
+        if args.resume:
+            check_resume(args.ckpt_dir)
         result = spawn(resumable_worker, args.nproc, spec.name, plan.to_json() if plan else None,
                        args.steps, batch, args.seq, args.seed, ckpt, args.device,
                        backend=backend_for(args.device), timeout_s=args.timeout)[0]
@@ -110,6 +116,43 @@ def cmd_run_resumable(args: argparse.Namespace) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def check_built_in_run(spec: ModelSpec, plan: Plan | None, nproc: int, batch: int,
+                       seq: int | None) -> None:
+    """Before any rank starts: the sequence fits the model, and a given plan is for this
+    world size, batch and sequence and runs on this model (``runtime.validate``)."""
+    from autopar.api import check_stage_split
+    from runtime.batch import as_inputs
+    from runtime.validate import check_plan
+
+    example = spec.example_inputs(batch, seq, device="meta")  # --seq beyond block_size
+    if plan is None:
+        return
+    if plan.world_size != nproc:
+        raise AutoparError(f"the plan is for {plan.world_size} ranks (mesh "
+                           f"{plan.mesh.describe()}) but --nproc is {nproc}; pass --nproc "
+                           f"{plan.world_size} or re-plan")
+    if batch != plan.global_batch:
+        raise AutoparError(f"--batch {batch}, but the plan was made for a global batch of "
+                           f"{plan.global_batch}; pass --batch {plan.global_batch} or re-plan")
+    if seq is not None and plan.seq_len and seq != plan.seq_len:
+        raise AutoparError(f"--seq {seq}, but the plan was made for sequence length "
+                           f"{plan.seq_len}; pass --seq {plan.seq_len} or re-plan")
+    model = spec.build("meta")
+    check_plan(model, plan)
+    if plan.mesh.pp > 1:
+        check_stage_split(model, plan, as_inputs(example), planned=False)
+
+
+def check_resume(ckpt_dir: str) -> None:
+    """Before any rank starts: the checkpoint a resume would load is sound and is data
+    (``runtime.checkpoint_format.verify``); none yet is fine (the run starts fresh)."""
+    from runtime.checkpoint_format import latest, verify
+
+    found = latest(ckpt_dir)
+    if found is not None:
+        verify(found)
 
 
 def _restarts_may_hang() -> bool:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from autopar.cli_types import node_count, nonnegative_int, positive_int, ranks_per_node
 from autopar.diff import diff, format_diff
 from autopar.errors import ConfigError
 from autopar.explain import explain, format_explanation
@@ -18,6 +19,7 @@ from autopar.export import (
     write_script,
 )
 from runtime.device import DEVICE_TYPES
+from runtime.files import check_output, check_output_dir, write_atomic
 from runtime.plan import Plan
 from runtime.plan_report import alternatives_lines
 
@@ -29,7 +31,7 @@ def add_plan_options(p: argparse.ArgumentParser) -> None:
                    help="write PNG pictures (memory, step time, schedule, scaling) into DIR")
     p.add_argument("--export", metavar="DIR",
                    help="write parallelism.toml (torchtitan), torchrun.sh and job.slurm into DIR")
-    p.add_argument("--top", type=int, default=5, help="alternatives shown in the report")
+    p.add_argument("--top", type=nonnegative_int, default=5, help="alternatives shown in the report")
 
 
 def add_commands(sub) -> None:
@@ -37,7 +39,7 @@ def add_commands(sub) -> None:
                        "what every other option would cost")
     e.add_argument("plan", metavar="PLAN.json")
     e.add_argument("layer", nargs="?", help="module name, e.g. h.3 (omit: the alternatives)")
-    e.add_argument("--top", type=int, default=10, help="alternatives listed without LAYER")
+    e.add_argument("--top", type=positive_int, default=10, help="alternatives listed without LAYER")
     e.set_defaults(handler=cmd_explain)
 
     d = sub.add_parser("diff", help="what changed between two plans (exit 1 if they differ)")
@@ -51,14 +53,16 @@ def add_commands(sub) -> None:
                                    "-- ARGS: the script's own arguments follow --")
     x.add_argument("plan", metavar="PLAN.json")
     x.add_argument("--format", choices=list(EXPORT_FILES), default="torchrun")
-    x.add_argument("--nodes", type=int, help="default: the cluster the plan was made for")
-    x.add_argument("--nproc-per-node", type=int, help="default: the cluster's devices per node")
+    x.add_argument("--nodes", type=node_count, help="default: the cluster the plan was made for")
+    x.add_argument("--nproc-per-node", type=ranks_per_node,
+                   help="default: the cluster's devices per node")
     x.add_argument("--script", help="your training script (default: autopar run on the "
                                     "built-in model the plan names)")
-    x.add_argument("--steps", type=int, help="without --script: steps of `autopar run`")
+    x.add_argument("--steps", type=positive_int, help="without --script: steps of `autopar run`")
     x.add_argument("--device", choices=DEVICE_TYPES, default="auto",
                    help="cpu: ask SLURM for no GPUs and hide them from the ranks")
     x.add_argument("--out", metavar="PATH", help="write an executable file instead of printing")
+    x.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     x.set_defaults(handler=cmd_export, script_args=[])
 
 
@@ -79,6 +83,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.out:
+        check_output(args.out, force=args.force, what="--out")
     plan = Plan.load(args.plan)
     if args.script is not None and not Path(args.script).is_file():
         raise ConfigError(f"script {args.script} does not exist (or is not a file)")
@@ -110,22 +116,40 @@ def export_text(plan: Plan, fmt: str, plan_path: str, nodes: int | None = None,
     return slurm_script(plan, plan_path, launch, job)
 
 
+PLOT_FILES = ("memory.png", "step_time.png", "schedule.png", "scaling.png")
+
+
+def check_outputs(args: argparse.Namespace) -> None:
+    """Before ``autopar plan`` works: every output it was asked for can be written, and
+    none exists unless ``--force`` (a hand-edited job.slurm is not lost)."""
+    force = getattr(args, "force", False)
+    if getattr(args, "json", None):
+        check_output(args.json, force=force, what="--json")
+    if getattr(args, "export", None):
+        names = [*EXPORT_FILES.values(), *([] if args.json else ["plan.json"])]
+        check_output_dir(args.export, names, force=force, what="--export directory")
+    if getattr(args, "plot", None):
+        check_output_dir(args.plot, PLOT_FILES, force=force, what="--plot directory")
+
+
 def write_outputs(args: argparse.Namespace, plan: Plan, scaling=None, *,
                   timeline=None) -> list[Path]:
-    """After ``autopar plan``: pictures and launch files, as the options ask; ``timeline``
-    is the planner's simulated schedule of a pipeline plan."""
+    """After ``autopar plan``: pictures and launch files, as the options ask (checked by
+    ``check_outputs`` before the planning); ``timeline`` is the planner's simulated
+    schedule of a pipeline plan. Every file is written atomically."""
     written: list[Path] = []
     if getattr(args, "plot", None):
         from autopar.plots import write_plots
 
+        Path(args.plot).mkdir(exist_ok=True)
         written += write_plots(plan, args.plot, scaling=scaling() if scaling else None,
                                timeline=timeline)
     if getattr(args, "export", None):
         out = Path(args.export)
-        out.mkdir(parents=True, exist_ok=True)
+        out.mkdir(exist_ok=True)
         plan_path = args.json or str(out / "plan.json")
         if not args.json:
-            plan.save(plan_path)
+            write_atomic(plan_path, plan.to_json())
             written.append(Path(plan_path))
         for fmt, name in EXPORT_FILES.items():
             written.append(write_script(out / name, export_text(plan, fmt, plan_path),

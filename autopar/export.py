@@ -16,12 +16,15 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomli_w
+
 from autopar.errors import ConfigError
+from autopar.generated import comment
+from runtime.files import write_atomic
 from runtime.launch import PLAN_ENV
 from runtime.plan import Plan
 
@@ -95,30 +98,38 @@ def torchtitan_toml(plan: Plan) -> str:
     splits = [layer.module for prev, layer in zip(plan.layers, plan.layers[1:], strict=False)
               if layer.stage != prev.stage]
     mix = ", ".join(f"{n} {s}" for s, n in sorted(styles.items()))
-    lines = [
-        f"# autopar plan for {plan.model or 'the model'} on {plan.cluster or 'the cluster'}: "
-        f"{plan.world_size} ranks",
-        f"# per-layer strategies in the plan: {mix}; torchtitan applies one data-parallel "
-        f"style to every layer ({'FSDP' if shard else 'DDP'} here)",
-        "[parallelism]",
-        f"data_parallel_replicate_degree = {1 if shard else mesh.dp}",
-        f"data_parallel_shard_degree = {mesh.dp if shard else 1}",
-        f"context_parallel_degree = {mesh.cp}",
-        f"tensor_parallel_degree = {mesh.tp}",
-        f"pipeline_parallel_degree = {mesh.pp}",
-        f'pipeline_parallel_schedule = "{schedule}"',
-        f"pipeline_parallel_microbatch_size = {micro}",
-        "pipeline_parallel_split_points = [" + ", ".join(f'"{s}"' for s in splits) + "]",
-        "",
-        "[training]",
-        f"global_batch_size = {plan.global_batch}",
-        f"local_batch_size = {plan.global_batch // mesh.dp}",
-    ]
+    parallelism = {
+        "data_parallel_replicate_degree": 1 if shard else mesh.dp,
+        "data_parallel_shard_degree": mesh.dp if shard else 1,
+        "context_parallel_degree": mesh.cp,
+        "tensor_parallel_degree": mesh.tp,
+        "pipeline_parallel_degree": mesh.pp,
+        "pipeline_parallel_schedule": schedule,
+        "pipeline_parallel_microbatch_size": micro,
+        "pipeline_parallel_split_points": splits,
+    }
+    training: dict[str, object] = {"global_batch_size": plan.global_batch,
+                                   "local_batch_size": plan.global_batch // mesh.dp}
     if plan.seq_len:
-        lines.append(f"seq_len = {plan.seq_len}")
+        training["seq_len"] = _integer(plan.seq_len, "seq_len")
     if plan.param_dtype in ("bfloat16", "float32"):
-        lines.append(f'mixed_precision_param = "{plan.param_dtype}"')
-    return "\n".join(lines) + "\n"
+        training["mixed_precision_param"] = plan.param_dtype
+    header = [
+        f"# autopar plan for {comment(plan.model or 'the model')} on "
+        f"{comment(plan.cluster or 'the cluster')}: {plan.world_size} ranks",
+        f"# per-layer strategies in the plan: {comment(mix)}; torchtitan applies one "
+        f"data-parallel style to every layer ({'FSDP' if shard else 'DDP'} here)",
+    ]
+    # tomli_w writes every value (a module name in split points included) quoted and
+    # escaped, so no name can close a string or open a table.
+    body = tomli_w.dumps({"parallelism": parallelism, "training": training})
+    return "\n".join(header) + "\n" + body
+
+
+def _integer(value: object, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"the plan's {field} is {value!r}, not an integer; fix the plan")
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -192,7 +203,7 @@ def _environment(plan_path: str, job: Job) -> list[str]:
 def _header(plan: Plan, launch: Launch, job: Job) -> str:
     what = f"{job.script} {shlex.join(job.script_args)}".strip() if job.script else \
         f"built-in model {job.model or plan.model}"
-    return (f"# {what}: world size {launch.world_size} = {launch.nodes} node(s) × "
+    return (f"# {comment(what)}: world size {launch.world_size} = {launch.nodes} node(s) × "
             f"{launch.nproc_per_node}, mesh {plan.mesh.describe()}")
 
 
@@ -233,15 +244,5 @@ def slurm_script(plan: Plan, plan_path: str, launch: Launch, job: Job | None = N
 
 
 def write_script(path: str | os.PathLike, text: str, *, executable: bool = True) -> Path:
-    """Write atomically (a temporary file renamed over ``path``), executable unless told."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o755 if executable else 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    """Write atomically (``runtime.files.write_atomic``), executable unless told."""
+    return write_atomic(path, text, mode=0o755 if executable else 0o644)

@@ -12,12 +12,14 @@ Each returns the path it wrote. All numbers are the cost model's (titles say so)
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 from autopar.errors import ConfigError
 from autopar.whatif import ScalingPoint
 from cost_models.schedule import StageTimes, Timeline, simulate
+from runtime.files import write_atomic
 from runtime.plan import Plan
 from runtime.plan_report import GiB, rank_memory, shape
 
@@ -41,10 +43,11 @@ def _pyplot():
 def _save(fig, path: str | os.PathLike) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
     # A fixed creation date keeps committed PNGs byte-stable between runs.
-    fig.savefig(path, dpi=110, bbox_inches="tight", metadata={"Software": None})
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight", metadata={"Software": None})
     _pyplot().close(fig)
-    return path
+    return write_atomic(path, buf.getvalue())
 
 
 def _source(plan: Plan) -> str:

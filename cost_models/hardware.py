@@ -10,6 +10,7 @@ per collective).
 
 from __future__ import annotations
 
+import math
 import os
 import tomllib
 from dataclasses import dataclass, field, fields, replace
@@ -44,6 +45,30 @@ timing a GEMM with and without a concurrent collective."""
 DDP_BUCKET_BYTES = 25 * MiB
 """torch.nn.parallel.DistributedDataParallel's default gradient bucket (bucket_cap_mb=25,
 in MiB)."""
+
+
+MAX_NODES = 100_000
+MAX_DEVICES_PER_NODE = 1024
+MAX_DEVICES = 2**20
+"""Far beyond any real cluster; a larger count is a typo (and would make the planner's
+enumeration of mesh shapes run for minutes or hours)."""
+
+RANGES: dict[str, tuple[float, float]] = {
+    # field (SI units): (lowest, highest) a file may give; far beyond real hardware both
+    # ways, so that every derived time stays a finite, non-zero float.
+    "peak_flops": (1e3, 1e21),
+    "memory_bytes": (MiB, 2.0**60),
+    "memory_bandwidth_GBps": (1e-6, 1e9),
+    "bandwidth_GBps": (1e-6, 1e9),
+    "latency_s": (0.0, 1e3),
+    "kernel_floor_s": (1e-12, 1.0),
+    "host_overhead_s": (0.0, 1e3),
+    "ddp_bucket_bytes": (1, 2.0**50),
+    "matmul_half_dim": (0.0, 1e9),
+    "skew_bytes": (1e-9, 1e18),
+    "skew_us": (0.0, 1e9),
+}
+"""Bounds on every number of a cluster file, checked when it is read."""
 
 
 HOST_OVERHEADS = ("collective_skew_s", "fsdp_overhead_s", "tp_overhead_s",
@@ -228,6 +253,7 @@ class Cluster:
 
     def with_nodes(self, nodes: int) -> Cluster:
         _check_positive_int("nodes", nodes, self.name)
+        _check_world(nodes, self.devices_per_node, self.name)
         return replace(self, nodes=nodes)
 
     # -- constructors ---------------------------------------------------------------------
@@ -255,9 +281,14 @@ class Cluster:
     def from_toml(cls, path: str | os.PathLike, *, nodes: int | None = None) -> Cluster:
         path = Path(path)
         try:
-            text = path.read_text()
+            data = path.read_bytes()
         except OSError as e:
             raise ConfigError(f"cannot read cluster file {path}: {e.strerror}") from e
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"cluster file {path} is not UTF-8 text (byte {e.start}); "
+                              "save it as UTF-8") from None
         cluster = cls.from_toml_text(text, source=str(path))
         return cluster.with_nodes(nodes) if nodes is not None else cluster
 
@@ -272,6 +303,12 @@ class Cluster:
     @classmethod
     def load(cls, name_or_path: str, *, nodes: int | None = None) -> Cluster:
         """A preset name, 'local', or a path to a .toml file."""
+        if isinstance(name_or_path, os.PathLike):
+            return cls.from_toml(name_or_path, nodes=nodes)
+        if not isinstance(name_or_path, str):
+            raise ConfigError(f"a cluster is a preset name or a .toml path, got "
+                              f"{type(name_or_path).__name__} {name_or_path!r}; presets: "
+                              f"{', '.join(cls.preset_names() + ['local'])}")
         if name_or_path.endswith(".toml") or os.sep in name_or_path:
             return cls.from_toml(name_or_path, nodes=nodes)
         return cls.preset(name_or_path, nodes=nodes)
@@ -352,13 +389,20 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     for key in ("nodes", "devices_per_node"):
         if key in top:
             _check_positive_int(key, top[key], source)
-    if "optimizer" in top and top["optimizer"] not in ADAM_KERNELS:
+    _check_world(top.get("nodes", 1), top.get("devices_per_node", 8), source)
+    if "optimizer" in top and (not isinstance(top["optimizer"], str)
+                               or top["optimizer"] not in ADAM_KERNELS):
         raise ConfigError(f"{source}: optimizer = {top['optimizer']!r} is not one of "
                           f"{', '.join(ADAM_KERNELS)}")
     if "host" in top:
         top["host"] = _host_from_dict(top["host"], f"{source}: [host]")
+    for key in ("name", "source", "provenance"):
+        if key in top and not isinstance(top[key], str):
+            raise ConfigError(f"{source}: {key} must be a string, got {top[key]!r}")
+    if "extra" in top and not isinstance(top["extra"], dict):
+        raise ConfigError(f"{source}: [extra] must be a table, got {top['extra']!r}")
     margin = top.get("memory_margin_fraction", 0.1)
-    if not isinstance(margin, (int, float)) or not 0 <= margin < 1:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")
     return Cluster(device=device, intra_node=intra, inter_node=inter, **top)
 
@@ -368,23 +412,24 @@ def _device_from_dict(data: Any, where: str) -> Device:
     peak = d.pop("peak_tflops", None)
     if not isinstance(peak, dict) or not peak:
         raise ConfigError(f"{where}: missing table 'peak_tflops' (e.g. float32 = 19.5)")
-    for dtype, value in peak.items():
+    for dtype in peak:
         if dtype not in DTYPES:
             raise ConfigError(
                 f"{where}: peak_tflops.{dtype} is not a known dtype; valid: {', '.join(DTYPES)}"
             )
-        _check_positive(f"peak_tflops.{dtype}", value, where)
-    d["peak_flops"] = {k: float(v) * 1e12 for k, v in peak.items()}
+    d["peak_flops"] = {k: _check_range(f"peak_tflops.{k}", v, where, "peak_flops", scale=1e12)
+                       for k, v in peak.items()}
     for key in ("name", "memory_bytes", "memory_bandwidth_GBps"):
         if key not in d:
             raise ConfigError(f"{where}: missing field {key!r}")
+    if not isinstance(d["name"], str):
+        raise ConfigError(f"{where}: name must be a string, got {d['name']!r}")
     for key in ("memory_bytes", "memory_bandwidth_GBps", "kernel_floor_s"):
         if key in d:
-            _check_positive(key, d[key], where)
+            d[key] = _check_range(key, d[key], where, key)
     for key in HOST_OVERHEADS:
-        value = d.get(key, 0.0)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
+        if key in d:
+            d[key] = _check_range(key, d[key], where, "host_overhead_s")
     d["memory_bytes"] = int(d["memory_bytes"])
     if "collective_skew_at" in d:
         d["collective_skew_at"] = _skew_points(d["collective_skew_at"], where)
@@ -394,7 +439,7 @@ def _device_from_dict(data: Any, where: str) -> Device:
                 0 < value <= 10):
             raise ConfigError(f"{where}: {key} must be in (0, 10], got {value!r}")
     eff = d.get("matmul_efficiency", 0.7)
-    if not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+    if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
         raise ConfigError(f"{where}: matmul_efficiency must be in (0, 1], got {eff!r}")
     if "matmul_half_dim" in d:
         d["matmul_half_dim"] = _half_dims(d["matmul_half_dim"], where)
@@ -408,6 +453,7 @@ def _skew_points(data: Any, where: str) -> tuple[tuple[float, float], ...]:
     sizes, times = table.get("bytes"), table.get("us")
     if (not isinstance(sizes, list) or not isinstance(times, list) or len(sizes) != len(times)
             or not sizes or any(isinstance(x, bool) or not isinstance(x, (int, float)) or x < 0
+                                or not math.isfinite(x) or x > RANGES["skew_bytes"][1]
                                 for x in sizes + times)
             or any(b <= a for a, b in zip(sizes, sizes[1:], strict=False)) or sizes[0] <= 0):
         raise ConfigError(f"{where} collective_skew_at: bytes and us must be lists of equal "
@@ -424,9 +470,7 @@ def _half_dims(data: Any, where: str) -> dict[str, float]:
             raise ConfigError(
                 f"{where}: matmul_half_dim.{dtype} is not a known dtype; valid: {', '.join(DTYPES)}"
             )
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-            raise ConfigError(
-                f"{where}: matmul_half_dim.{dtype} must be a non-negative number, got {value!r}")
+        _check_range(f"matmul_half_dim.{dtype}", value, where, "matmul_half_dim")
     return {k: float(v) for k, v in table.items()}
 
 
@@ -439,8 +483,8 @@ def _overlap_from_dict(data: Any, where: str) -> Overlap:
                 f"{where}: {key} must be a number in [1, 10) (compute never speeds up while "
                 f"communication runs beside it), got {value!r}")
     if "ddp_bucket_bytes" in d:
-        _check_positive("ddp_bucket_bytes", d["ddp_bucket_bytes"], where)
-        d["ddp_bucket_bytes"] = int(d["ddp_bucket_bytes"])
+        d["ddp_bucket_bytes"] = int(_check_range("ddp_bucket_bytes", d["ddp_bucket_bytes"],
+                                                  where, "ddp_bucket_bytes"))
     if "exposed" in d:
         value = d["exposed"]
         if not isinstance(value, list) or any(p not in OVERLAP_PATTERNS for p in value):
@@ -456,7 +500,9 @@ def _host_from_dict(data: Any, where: str) -> Host:
     if not isinstance(d.get("offload", True), bool):
         raise ConfigError(f"{where}: offload must be true or false, got {d['offload']!r}")
     if "memory_bandwidth_GBps" in d:
-        _check_positive("memory_bandwidth_GBps", d["memory_bandwidth_GBps"], where)
+        d["memory_bandwidth_GBps"] = _check_range("memory_bandwidth_GBps",
+                                                  d["memory_bandwidth_GBps"], where,
+                                                  "memory_bandwidth_GBps")
     if "link" in d:
         d["link"] = _link_from_dict(d["link"], f"{where[:-1]}.link]")
     return Host(**d)
@@ -467,15 +513,14 @@ def _link_from_dict(data: Any, where: str) -> Link:
     for key in ("kind", "bandwidth_GBps", "latency_s"):
         if key not in d:
             raise ConfigError(f"{where}: missing field {key!r}")
-    if d["kind"] not in LINK_KINDS:
+    if not isinstance(d["kind"], str) or d["kind"] not in LINK_KINDS:
         raise ConfigError(
             f"{where}: kind = {d['kind']!r} is not one of {', '.join(LINK_KINDS)}"
         )
-    _check_positive("bandwidth_GBps", d["bandwidth_GBps"], where)
-    if not isinstance(d["latency_s"], (int, float)) or d["latency_s"] < 0:
-        raise ConfigError(f"{where}: latency must be a non-negative number")
-    return Link(kind=d["kind"], bandwidth_GBps=float(d["bandwidth_GBps"]),
-                latency_s=float(d["latency_s"]))
+    return Link(kind=d["kind"],
+                bandwidth_GBps=_check_range("bandwidth_GBps", d["bandwidth_GBps"], where,
+                                            "bandwidth_GBps"),
+                latency_s=_check_range("latency_s", d["latency_s"], where, "latency_s"))
 
 
 def _table(data: Any, where: str) -> dict[str, Any]:
@@ -499,8 +544,10 @@ def _known(data: dict[str, Any], valid: set[str], where: str) -> dict[str, Any]:
             out[key] = value  # a table, converted by _device_from_dict
         elif key in aliases:
             name, scale = aliases[key]
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
-                raise ConfigError(f"{where}: {key} must be a non-negative number, got {value!r}")
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value < 0 or value * scale > 1e30):
+                raise ConfigError(f"{where}: {key} must be a finite non-negative number, "
+                                  f"got {value!r}")
             out[name] = value * scale
         elif key in valid:
             out[key] = value
@@ -511,10 +558,37 @@ def _known(data: dict[str, Any], valid: set[str], where: str) -> dict[str, Any]:
 
 
 def _check_positive(key: str, value: Any, where: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ConfigError(f"{where}: {key} must be a positive number, got {value!r}")
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value <= 0):
+        raise ConfigError(f"{where}: {key} must be a positive finite number, got {value!r}")
 
 
 def _check_positive_int(key: str, value: Any, where: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ConfigError(f"{where}: {key} must be a positive integer, got {value!r}")
+    limit = MAX_DEVICES_PER_NODE if key in ("devices_per_node", "nproc") else MAX_NODES
+    if value > limit:
+        raise ConfigError(f"{where}: {key} = {value} is beyond the limit of {limit}; "
+                          "is it a typo?")
+
+
+def _check_world(nodes: int, devices_per_node: int, where: str) -> None:
+    if nodes * devices_per_node > MAX_DEVICES:
+        raise ConfigError(f"{where}: {nodes} nodes × {devices_per_node} devices = "
+                          f"{nodes * devices_per_node} devices is beyond the limit of "
+                          f"{MAX_DEVICES}; is a count a typo?")
+
+
+def _check_range(key: str, value: Any, where: str, limits: str, *, scale: float = 1.0,
+                 low_open: bool = False) -> float:
+    """``value`` × ``scale`` as a float, if finite and within ``RANGES[limits]``."""
+    low, high = RANGES[limits]
+    ok = not isinstance(value, bool) and isinstance(value, (int, float))
+    scaled = float(value) * scale if ok and math.isfinite(value) else math.nan
+    if not ok or not math.isfinite(scaled) or scaled > high or scaled < low or (
+            low_open and scaled <= low):
+        lo, hi = f"{low / scale:g}", f"{high / scale:g}"
+        bounds = f"finite and at most {hi}" if low == 0 else f"from {lo} to {hi}"
+        raise ConfigError(f"{where}: {key} must be a {'non-negative' if low == 0 else 'positive'}"
+                          f" number, {bounds}, got {value!r}")
+    return scaled

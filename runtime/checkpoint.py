@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 import threading
 import warnings
 from dataclasses import dataclass
@@ -70,6 +71,7 @@ from runtime.checkpoint_format import (
     step_dir_name,
     verify,
 )
+from runtime.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 from runtime.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -364,7 +366,8 @@ def load(trainer: Any, path: str | os.PathLike) -> Restored:
         _agree(error, group)
         scratch = _scratch(state)
         try:
-            dcp.load(scratch, storage_reader=dcp.FileSystemReader(str(ckpt)), process_group=group)
+            dcp.load(scratch, storage_reader=SafeFileSystemReader(str(ckpt)),
+                     planner=SafeLoadPlanner(), process_group=group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
             raise CheckpointCorruptError(f"{ckpt}: reading the data failed: {e}") from e
     except BaseException:
@@ -396,6 +399,18 @@ def _set_rng(state: dict[str, torch.Tensor]) -> None:
 # -- offline resharding --------------------------------------------------------------------
 
 
+def check_reshard_out(out: str | os.PathLike) -> Path:
+    """``out`` can become a new checkpoint root: it does not exist, its parent does and is
+    writable. Checked before anything is read."""
+    out = Path(out)
+    if out.exists() or out.is_symlink():
+        raise CheckpointExistsError(f"{out} exists; choose a new --out directory (nothing was written)")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"cannot write {out}: directory {out.parent} does not exist or is "
+                              "not writable (nothing was read)")
+    return out
+
+
 def reshard(src: str | os.PathLike, out: str | os.PathLike, plan: Plan, model: nn.Module) -> Path:
     """Rewrite checkpoint ``src`` as a checkpoint root ``out`` labelled with ``plan``.
 
@@ -413,9 +428,7 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, plan: Plan, model: n
 
     from runtime.validate import check_plan
 
-    out = Path(out)
-    if out.exists() or out.is_symlink():
-        raise CheckpointExistsError(f"{out} exists; choose a new --out directory (nothing was written)")
+    out = check_reshard_out(out)
     ckpt, manifest, metadata = verify(src)
     compare_fingerprints(manifest.fingerprint, fingerprint(model.state_dict()), str(ckpt))
     check_plan(model, plan)
@@ -426,12 +439,13 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, plan: Plan, model: n
     try:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(state, storage_reader=dcp.FileSystemReader(str(ckpt)), no_dist=True)
+            dcp.load(state, storage_reader=SafeFileSystemReader(str(ckpt)),
+                     planner=SafeLoadPlanner(), no_dist=True)
     except (Exception, CheckpointException) as e:  # noqa: BLE001
         raise CheckpointCorruptError(f"{ckpt}: reading the data failed: {e}") from e
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_root = out.with_name(f"{TMP_PREFIX}{out.name}.{os.getpid()}")
-    shutil.rmtree(tmp_root, ignore_errors=True)
+    # A fresh directory of an unpredictable name (mkdtemp fails rather than follow a
+    # planted symlink), beside ``out`` so the final rename stays on one file system.
+    tmp_root = Path(tempfile.mkdtemp(dir=out.parent, prefix=f"{TMP_PREFIX}{out.name}."))
     final = tmp_root / step_dir_name(manifest.step)
     tmp = tmp_root / f"{TMP_PREFIX}{final.name}"
     try:
@@ -440,6 +454,7 @@ def reshard(src: str | os.PathLike, out: str | os.PathLike, plan: Plan, model: n
             dcp.save(state, storage_writer=dcp.FileSystemWriter(str(tmp)), no_dist=True)
         new = Manifest(**{**manifest.__dict__, "plan": plan.to_dict(), "resharded_from": str(ckpt)})
         commit(tmp, final, new)
+        os.chmod(tmp_root, 0o755)  # mkdtemp's 0o700 is for while it is being written
         os.rename(tmp_root, out)  # fails if out appeared meanwhile: still nothing overwritten
     except BaseException:
         shutil.rmtree(tmp_root, ignore_errors=True)

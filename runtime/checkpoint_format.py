@@ -41,14 +41,21 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from cost_models.errors import AutoparError
+from runtime.checkpoint_errors import (  # re-exported: callers import them from here
+    CheckpointCorruptError,
+    CheckpointError,
+    CheckpointExistsError,  # noqa: F401
+    CheckpointMismatchError,
+    UnsafeCheckpointError,
+)
+from runtime.dcp_safe import plain_name, read_metadata
+from runtime.files import fsync_dir, write_atomic
 from runtime.plan import Plan, PlanError
 
 FORMAT_VERSION = 1
@@ -58,22 +65,6 @@ LATEST = "latest"
 TMP_PREFIX = ".tmp-"
 OLD_PREFIX = ".old-"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
-
-
-class CheckpointError(AutoparError):
-    """A checkpoint cannot be saved, found or loaded; the message says which file and why."""
-
-
-class CheckpointCorruptError(CheckpointError):
-    """A checkpoint is partial or damaged: a missing manifest, metadata or shard, a truncated file."""
-
-
-class CheckpointMismatchError(CheckpointError):
-    """A checkpoint belongs to another model (names, global shapes or dtypes differ)."""
-
-
-class CheckpointExistsError(CheckpointError):
-    """The output of ``reshard`` exists already; nothing is overwritten."""
 
 
 def step_dir_name(step: int) -> str:
@@ -176,9 +167,37 @@ class Manifest:
                 f"reads version {FORMAT_VERSION})"
             )
         try:
-            return cls(**data)
+            manifest = cls(**data)
         except TypeError as e:
             raise CheckpointCorruptError(f"{path}: malformed manifest ({e})") from e
+        manifest.check(path)
+        return manifest
+
+    def check(self, path: Path) -> None:
+        """Every field has its type (a damaged or hand-edited manifest is named, not a
+        traceback later): counts are integers, files map plain names to sizes."""
+        def bad(name: str, want: str) -> CheckpointCorruptError:
+            return CheckpointCorruptError(f"{path}: malformed manifest: {name} must be {want}, "
+                                          f"got {getattr(self, name)!r}"[:400])
+
+        for name in ("step", "world_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < (
+                    0 if name == "step" else 1):
+                raise bad(name, "a non-negative integer" if name == "step" else "a positive integer")
+        for name, kind, want in (("plan", dict, "an object"), ("model", str, "a string"),
+                                 ("fingerprint", list, "a list"),
+                                 ("loader_state", dict, "an object"), ("files", dict, "an object"),
+                                 ("resharded_from", str, "a string")):
+            if not isinstance(getattr(self, name), kind):
+                raise bad(name, want)
+        if not all(isinstance(row, list) and len(row) == 3 and isinstance(row[0], str)
+                   for row in self.fingerprint):
+            raise bad("fingerprint", "a list of [name, shape, dtype]")
+        for name, size in self.files.items():
+            if (not plain_name(name) or isinstance(size, bool) or not isinstance(size, int)
+                    or size < 0):
+                raise bad("files", "an object of plain file names and sizes in bytes")
 
 
 def list_files(ckpt: Path) -> dict[str, int]:
@@ -191,27 +210,52 @@ def list_files(ckpt: Path) -> dict[str, int]:
 
 
 def committed(root: Path) -> list[tuple[int, Path]]:
-    """The committed checkpoints under ``root``, oldest step first."""
+    """The committed checkpoints under ``root``, oldest step first (symlinks are skipped:
+    a checkpoint lives in its root)."""
     if not root.is_dir():
         return []
     found = []
     for p in root.iterdir():
         m = _STEP_DIR.match(p.name)
-        if m and p.is_dir():
+        if m and p.is_dir() and not p.is_symlink():
             found.append((int(m.group(1)), p))
     return sorted(found)
 
 
 def latest(root: str | os.PathLike) -> Path | None:
-    """The checkpoint ``root/latest`` names, else the committed one with the highest step."""
+    """The checkpoint ``root/latest`` names, else the committed one with the highest step.
+
+    ``latest`` must name a ``step_N`` directory of ``root`` itself: a pointer elsewhere
+    (a path, ``..``, a symlink) is refused, so a planted pointer cannot make a run load
+    a checkpoint from outside its root.
+    """
     root = Path(root)
     pointer = root / LATEST
+    if pointer.is_symlink():
+        raise CheckpointCorruptError(
+            f"{pointer} is a symbolic link; it must be a file naming a step_N directory of "
+            f"{root} (delete it: the newest checkpoint is then found by its step)")
     if pointer.is_file():
-        target = root / pointer.read_text().strip()
+        name = _read_pointer(pointer)
+        target = root / name
+        if not _STEP_DIR.match(name) or target.is_symlink():
+            raise CheckpointCorruptError(
+                f"{pointer} names {name!r}, which is not a step_N directory inside {root}; "
+                "refusing to look outside the checkpoint root (delete the file: the newest "
+                "checkpoint is then found by its step)")
         if (target / MANIFEST).is_file():
             return target
     found = committed(root)
     return found[-1][1] if found else None
+
+
+def _read_pointer(pointer: Path) -> str:
+    try:
+        return pointer.read_bytes()[:256].decode("utf-8").strip()
+    except UnicodeDecodeError:
+        raise CheckpointCorruptError(
+            f"{pointer} is not UTF-8 text; it must name a step_N directory (delete it: the "
+            "newest checkpoint is then found by its step)") from None
 
 
 def resolve(path: str | os.PathLike) -> Path:
@@ -234,10 +278,10 @@ def verify(path: str | os.PathLike) -> tuple[Path, Manifest, Any]:
     """Check a checkpoint's files without loading tensors; return (dir, manifest, DCP metadata).
 
     Catches a missing manifest or ``.metadata``, a missing or truncated shard file, and
-    any DCP chunk that points past the end of its file. Local: no collective.
+    any DCP chunk that points past the end of its file. ``.metadata`` is read through
+    ``runtime.dcp_safe`` (no code in it runs; UnsafeCheckpointError if it asks to). Local:
+    no collective.
     """
-    from torch.distributed.checkpoint import FileSystemReader
-
     ckpt = resolve(path)
     manifest = Manifest.read(ckpt)
     for name, size in manifest.files.items():
@@ -252,7 +296,9 @@ def verify(path: str | os.PathLike) -> tuple[Path, Manifest, Any]:
     if not (ckpt / DCP_METADATA).is_file():
         raise CheckpointCorruptError(f"{ckpt} is incomplete: DCP metadata {DCP_METADATA} is missing")
     try:
-        metadata = FileSystemReader(str(ckpt)).read_metadata()
+        metadata = read_metadata(ckpt / DCP_METADATA)
+    except UnsafeCheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - unpickling a damaged file raises anything
         raise CheckpointCorruptError(f"{ckpt}: DCP metadata {DCP_METADATA} is unreadable ({e})") from e
     for info in (metadata.storage_data or {}).values():
@@ -298,43 +344,20 @@ def _flatten(state: dict[str, Any], prefix: str = ""):
 # -- atomic commit -------------------------------------------------------------------------
 
 
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f"{TMP_PREFIX}{path.name}.")
-    try:
-        os.fchmod(fd, 0o644)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
 def commit(tmp: Path, final: Path, manifest: Manifest, *, update_latest: bool = True) -> None:
     """Write the manifest into ``tmp`` and rename it to ``final`` (see the module docstring)."""
     manifest = Manifest(**{**manifest.__dict__, "files": list_files(tmp)})
-    write_text_atomic(tmp / MANIFEST, manifest.to_json())
-    _fsync_dir(tmp)
+    write_atomic(tmp / MANIFEST, manifest.to_json())
+    fsync_dir(tmp)
     old = None
     if final.exists():  # re-saving a step: move the old one aside, never delete first
         old = final.with_name(f"{OLD_PREFIX}{final.name}")
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
     if update_latest:
-        write_text_atomic(final.parent / LATEST, final.name + "\n")
+        write_atomic(final.parent / LATEST, final.name + "\n")
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
 

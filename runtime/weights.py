@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-from torch.distributed.checkpoint import DefaultLoadPlanner, HuggingFaceStorageReader
+from torch.distributed.checkpoint import HuggingFaceStorageReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from runtime.checkpoint_format import CheckpointError, verify
+from runtime.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +63,7 @@ def load_weights(modules: Sequence[nn.Module], path: str | os.PathLike,
     target = {k: ts[0] for k, ts in by_key.items()}
     tree = {"model": target} if prefix else target
     try:
-        dcp.load(tree, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+        dcp.load(tree, storage_reader=reader, planner=SafeLoadPlanner(allow_partial_load=True))
     except Exception as e:  # noqa: BLE001 - DCP wraps every rank's error in its own types
         raise CheckpointError(f"{path}: reading the weights failed: {e}") from e
     for ts in by_key.values():
@@ -86,7 +87,7 @@ def _source(path: Path) -> tuple[object, str, set[str]]:
     if path.is_dir() and any(path.glob("*.safetensors")):
         return HuggingFaceStorageReader(str(path)), "", _safetensors_keys(path)
     ckpt, _, metadata = verify(path)  # an autopar checkpoint, or CheckpointError
-    return dcp.FileSystemReader(str(ckpt)), "model.", set(metadata.state_dict_metadata)
+    return SafeFileSystemReader(str(ckpt)), "model.", set(metadata.state_dict_metadata)
 
 
 def _safetensors_keys(path: Path) -> set[str]:
