@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="ILP time limit, seconds")
     p.add_argument("--force", action="store_true",
                    help="overwrite existing --json, --export and --plot files")
+    p.add_argument("--from-megatron", metavar="ARGS",
+                   help="an existing Megatron-LM job's arguments (one quoted string): print "
+                        "its predicted step time next to autopar's plan, with the gain")
     add_plan_options(p)
     p.set_defaults(handler=cmd_plan)
     add_commands(sub)
@@ -155,6 +158,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     check_outputs(args)  # before minutes of planning, not after
     spec = get_model(args.model)
     cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    if args.from_megatron:
+        from autopar.exports.command import megatron_comparison
+
+        print(megatron_comparison(args.from_megatron, spec.name, cluster, seq=args.seq,
+                                  time_limit_s=args.time_limit))
+        return 0
     batch = args.batch or spec.default_batch
     inputs = spec.example_inputs(batch, args.seq, device="meta")
     model = spec.build("meta")

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from autopar.cli_types import node_count, nonnegative_int, positive_int, ranks_per_node
@@ -18,6 +19,7 @@ from autopar.export import (
     torchtitan_toml,
     write_script,
 )
+from autopar.exports import EXPORTERS
 from runtime.device import DEVICE_TYPES
 from runtime.files import check_output, check_output_dir, write_atomic
 from runtime.plan import Plan
@@ -52,7 +54,9 @@ def add_commands(sub) -> None:
                        description="autopar export PLAN.json --format slurm --script train.py "
                                    "-- ARGS: the script's own arguments follow --")
     x.add_argument("plan", metavar="PLAN.json")
-    x.add_argument("--format", choices=list(EXPORT_FILES), default="torchrun")
+    x.add_argument("--format", choices=[*EXPORT_FILES, *EXPORTERS], default="torchrun",
+                   help="megatron, deepspeed, accelerate: the engine's own settings "
+                        "(with --out, a directory for its files)")
     x.add_argument("--nodes", type=node_count, help="default: the cluster the plan was made for")
     x.add_argument("--nproc-per-node", type=ranks_per_node,
                    help="default: the cluster's devices per node")
@@ -83,6 +87,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    if args.format in EXPORTERS:
+        return cmd_engine_export(args)
     if args.out:
         check_output(args.out, force=args.force, what="--out")
     plan = Plan.load(args.plan)
@@ -100,6 +106,24 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {write_script(args.out, text, executable=args.format != 'torchtitan')}")
     else:
         print(text, end="")
+    return 0
+
+
+def cmd_engine_export(args: argparse.Namespace) -> int:
+    from autopar.exports.command import engine_export, export_output
+
+    if args.script is not None or args.script_args or args.steps is not None:
+        raise ConfigError(f"--script, --steps and script arguments are for torchrun and "
+                          f"slurm; the {args.format} files take the job's own arguments "
+                          "when launched")
+    export = engine_export(args.format, args.plan, nodes=args.nodes,
+                           nproc_per_node=args.nproc_per_node)
+    if args.out:
+        check_output_dir(args.out, [f.name for f in export.files], force=args.force,
+                         what="--out")
+    for warning in export.warnings:
+        print(f"autopar export: warning: {warning}", file=sys.stderr)
+    print("\n".join(export_output(export, args.out)))
     return 0
 
 

@@ -38,7 +38,6 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,6 +48,7 @@ import msgspec
 from cost_models.errors import ConfigError
 from cost_models.memory import MemoryTerms
 from cost_models.schedule import SCHEDULES
+from runtime.files import write_atomic
 from runtime.strategies import STRATEGIES, StrategySpec, spec
 
 PLAN_VERSION = 2
@@ -662,15 +662,7 @@ class Plan:
 
     def save(self, path: str | os.PathLike) -> None:
         """Write atomically: a crash never leaves a half-written plan over a good one."""
-        path = Path(path)
-        fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w") as f:
-                f.write(self.to_json())
-            os.replace(tmp, path)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(path, self.to_json())
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Plan:

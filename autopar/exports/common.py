@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
-import tempfile
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.files import write_atomic
 from runtime.plan import Plan
 from runtime.strategies import StrategySpec
 
@@ -47,7 +47,7 @@ class Export:
         """Write every file into ``directory`` (created if missing), each atomically."""
         out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        return [write_atomically(out / f.name, f.text, executable=f.executable)
+        return [write_atomic(out / f.name, f.text, mode=0o755 if f.executable else 0o644)
                 for f in self.files]
 
 
@@ -111,16 +111,3 @@ def micro_batch_size(plan: Plan) -> int:
     return plan.global_batch // (plan.mesh.dp * plan.microbatches)
 
 
-def write_atomically(path: Path, text: str, *, executable: bool = False) -> Path:
-    """A temporary file in the same directory renamed over ``path``: a crash never leaves a
-    half-written file over a good one."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o755 if executable else 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
