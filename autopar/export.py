@@ -27,10 +27,10 @@ from autopar.generated import comment
 from runtime.files import write_atomic
 from runtime.launch import PLAN_ENV
 from runtime.plan import Plan
+from runtime.strategies import spec
 
 logger = logging.getLogger(__name__)
 
-SHARDED = ("fsdp", "tp_fsdp")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,7 +89,7 @@ def torchtitan_toml(plan: Plan) -> str:
     """A ``[parallelism]`` (and ``[training]``) block for a torchtitan job config."""
     mesh = plan.mesh
     styles = Counter(layer.strategy for layer in plan.layers)
-    sharded = sum(n for s, n in styles.items() if s in SHARDED)
+    sharded = sum(n for s, n in styles.items() if spec(s).torchtitan == "shard")
     shard = sharded * 2 >= sum(styles.values()) and mesh.dp > 1
     micro = plan.global_batch // mesh.dp
     schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
