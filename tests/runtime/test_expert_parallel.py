@@ -1,0 +1,213 @@
+"""Expert parallelism on 2 and 4 gloo ranks trains like one process on the global batch.
+
+Each case trains a seeded MoE model (the zoo's moe-tiny, and an HF Mixtral from a small
+config) for 3 AdamW steps (float32) under a plan whose MoE layers have expert_parallel =
+ep, and compares on every rank with one process on the same global batches: the loss of
+every step, every gradient after the first backward (the check that catches a gradient
+reduced over the wrong ranks or divided by the wrong count: Adam hides a scale error in
+the parameters) and every parameter after 3 steps. Experts' values are gathered from
+their ep group first (each rank holds E / ep of them). Tolerances as
+tests/test_runtime_numerics.py, whose docstring explains them.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import full_tensor, train_one_process
+
+from autopar.zoo import get_model
+from runtime.plan import LayerPlan, Mesh, Plan, PlanError
+
+STEPS = 3
+LR = 1e-3
+LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
+GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
+PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
+BATCH, SEQ, VOCAB = 8, 16, 128
+
+
+# -- models: (build, batch, loss) ---------------------------------------------------------
+
+
+def _mixtral() -> nn.Module:
+    import transformers
+
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+    cfg = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+        vocab_size=VOCAB, max_position_embeddings=64, use_cache=False)
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(cfg)
+
+
+def _build(name: str) -> nn.Module:
+    return get_model("moe-tiny").build(seed=0) if name == "moe-tiny" else _mixtral()
+
+
+def _batch(step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ + 1),
+                           generator=torch.Generator().manual_seed(step))
+    return (tokens[:, :-1],), tokens[:, 1:]
+
+
+def _loss(out, targets: torch.Tensor) -> torch.Tensor:
+    logits = out if isinstance(out, torch.Tensor) else out.logits
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def _layers(name: str) -> tuple[tuple[str, bool], ...]:
+    """(module, holds experts) of each planned layer."""
+    if name == "moe-tiny":
+        return (("wte", False), ("wpe", False), ("h.0", True), ("h.1", True),
+                ("ln_f", False), ("lm_head", False))
+    return (("model.embed_tokens", False), ("model.layers.0", True), ("model.layers.1", True),
+            ("model.norm", False), ("lm_head", False))
+
+
+def plan_json(name: str, strategy: str, dp: int, ep: int) -> str:
+    layers = [LayerPlan(module=m, strategy=strategy, expert_parallel=ep if moe else 1)
+              for m, moe in _layers(name)]
+    return Plan(global_batch=BATCH, mesh=Mesh(dp=dp), layers=tuple(layers)).to_json()
+
+
+# -- the job on every rank, and the one-process reference ---------------------------------
+
+
+def _gather_experts(blocks: list, plan: Plan, values: dict) -> dict:
+    """Experts' tensors of this rank (E / ep of each) joined over the ep group; ``blocks``
+    found on the model before the plan split them."""
+    from runtime.expert_parallel import expert_meshes
+
+    out = dict(values)
+    dp_mesh = _mesh(plan)["dp"]
+    for block in blocks:
+        ep = next(layer.expert_parallel for layer in plan.layers
+                  if block.path.startswith(layer.module + "."))
+        if ep == 1:
+            continue
+        group = expert_meshes(dp_mesh, ep)[0].get_group()
+        for name in block.expert_param_names:
+            key = f"{block.experts}.{name}"
+            parts = [torch.empty_like(out[key]) for _ in range(ep)]
+            dist.all_gather(parts, out[key].contiguous(), group=group)
+            out[key] = torch.cat(parts)
+    return out
+
+
+def _mesh(plan: Plan):
+    from runtime.mesh import build_mesh
+
+    return build_mesh(plan.mesh, "cpu")
+
+
+def train_job(name: str, plan_text: str) -> dict:
+    from runtime.moe_blocks import find_moe_blocks
+    from runtime.train import Trainer
+
+    plan = Plan.from_json(plan_text)
+    model = _build(name)
+    blocks = find_moe_blocks(model)
+    trainer = Trainer(model, plan, _loss, lambda ps: torch.optim.AdamW(ps, lr=LR))
+    losses, grads = [], {}
+    for step in range(STEPS):
+        inputs, targets = trainer.shard_batch(*_batch(step))
+        losses.append(trainer.forward_backward(inputs, targets).item())
+        if step == 0:
+            grads = {n: full_tensor(p.grad) for n, p in trainer.applied.model.named_parameters()
+                     if p.grad is not None}
+        trainer.step()
+    return {"losses": losses, "grads": _gather_experts(blocks, plan, grads),
+            "params": _gather_experts(blocks, plan, trainer.full_state_dict())}
+
+
+@functools.cache
+def reference(name: str) -> dict:
+    return train_one_process(_build(name), lambda m, step: _loss(m(*_batch(step)[0]),
+                                                                 _batch(step)[1]),
+                             steps=STEPS, lr=LR)
+
+
+def _close(got, want, tol: dict, label: str) -> None:
+    try:
+        torch.testing.assert_close(got, want, **tol)
+    except AssertionError as e:
+        raise AssertionError(f"{label}: {e}") from None
+
+
+def assert_matches_reference(results: list[dict], name: str) -> None:
+    ref = reference(name)
+    for rank, got in enumerate(results):
+        _close(got["losses"], ref["losses"], LOSS_TOL, f"rank {rank} losses")
+        assert got["grads"].keys() == ref["grads"].keys(), f"rank {rank} gradient names"
+        for key, want in ref["grads"].items():
+            _close(got["grads"][key], want, GRAD_TOL, f"rank {rank} grad of {key}")
+        for key, want in ref["params"].items():
+            _close(got["params"][key], want, PARAM_TOL, f"rank {rank} param {key}")
+
+
+# -- numerics -------------------------------------------------------------------------------
+
+CASES_2 = [(name, strategy) for name in ("moe-tiny", "mixtral")
+           for strategy in ("replicate", "fsdp")]
+
+
+@pytest.mark.parametrize("name, strategy", CASES_2, ids=[f"{n}-{s}" for n, s in CASES_2])
+def test_ep2_on_2_ranks_matches_one_process(pool2, name, strategy):
+    assert_matches_reference(pool2.run(train_job, name, plan_json(name, strategy, 2, 2)), name)
+
+
+CASES_4 = [("moe-tiny", "replicate", 2), ("moe-tiny", "fsdp", 2), ("moe-tiny", "zero2", 4),
+           ("mixtral", "fsdp", 2)]
+
+
+@pytest.mark.parametrize("name, strategy, ep", CASES_4,
+                         ids=[f"{n}-{s}-ep{e}" for n, s, e in CASES_4])
+def test_ep_on_4_ranks_matches_one_process(pool4, name, strategy, ep):
+    """ep = 2 of dp = 4: each expert lives on 2 ranks, whose gradients are summed."""
+    assert_matches_reference(pool4.run(train_job, name, plan_json(name, strategy, 4, ep)),
+                             name)
+
+
+# -- refusals, before any collective -----------------------------------------------------
+
+
+def _moe_plan(dp: int, tp: int = 1, **layer: object) -> Plan:
+    fields = dict(module="h.0", strategy="fsdp", expert_parallel=2) | layer
+    return Plan(global_batch=12, mesh=Mesh(dp=dp, tp=tp), layers=(LayerPlan(**fields),))
+
+
+@pytest.mark.parametrize("plan, message", [
+    (_moe_plan(2, module="wte"), "no mixture-of-experts block"),
+    (_moe_plan(3, expert_parallel=3), "has 4 experts, not divisible by 3"),
+    (_moe_plan(2, tp=2), "data-parallel mesh only"),
+    (_moe_plan(2, offload=True), "offload and recompute"),
+    (_moe_plan(2, recompute="full"), "offload and recompute"),
+], ids=["dense-layer", "indivisible", "tp-mesh", "offload", "recompute"])
+def test_plans_the_runtime_cannot_run_are_refused_by_check_plan(plan, message):
+    from runtime.validate import check_plan
+
+    with pytest.raises(PlanError, match=message) as info:
+        check_plan(get_model("moe-tiny").build("meta"), plan)
+    assert "layer 'h.0'" in str(info.value) or "layer 'wte'" in str(info.value)
+
+
+def validate_meta_job() -> str:
+    from runtime.apply import validate_plan
+
+    try:
+        validate_plan(get_model("moe-tiny").build("meta"), _moe_plan(2))
+    except PlanError as e:
+        return str(e)
+    return "accepted"
+
+
+def test_a_model_on_meta_is_refused_before_any_collective(pool2):
+    assert all("real weights" in text for text in pool2.run(validate_meta_job))
