@@ -36,9 +36,10 @@ a model on meta (``runtime.apply``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,6 +48,7 @@ import torch.distributed.nn.functional as dist_nn
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 from runtime.moe_blocks import MoEBlock, find_moe_blocks
 from runtime.plan import LayerPlan, Plan, PlanError
@@ -158,16 +160,32 @@ def _divide_gradients(experts: nn.Module, dp: int, *, shard_ranks: int) -> None:
 
 
 def _keep_local_experts(experts: nn.Module, block: MoEBlock, ep_mesh: DeviceMesh) -> None:
-    """Keep this rank's E/ep experts: parameters sliced on dim 0, ``num_experts`` set so the
-    module's own forward runs them as a module of that many experts."""
+    """Keep this rank's E/ep experts as DTensors ``Shard(0)`` on the ep mesh (so state
+    dicts, norms and checkpoints see the global [E, ...] tensors), and set
+    ``num_experts`` so the module's own forward runs them as a module of E/ep experts."""
     ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
     local = block.num_experts // ep
     for name in block.expert_param_names:
         full = getattr(experts, name)
         part = full.detach()[rank * local:(rank + 1) * local].clone()
-        setattr(experts, name, nn.Parameter(part, requires_grad=full.requires_grad))
+        shard = DTensor.from_local(part, ep_mesh, [Shard(0)], run_check=False)
+        setattr(experts, name, nn.Parameter(shard, requires_grad=full.requires_grad))
     if hasattr(experts, "num_experts"):
         experts.num_experts = local
+
+
+@contextlib.contextmanager
+def _local_parameters(module: nn.Module, names: tuple[str, ...]) -> Iterator[None]:
+    """The module's own forward sees its experts' local tensors (``to_local`` keeps the
+    gradient path to the DTensor parameter that FSDP2 gathered for this forward)."""
+    saved = {name: module._parameters[name] for name in names}
+    try:
+        for name, param in saved.items():
+            if isinstance(param, DTensor):
+                module._parameters[name] = param.to_local()
+        yield
+    finally:
+        module._parameters.update(saved)
 
 
 @dataclass(frozen=True)
@@ -191,6 +209,7 @@ class _ExpertParallelForward:
                  group: dist.ProcessGroup) -> None:
         self.local_forward = local_forward
         self.num_experts = block.num_experts
+        self.param_names = block.expert_param_names
         self.group = group
         self.ep = dist.get_world_size(group)
 
@@ -203,7 +222,8 @@ class _ExpertParallelForward:
         by_expert, local_index = _group_by_expert(routing.recv_counts)
         rows = received[by_expert]
         ones = rows.new_ones(rows.shape[0], 1)
-        out = self.local_forward(rows, local_index.unsqueeze(1), ones)
+        with _local_parameters(module, self.param_names):
+            out = self.local_forward(rows, local_index.unsqueeze(1), ones)
         back = torch.empty_like(out).index_copy(0, by_expert, out)
         y = self._exchange(back, routing.send, routing.recv)
         y = y * top_k_weights.reshape(-1)[routing.order].unsqueeze(-1).to(y.dtype)

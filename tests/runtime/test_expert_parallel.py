@@ -5,8 +5,8 @@ config) for 3 AdamW steps (float32) under a plan whose MoE layers have expert_pa
 ep, and compares on every rank with one process on the same global batches: the loss of
 every step, every gradient after the first backward (the check that catches a gradient
 reduced over the wrong ranks or divided by the wrong count: Adam hides a scale error in
-the parameters) and every parameter after 3 steps. Experts' values are gathered from
-their ep group first (each rank holds E / ep of them). Tolerances as
+the parameters) and every parameter after 3 steps, the experts' as the global [E, ...]
+DTensors the runtime makes of each rank's E / ep. Tolerances as
 tests/test_runtime_numerics.py, whose docstring explains them.
 """
 
@@ -17,7 +17,6 @@ import logging
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from reference import full_tensor, train_one_process
@@ -81,33 +80,6 @@ def plan_json(name: str, strategy: str, dp: int, ep: int) -> str:
 # -- the job on every rank, and the one-process reference ---------------------------------
 
 
-def _gather_experts(blocks: list, plan: Plan, values: dict) -> dict:
-    """Experts' tensors of this rank (E / ep of each) joined over the ep group; ``blocks``
-    found on the model before the plan split them."""
-    from runtime.expert_parallel import expert_meshes
-
-    out = dict(values)
-    dp_mesh = _mesh(plan)["dp"]
-    for block in blocks:
-        ep = next(layer.expert_parallel for layer in plan.layers
-                  if block.path.startswith(layer.module + "."))
-        if ep == 1:
-            continue
-        group = expert_meshes(dp_mesh, ep)[0].get_group()
-        for name in block.expert_param_names:
-            key = f"{block.experts}.{name}"
-            parts = [torch.empty_like(out[key]) for _ in range(ep)]
-            dist.all_gather(parts, out[key].contiguous(), group=group)
-            out[key] = torch.cat(parts)
-    return out
-
-
-def _mesh(plan: Plan):
-    from runtime.mesh import build_mesh
-
-    return build_mesh(plan.mesh, "cpu")
-
-
 def train_job(name: str, plan_text: str) -> dict:
     from runtime.moe_blocks import find_moe_blocks
     from runtime.train import Trainer
@@ -124,8 +96,9 @@ def train_job(name: str, plan_text: str) -> dict:
             grads = {n: full_tensor(p.grad) for n, p in trainer.applied.model.named_parameters()
                      if p.grad is not None}
         trainer.step()
-    return {"losses": losses, "grads": _gather_experts(blocks, plan, grads),
-            "params": _gather_experts(blocks, plan, trainer.full_state_dict())}
+    local = [trainer.applied.model.get_submodule(b.experts).num_experts for b in blocks]
+    return {"losses": losses, "grads": grads, "params": trainer.full_state_dict(),
+            "local_experts": local}
 
 
 @functools.cache
@@ -142,9 +115,10 @@ def _close(got, want, tol: dict, label: str) -> None:
         raise AssertionError(f"{label}: {e}") from None
 
 
-def assert_matches_reference(results: list[dict], name: str) -> None:
+def assert_matches_reference(results: list[dict], name: str, ep: int) -> None:
     ref = reference(name)
     for rank, got in enumerate(results):
+        assert got["local_experts"] == [4 // ep] * 2, f"rank {rank} holds all experts"
         _close(got["losses"], ref["losses"], LOSS_TOL, f"rank {rank} losses")
         assert got["grads"].keys() == ref["grads"].keys(), f"rank {rank} gradient names"
         for key, want in ref["grads"].items():
@@ -161,7 +135,7 @@ CASES_2 = [(name, strategy) for name in ("moe-tiny", "mixtral")
 
 @pytest.mark.parametrize("name, strategy", CASES_2, ids=[f"{n}-{s}" for n, s in CASES_2])
 def test_ep2_on_2_ranks_matches_one_process(pool2, name, strategy):
-    assert_matches_reference(pool2.run(train_job, name, plan_json(name, strategy, 2, 2)), name)
+    assert_matches_reference(pool2.run(train_job, name, plan_json(name, strategy, 2, 2)), name, 2)
 
 
 CASES_4 = [("moe-tiny", "replicate", 2), ("moe-tiny", "fsdp", 2), ("moe-tiny", "zero2", 4),
@@ -173,7 +147,7 @@ CASES_4 = [("moe-tiny", "replicate", 2), ("moe-tiny", "fsdp", 2), ("moe-tiny", "
 def test_ep_on_4_ranks_matches_one_process(pool4, name, strategy, ep):
     """ep = 2 of dp = 4: each expert lives on 2 ranks, whose gradients are summed."""
     assert_matches_reference(pool4.run(train_job, name, plan_json(name, strategy, 4, ep)),
-                             name)
+                             name, ep)
 
 
 # -- refusals, before any collective -----------------------------------------------------
