@@ -185,3 +185,26 @@ def validate_meta_job() -> str:
 
 def test_a_model_on_meta_is_refused_before_any_collective(pool2):
     assert all("real weights" in text for text in pool2.run(validate_meta_job))
+
+
+def clip_job(plan_text: str, max_norm: float) -> dict:
+    from runtime.train import Trainer
+
+    trainer = Trainer(_build("moe-tiny"), Plan.from_json(plan_text), _loss)
+    trainer.forward_backward(*trainer.shard_batch(*_batch(0)))
+    norm = trainer.clip_grad_norm_(max_norm)
+    return {"norm": float(norm), "grads": {n: full_tensor(p.grad) for n, p in
+                                           trainer.applied.model.named_parameters()}}
+
+
+def test_clip_grad_norm_counts_every_expert_once(pool4):
+    """The norm is one process's (an expert counted once, not once per replica or
+    missing on the ranks that do not hold it), and clipping scales every gradient alike."""
+    net = _build("moe-tiny")
+    _loss(net(*_batch(0)[0]), _batch(0)[1]).backward()
+    norm = float(torch.nn.utils.get_total_norm([p.grad for p in net.parameters()]))
+    torch.nn.utils.clip_grad_norm_(net.parameters(), norm / 2)
+    for got in pool4.run(clip_job, plan_json("moe-tiny", "fsdp", 4, 2), norm / 2):
+        assert got["norm"] == pytest.approx(norm, rel=1e-5)
+        for name, p in net.named_parameters():
+            _close(got["grads"][name], p.grad, GRAD_TOL, f"clipped grad of {name}")
