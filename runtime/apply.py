@@ -6,9 +6,9 @@ The order is torchtitan's, written down once here:
     2. mesh            build the (dp, tp) DeviceMesh, (dp, cp, tp) with context parallelism;
                        BatchNorm takes statistics over dp           (runtime.batch_norm)
     3. tensor parallel ``parallelize_module`` on the tp axis        (runtime.tensor_parallel)
-    3b. expert parallel experts of ``expert_parallel > 1`` layers split over ep dp ranks,
-                       tokens by all-to-all; experts FSDP2 over the ranks holding the
-                       same experts                              (runtime.expert_parallel)
+    3b. expert parallel experts of ``expert_parallel > 1`` layers split over ep dp ranks
+                       (replicated over tp), tokens by all-to-all; experts FSDP2 over
+                       the dp ranks holding the same experts    (runtime.expert_parallel)
     4. recompute       checkpoint the layers' forwards             (runtime.recompute)
     5. data parallel   DDP, or FSDP2 per layer then the root,      (runtime.data_parallel)
                        with the plan's precision policy            (runtime.precision)

@@ -28,10 +28,18 @@ the wire, since gloo has no pre-multiplied sum); 'replicate' layers use an HSDP 
 ``(dp/ep, 1)`` whose shard axis of one rank shards nothing (as ``runtime.data_parallel``),
 and the sharded strategies shard the experts over the ``dp / ep`` replicas.
 
+On a (dp, tp) mesh the experts are replicated over tp: whatever the layer's strategy,
+the tokens entering a MoE block are the same on every tp rank of a dp index (attention's
+row-parallel output is all-reduced), so each tp rank routes and computes the same rows
+with its own copy of its experts, and their gradients need no reduction over tp. ep groups
+and replicas are sub-axes of dp within one tp index.
+
+Experts are DTensors ``Shard(0)`` on the ep mesh (FSDP2 adds its own sharding over the
+replicas), so state dicts, gradient norms and checkpoints see global [E, ...] tensors.
 A model built with real weights: every rank starts from rank 0's (broadcast before this
-step) and keeps its slice. Not supported, refused by ``runtime.validate``: tp, cp or pp
-axes, hsdp, offload, mixed precision, gradient accumulation, recompute of an EP layer,
-a model on meta (``runtime.apply``).
+step) and keeps its slice. Refused by ``runtime.validate`` (``check_expert_parallel``):
+cp or pp axes, hsdp, sequence parallelism, offload, recompute of an EP layer, gradient
+accumulation, mixed precision; and in ``runtime.apply``, a model on meta.
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.distributed.nn.functional as dist_nn
+import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
@@ -56,7 +64,9 @@ from runtime.precision import is_mixed
 
 logger = logging.getLogger(__name__)
 
-_EP_MESHES: dict[tuple[int, int], tuple[DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+_EP_MESHES: dict[tuple, tuple[DeviceMesh, DeviceMesh, DeviceMesh, DeviceMesh]] = {}
+"""(root mesh id, dp ranks, ep) -> (root, ep, replicas, hsdp); the root is kept so its id
+is not reused while the entry lives."""
 
 
 def ep_layers(layers: list[LayerPlan]) -> list[LayerPlan]:
@@ -68,16 +78,18 @@ def expert_meshes(dp_mesh: DeviceMesh, ep: int) -> tuple[DeviceMesh, DeviceMesh,
     """(ep, replicas, replicas as HSDP (n, 1)) sub-meshes of the 1-D ``dp_mesh``: ep groups
     are runs of ``ep`` consecutive dp ranks; replicas the ``dp / ep`` ranks at one position
     of every group. Collective (``DeviceMesh._unflatten``, private in torch 2.13, as in
-    ``runtime.mesh``); cached, since a root mesh takes each axis name once."""
-    key = (id(dp_mesh), ep)
+    ``runtime.mesh``); cached per root mesh and dp ranks, since slicing the root makes a new
+    dp mesh object each time."""
+    root = dp_mesh._get_root_mesh()
+    key = (id(root), tuple(dp_mesh.mesh.flatten().tolist()), ep)
     if key not in _EP_MESHES:
         n = dp_mesh.size() // ep
         names = (f"ep{ep}_replicate", f"ep{ep}")
         grid = dp_mesh._unflatten(0, (n, ep), names)
         replicas = grid[names[0]]
         hsdp = replicas._unflatten(0, (n, 1), (f"ep{ep}_replicas", f"ep{ep}_one"))
-        _EP_MESHES[key] = (grid[names[1]], replicas, hsdp)
-    return _EP_MESHES[key]
+        _EP_MESHES[key] = (root, grid[names[1]], replicas, hsdp)
+    return _EP_MESHES[key][1:]
 
 
 def apply_expert_parallel(model: nn.Module, layers: list[LayerPlan], dp_mesh: DeviceMesh,
@@ -125,18 +137,21 @@ def check_expert_parallel(model: nn.Module, plan: Plan) -> None:
                     f"that divides {block.num_experts}")
 
 
-SUPPORTED_STRATEGIES = ("replicate", "zero1", "zero2", "fsdp")
+SUPPORTED_STRATEGIES = ("replicate", "zero1", "zero2", "fsdp", "tp", "tp_fsdp")
 """Dense strategies an EP layer combines with."""
 
 
 def _unsupported(layer: LayerPlan, plan: Plan) -> str | None:
     mesh = plan.mesh
-    if (mesh.tp, mesh.cp, mesh.pp) != (1, 1, 1):
-        return (f"expert parallelism runs on a data-parallel mesh only (this plan's mesh is "
-                f"{mesh.describe()}); use tp = cp = pp = 1")
+    if (mesh.cp, mesh.pp) != (1, 1):
+        return (f"expert parallelism runs on a (dp, tp) mesh only (this plan's mesh is "
+                f"{mesh.describe()}); use cp = pp = 1")
     if layer.strategy not in SUPPORTED_STRATEGIES:
         return (f"strategy {layer.strategy!r} does not combine with expert parallelism; "
                 f"valid: {', '.join(SUPPORTED_STRATEGIES)}")
+    if layer.sequence_parallel:
+        return ("sequence parallelism gives each tp rank other tokens, and experts are "
+                "replicated over tp; plan the layer without sequence_parallel")
     if layer.offload or layer.recompute != "none":
         return "offload and recompute do not combine with expert parallelism yet"
     if plan.gradient_accumulation > 1:
@@ -241,9 +256,11 @@ class _ExpertParallelForward:
 
     def _exchange(self, rows: torch.Tensor, out_splits: list[int],
                   in_splits: list[int]) -> torch.Tensor:
-        out = rows.new_empty(sum(out_splits), rows.shape[-1])
-        return dist_nn.all_to_all_single(out, rows.contiguous(), out_splits, in_splits,
-                                         group=self.group)
+        # torch.distributed.nn.functional's all_to_all_single is deprecated in favour of
+        # this one (torchtitan's choice too); it returns an async tensor: wait before use.
+        out = funcol.all_to_all_single_autograd(rows.contiguous(), out_splits, in_splits,
+                                                self.group)
+        return funcol.wait_tensor(out)
 
 
 def _group_by_expert(recv_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
