@@ -38,8 +38,9 @@ Experts are DTensors ``Shard(0)`` on the ep mesh (FSDP2 adds its own sharding ov
 replicas), so state dicts, gradient norms and checkpoints see global [E, ...] tensors.
 A model built with real weights: every rank starts from rank 0's (broadcast before this
 step) and keeps its slice. Refused by ``runtime.validate`` (``check_expert_parallel``):
-cp or pp axes, hsdp, sequence parallelism, offload, recompute of an EP layer, gradient
-accumulation, mixed precision; and in ``runtime.apply``, a model on meta.
+cp or pp axes, hsdp, sequence parallelism, offload, recompute of an EP layer, mixed
+precision; and in ``runtime.apply``, a model on meta. Under gradient accumulation the
+experts' FSDP2 units reduce every micro-batch (their own default), which sums right.
 """
 
 from __future__ import annotations
@@ -154,8 +155,6 @@ def _unsupported(layer: LayerPlan, plan: Plan) -> str | None:
                 "replicated over tp; plan the layer without sequence_parallel")
     if layer.offload or layer.recompute != "none":
         return "offload and recompute do not combine with expert parallelism yet"
-    if plan.gradient_accumulation > 1:
-        return "gradient accumulation does not combine with expert parallelism yet"
     if is_mixed(plan):
         return "mixed precision does not combine with expert parallelism yet (use float32)"
     return None

@@ -78,7 +78,8 @@ ATTENTION_TP = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj
 """moe-tiny's attention split over tp; the MoE block stays whole on every tp rank."""
 
 
-def plan_json(name: str, strategy: str, dp: int, ep: int, tp: int = 1) -> str:
+def plan_json(name: str, strategy: str, dp: int, ep: int, tp: int = 1,
+              accumulation: int = 1) -> str:
     def layer(module: str, moe: bool) -> LayerPlan:
         if not moe:
             return LayerPlan(module=module, strategy="fsdp" if strategy == "tp_fsdp"
@@ -88,7 +89,8 @@ def plan_json(name: str, strategy: str, dp: int, ep: int, tp: int = 1) -> str:
                          expert_parallel=ep)
 
     layers = tuple(layer(m, moe) for m, moe in _layers(name))
-    return Plan(global_batch=BATCH, mesh=Mesh(dp=dp, tp=tp), layers=layers).to_json()
+    return Plan(global_batch=BATCH, mesh=Mesh(dp=dp, tp=tp), layers=layers,
+                gradient_accumulation=accumulation).to_json()
 
 
 # -- the job on every rank, and the one-process reference ---------------------------------
@@ -151,6 +153,12 @@ CASES_2 = [(name, strategy) for name in ("moe-tiny", "mixtral")
 @pytest.mark.parametrize("name, strategy", CASES_2, ids=[f"{n}-{s}" for n, s in CASES_2])
 def test_ep2_on_2_ranks_matches_one_process(pool2, name, strategy):
     assert_matches_reference(pool2.run(train_job, name, plan_json(name, strategy, 2, 2)), name, 2)
+
+
+@pytest.mark.parametrize("strategy", ["replicate", "zero2", "fsdp"])
+def test_ep2_with_2_micro_batches_matches_one_process(pool2, strategy):
+    plan = plan_json("moe-tiny", strategy, 2, 2, accumulation=2)
+    assert_matches_reference(pool2.run(train_job, "moe-tiny", plan), "moe-tiny", 2)
 
 
 CASES_4 = [("moe-tiny", "replicate", 2), ("moe-tiny", "fsdp", 2), ("moe-tiny", "zero2", 4),
