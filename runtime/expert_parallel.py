@@ -38,8 +38,7 @@ Experts are DTensors ``Shard(0)`` on the ep mesh (FSDP2 adds its own sharding ov
 replicas), so state dicts, gradient norms and checkpoints see global [E, ...] tensors.
 A model built with real weights: every rank starts from rank 0's (broadcast before this
 step) and keeps its slice. Refused by ``runtime.validate`` (``check_expert_parallel``):
-cp or pp axes, hsdp, sequence parallelism, offload, recompute of an EP layer, mixed
-precision; and in ``runtime.apply``, a model on meta. Under gradient accumulation the
+cp or pp axes, hsdp, sequence parallelism, offload, mixed precision; and in ``runtime.apply``, a model on meta. Under gradient accumulation the
 experts' FSDP2 units reduce every micro-batch (their own default), which sums right.
 """
 
@@ -153,8 +152,8 @@ def _unsupported(layer: LayerPlan, plan: Plan) -> str | None:
     if layer.sequence_parallel:
         return ("sequence parallelism gives each tp rank other tokens, and experts are "
                 "replicated over tp; plan the layer without sequence_parallel")
-    if layer.offload or layer.recompute != "none":
-        return "offload and recompute do not combine with expert parallelism yet"
+    if layer.offload:
+        return "offload does not combine with expert parallelism yet"
     if is_mixed(plan):
         return "mixed precision does not combine with expert parallelism yet (use float32)"
     return None

@@ -79,14 +79,14 @@ ATTENTION_TP = {"attn.q_proj": "colwise", "attn.k_proj": "colwise", "attn.v_proj
 
 
 def plan_json(name: str, strategy: str, dp: int, ep: int, tp: int = 1,
-              accumulation: int = 1) -> str:
+              accumulation: int = 1, recompute: str = "none") -> str:
     def layer(module: str, moe: bool) -> LayerPlan:
         if not moe:
             return LayerPlan(module=module, strategy="fsdp" if strategy == "tp_fsdp"
                              else "replicate" if strategy == "tp" else strategy)
         styles = ATTENTION_TP if strategy in ("tp", "tp_fsdp") else {}
         return LayerPlan(module=module, strategy=strategy, tp_styles=styles,
-                         expert_parallel=ep)
+                         expert_parallel=ep, recompute=recompute)
 
     layers = tuple(layer(m, moe) for m, moe in _layers(name))
     return Plan(global_batch=BATCH, mesh=Mesh(dp=dp, tp=tp), layers=layers,
@@ -161,6 +161,14 @@ def test_ep2_with_2_micro_batches_matches_one_process(pool2, strategy):
     assert_matches_reference(pool2.run(train_job, "moe-tiny", plan), "moe-tiny", 2)
 
 
+@pytest.mark.parametrize("strategy, recompute", [("replicate", "full"), ("fsdp", "full"),
+                                                 ("fsdp", "selective")])
+def test_ep2_with_recompute_matches_one_process(pool2, strategy, recompute):
+    """The recomputed forward repeats the all-to-alls, in the same order on every rank."""
+    plan = plan_json("moe-tiny", strategy, 2, 2, recompute=recompute)
+    assert_matches_reference(pool2.run(train_job, "moe-tiny", plan), "moe-tiny", 2)
+
+
 CASES_4 = [("moe-tiny", "replicate", 2), ("moe-tiny", "fsdp", 2), ("moe-tiny", "zero2", 4),
            ("mixtral", "fsdp", 2)]
 
@@ -176,9 +184,10 @@ def test_ep_on_4_ranks_matches_one_process(pool4, name, strategy, ep):
 # -- refusals, before any collective -----------------------------------------------------
 
 
-def _moe_plan(dp: int, tp: int = 1, **layer: object) -> Plan:
+def _moe_plan(dp: int, tp: int = 1, hsdp: int | None = None, **layer: object) -> Plan:
     fields = dict(module="h.0", strategy="fsdp", expert_parallel=2) | layer
-    return Plan(global_batch=12, mesh=Mesh(dp=dp, tp=tp), layers=(LayerPlan(**fields),))
+    return Plan(global_batch=12, mesh=Mesh(dp=dp, tp=tp), layers=(LayerPlan(**fields),),
+                hsdp_shard_size=hsdp)
 
 
 @pytest.mark.parametrize("plan, message", [
@@ -187,9 +196,9 @@ def _moe_plan(dp: int, tp: int = 1, **layer: object) -> Plan:
     (_moe_plan(2, tp=2, strategy="tp", tp_styles={"attn.q_proj": "colwise", "ln_1": "sequence_parallel"},
                sequence_parallel=True),
      "sequence parallelism"),
-    (_moe_plan(2, offload=True), "offload and recompute"),
-    (_moe_plan(2, recompute="full"), "offload and recompute"),
-], ids=["dense-layer", "indivisible", "sequence-parallel", "offload", "recompute"])
+    (_moe_plan(2, offload=True), "offload does not combine"),
+    (_moe_plan(4, hsdp=2, strategy="hsdp"), "strategy 'hsdp' does not combine"),
+], ids=["dense-layer", "indivisible", "sequence-parallel", "offload", "hsdp"])
 def test_plans_the_runtime_cannot_run_are_refused_by_check_plan(plan, message):
     from runtime.validate import check_plan
 
