@@ -38,8 +38,10 @@ Experts are DTensors ``Shard(0)`` on the ep mesh (FSDP2 adds its own sharding ov
 replicas), so state dicts, gradient norms and checkpoints see global [E, ...] tensors.
 A model built with real weights: every rank starts from rank 0's (broadcast before this
 step) and keeps its slice. Refused by ``runtime.validate`` (``check_expert_parallel``):
-cp or pp axes, hsdp, sequence parallelism, offload, mixed precision; and in ``runtime.apply``, a model on meta. Under gradient accumulation the
-experts' FSDP2 units reduce every micro-batch (their own default), which sums right.
+cp or pp axes, hsdp, sequence parallelism, offload, mixed precision; and in
+``runtime.apply``, a model on meta. Under gradient accumulation the experts' FSDP2 units
+reduce every micro-batch (their own default), which sums right; under recompute the
+recomputed forward repeats the all-to-alls, in the same order on every rank.
 """
 
 from __future__ import annotations
