@@ -6,6 +6,9 @@ The order is torchtitan's, written down once here:
     2. mesh            build the (dp, tp) DeviceMesh, (dp, cp, tp) with context parallelism;
                        BatchNorm takes statistics over dp           (runtime.batch_norm)
     3. tensor parallel ``parallelize_module`` on the tp axis        (runtime.tensor_parallel)
+    3b. expert parallel experts of ``expert_parallel > 1`` layers split over ep dp ranks
+                       (replicated over tp), tokens by all-to-all; experts FSDP2 over
+                       the dp ranks holding the same experts    (runtime.expert_parallel)
     4. recompute       checkpoint the layers' forwards             (runtime.recompute)
     5. data parallel   DDP, or FSDP2 per layer then the root,      (runtime.data_parallel)
                        with the plan's precision policy            (runtime.precision)
@@ -15,7 +18,10 @@ The order is torchtitan's, written down once here:
 
 TP comes before FSDP because FSDP2 shards DTensor parameters that TP has already
 distributed (the 2-D pattern); checkpointing wraps forwards before FSDP hooks the
-modules, so FSDP2's all-gathers and casts stay outside the recomputed region.
+modules, so FSDP2's all-gathers and casts stay outside the recomputed region. EP comes
+before FSDP (torchtitan's order): the experts are their own FSDP2 units, on the ep
+replicas' mesh, before the layers around them take the remaining parameters. Under pure
+data parallelism (DDP) DDP ignores the experts' parameters, which FSDP2 reduces.
 
 Context parallelism (``mesh.cp > 1``) changes no module: parameters are replicated over
 cp as over dp, so the data-parallel engines reduce (and FSDP2 shards) over dp × cp, and
@@ -31,11 +37,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel
 
 from runtime.batch_norm import convert_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
-from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
+from runtime.data_parallel import RESHARD_AFTER_FORWARD, apply_ddp, apply_fsdp, uses_ddp
 from runtime.device import rank_device
+from runtime.expert_parallel import apply_expert_parallel, ep_layers
 from runtime.materialize import (
     broadcast_weights,
     check_initializable,
@@ -96,6 +104,9 @@ def validate_plan(model: nn.Module, plan: Plan) -> str | None:
     check_world(plan)
     if on_meta(model):
         check_initializable(model)
+        if ep_layers(list(plan.layers)):
+            raise PlanError("expert parallelism needs a model with real weights (each rank "
+                            "keeps its experts' slice of rank 0's); build the model on cpu")
     check_plan(model, plan)
     return position_argument(model) if plan.mesh.cp > 1 else None
 
@@ -120,6 +131,9 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "auto",
     layers = list(plan.layers)
     cp = _context_parallel(model, mesh, layers, position_arg)
     if uses_ddp(layers, mixed_precision=is_mixed(plan)):
+        if ep_layers(layers):
+            broadcast_weights(model)  # before each rank keeps its experts' slice
+            _expert_parallel(model, layers, mesh)
         apply_recompute(model, layers)
         if meta:
             materialize(model, device, seed)
@@ -128,12 +142,25 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "auto",
         broadcast_weights(model)  # FSDP2 and TP keep each rank's own values
     meshes = data_parallel_meshes(mesh, plan.hsdp_shard_size)
     apply_tensor_parallel(model, layers, meshes.tp)
+    _expert_parallel(model, layers, mesh)
     apply_recompute(model, layers)
     layer_policy, root_policy = fsdp_policies(plan)
     apply_fsdp(model, layers, meshes, mp_policy=layer_policy, root_mp_policy=root_policy)
     if meta:
         materialize(model, device, seed)
     return AppliedPlan(model, model, mesh, plan, device, cp)
+
+
+def _expert_parallel(model: nn.Module, layers: list[LayerPlan], mesh: DeviceMesh) -> None:
+    """Split the experts of EP layers; DDP, if it wraps the model, skips their parameters
+    (FSDP2 owns them). Plans without EP are untouched."""
+    if not ep_layers(layers):
+        return
+    blocks = apply_expert_parallel(model, layers, mesh["dp"],
+                                   reshard=lambda layer: layer.strategy in RESHARD_AFTER_FORWARD)
+    names = [name for name, _ in model.named_parameters()
+             if any(name.startswith(block.experts + ".") for block in blocks)]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
 
 
 def _context_parallel(model: nn.Module, mesh: DeviceMesh, layers: list[LayerPlan],

@@ -12,6 +12,8 @@ is refused at ``compile``. The model may live on the meta device.
     batch norm      no micro-batching, pipeline or cp, which change batch statistics
                     (runtime.batch_norm)
     context         cp > 1 needs fused attention and a position-ids argument
+    experts         a layer with expert_parallel > 1 holds MoE blocks whose expert count
+                    ep divides, in a supported combination     (runtime.expert_parallel)
 
 The checks that need the world (rank count, real weights) stay in ``runtime.apply``; a
 pipeline's stage split is checked where it is made (``passes.split_stages``).
@@ -23,6 +25,7 @@ import torch.nn as nn
 
 from runtime.batch_norm import check_batch_statistics
 from runtime.context_parallel import position_argument
+from runtime.expert_parallel import check_expert_parallel
 from runtime.plan import Plan, PlanError
 from runtime.tensor_parallel import validate_tp_layer
 from runtime.tied import check_ties
@@ -34,6 +37,7 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
     _check_layers(model, plan)
     check_ties(model, plan.layers)
     check_batch_statistics(model, plan)
+    check_expert_parallel(model, plan)
     if plan.mesh.cp > 1:
         position_argument(model)
 

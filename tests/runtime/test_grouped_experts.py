@@ -9,7 +9,7 @@ from torch.autograd import gradcheck
 from torch.utils.flop_counter import FlopCounterMode
 
 import autopar
-from autopar.zoo import get_model
+from autopar.zoo import get_model, gpt_param_count
 from runtime.grouped_experts import expert_mlp, grouped_swiglu
 
 
@@ -61,5 +61,7 @@ def test_grouped_swiglu_flops_are_three_gemms_per_row():
 def test_moe_tiny_is_captured_and_planned_on_meta():
     spec = get_model("moe-tiny")
     model = spec.build("meta")
+    # 2 blocks of: router 4x64, experts 4 x (256x64 + 64x128), attention, 2 norms
+    assert sum(p.numel() for p in model.parameters()) == gpt_param_count(spec.config)
     plan = autopar.plan(model, autopar.Cluster.local(), spec.example_inputs(8, 16))
     assert {layer.module for layer in plan.layers} >= {"h.0", "h.1"}
