@@ -41,7 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from runtime.batch_norm import convert_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
-from runtime.data_parallel import RESHARD_AFTER_FORWARD, apply_ddp, apply_fsdp, uses_ddp
+from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
 from runtime.device import rank_device
 from runtime.expert_parallel import apply_expert_parallel, ep_layers
 from runtime.materialize import (
@@ -157,7 +157,7 @@ def _expert_parallel(model: nn.Module, layers: list[LayerPlan], mesh: DeviceMesh
     if not ep_layers(layers):
         return
     blocks = apply_expert_parallel(model, layers, mesh["dp"],
-                                   reshard=lambda layer: layer.strategy in RESHARD_AFTER_FORWARD)
+                                   reshard=lambda layer: layer.spec.gather == "per_use")
     names = [name for name, _ in model.named_parameters()
              if any(name.startswith(block.experts + ".") for block in blocks)]
     DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)

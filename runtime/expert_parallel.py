@@ -63,6 +63,7 @@ from torch.distributed.tensor import DTensor, Shard
 from runtime.moe_blocks import MoEBlock, find_moe_blocks
 from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.precision import is_mixed
+from runtime.strategies import STRATEGIES, spec
 
 logger = logging.getLogger(__name__)
 
@@ -139,8 +140,8 @@ def check_expert_parallel(model: nn.Module, plan: Plan) -> None:
                     f"that divides {block.num_experts}")
 
 
-SUPPORTED_STRATEGIES = ("replicate", "zero1", "zero2", "fsdp", "tp", "tp_fsdp")
-"""Dense strategies an EP layer combines with."""
+SUPPORTED_STRATEGIES = tuple(s for s in STRATEGIES if spec(s).expert_parallel)
+"""Dense strategies an EP layer combines with (runtime.strategies)."""
 
 
 def _unsupported(layer: LayerPlan, plan: Plan) -> str | None:

@@ -68,6 +68,9 @@ class StrategySpec:
     """Which mesh the strategy needs (``unavailable`` says it in words)."""
     torchtitan: str = "replicate"
     """torchtitan's closest data-parallel style: ``replicate`` (DDP) or ``shard`` (FSDP)."""
+    expert_parallel: bool = True
+    """The experts of the layer's mixture-of-experts blocks may be split over ep of its
+    data-parallel ranks (``LayerPlan.expert_parallel``, runtime/expert_parallel.py)."""
 
     @property
     def sharded(self) -> bool:
@@ -146,7 +149,7 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
                 "before each use (ZeRO-3 / FSDP2)"),
     StrategySpec(
         name="hsdp", zero_stage=3, hybrid=True, gather="per_use", reduce="per_microbatch",
-        available="hybrid", torchtitan="shard",
+        available="hybrid", torchtitan="shard", expert_parallel=False,
         summary="fsdp inside groups of Plan.hsdp_shard_size consecutive ranks (a node), "
                 "replicated across the groups (hybrid sharding)"),
     StrategySpec(

@@ -50,7 +50,7 @@ from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from passes.records import CAPTURE_ACTIVATION_BYTES, GemmShape, LayerInfo, MoEInfo
 from runtime.plan import Mesh, option_label, parse_option
-from runtime.strategies import spec
+from runtime.strategies import STRATEGIES, spec
 
 if TYPE_CHECKING:
     from autopar.planner.costs import LayerCost
@@ -58,9 +58,11 @@ if TYPE_CHECKING:
 EXPERT_STRATEGY = {"replicate": "replicate", "zero1": "zero1", "zero2": "zero2",
                    "fsdp": "fsdp", "tp": "replicate", "tp_fsdp": "fsdp", "hsdp": "hsdp"}
 """The strategy a MoE layer's experts take under the layer's strategy (module docstring)."""
-EP_STRATEGIES = ("replicate", "zero1", "zero2", "fsdp")
-"""Strategies offered with an expert-parallel degree above 1: those the runtime combines
-with it (``SUPPORTED_STRATEGIES`` of runtime/expert_parallel.py)."""
+EP_STRATEGIES = tuple(s for s in STRATEGIES if spec(s).expert_parallel
+                      and not spec(s).tensor_parallel)
+"""Strategies offered with an expert-parallel degree above 1: those whose spec combines
+with it (runtime.strategies); tensor-parallel ones need a tp axis, which the runtime_problem
+below rules out."""
 
 LOAD_IMBALANCE = moe.DEFAULT_LOAD_IMBALANCE
 """The busiest rank's routed rows over the mean, assumed by the planner."""
