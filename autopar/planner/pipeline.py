@@ -60,7 +60,14 @@ from autopar.planner.ties import (
 from cost_models.comm import Group, group_link, p2p_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
-from cost_models.schedule import StageTimes, Timeline, rank_orders, simulate, stage_ranks
+from cost_models.schedule import (
+    StageTimes,
+    Timeline,
+    rank_orders,
+    run_actions,
+    simulate,
+    stage_ranks,
+)
 from passes.records import LayerGraph, LayerInfo
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Mesh, schedule_microbatch_problem
 
@@ -134,14 +141,14 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
         return []
     out = []
     # Stages cut from an exported graph run no tensor parallelism (passes/split_export.py).
-    tps = [1] if graph.exported_stages else _divisors(math.gcd(cluster.devices_per_node, world))
+    tps = [1] if graph.exported_stages else divisors(math.gcd(cluster.devices_per_node, world))
     for tp in tps:
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             dp = world // (tp * pp)
             if pp < 2 or pp > layers or batch % dp:
                 continue
             per_replica = batch // dp
-            ms = [d for d in _divisors(per_replica) if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
+            ms = [d for d in divisors(per_replica) if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
             for m in ms or [per_replica]:
                 for schedule, v in PIPELINE_SCHEDULES:
                     if pp * v > layers or (v > 1 and m % pp):
@@ -602,7 +609,16 @@ def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
     num_stages = pp * virtual_stages
     if "ZeroBubble" in schedule:  # W frees them, and runs whenever a rank would idle
         unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * num_stages
-        return stage_peaks(simulate(schedule, pp, microbatches, unit), num_stages)
+        # A stage's actions all run on its one rank, one at a time, so the order they ran
+        # in is their order in time: no Timeline (nor sort) is needed to count them.
+        peak, held = [0] * num_stages, [0] * num_stages
+        for _, stage, action, *_ in run_actions(schedule, pp, microbatches, unit):
+            if action == "F":
+                held[stage] += 1
+                peak[stage] = max(peak[stage], held[stage])
+            elif action == "W":
+                held[stage] -= 1
+        return tuple(peak)
     return order_peaks(schedule, pp, virtual_stages, microbatches)
 
 
@@ -694,8 +710,15 @@ def _class_key(stage: int, layer_class: str) -> str:
     return f"{stage}:{layer_class}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order, from its prime factorisation (sympy's:
+    trial division, then Pollard's rho), so a cluster of 10^9 nodes takes milliseconds
+    where counting to n took hours."""
+    from sympy import divisors as sympy_divisors  # loaded with torch.fx; lazy otherwise
+
+    if n < 1:
+        raise ValueError(f"divisors of {n}: a positive integer is needed")
+    return [int(d) for d in sympy_divisors(n)]
 
 
 def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) -> PipelineOutcome:

@@ -12,6 +12,7 @@ all candidates, so it bounds every plan the search space holds.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from autopar.planner.pipeline import (
     Infeasible,
     PipelineConfig,
     PipelineOutcome,
+    divisors,
     pipeline_configs,
     pipeline_problem,
     search_pipeline,
@@ -97,9 +99,7 @@ def candidate_meshes(cluster: Cluster, global_batch: int, *, seq_len: int | None
     cp > 1 only when ``context_parallel`` and the sequence splits into 2·cp chunks."""
     world = cluster.world_size
     out = []
-    for tp in range(1, min(cluster.devices_per_node, world) + 1):
-        if cluster.devices_per_node % tp or world % tp:
-            continue
+    for tp in divisors(math.gcd(cluster.devices_per_node, world)):  # tp inside a node
         for cp in context_degrees(world // tp, seq_len if context_parallel else None):
             mesh = Mesh(dp=world // (tp * cp), cp=cp, tp=tp)
             reason = ""
