@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from autopar.errors import ConfigError, InfeasibleError
+from autopar.errors import ConfigError, InfeasibleError, TimeLimitError
 from autopar.planner.bounds import rank_bound
 from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options, on_ddp
 from autopar.planner.ilp import (
@@ -34,6 +34,7 @@ from autopar.planner.pipeline import (
     Infeasible,
     PipelineConfig,
     PipelineOutcome,
+    TimeLimitReached,
     divisors,
     pipeline_configs,
     pipeline_problem,
@@ -164,6 +165,10 @@ def search(
     passes the runtime's ``runtime.validate.plan_problem``): a plan it refuses becomes a
     'refused' candidate with its reason, so the search never returns such a plan."""
     start = time.perf_counter()
+    if not time_limit_s > 0 or math.isinf(time_limit_s):
+        raise ConfigError(f"time limit {time_limit_s!r} s: give a positive number of seconds "
+                          "(--time-limit)")
+    deadline = start + time_limit_s  # every loop below stops once it has passed
     prec = precision(precision_name)
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
     meshes = candidate_meshes(cluster, graph.batch_size, seq_len=graph.seq_len,
@@ -204,8 +209,14 @@ def search(
 
     candidates: list[Candidate] = []
     best: tuple[Candidate, list[ClassOptions]] | None = None
-    for m, reason in meshes:
+    cut_short = False  # the deadline stopped a loop: the plan is the best found in time
+    for index, (m, reason) in enumerate(meshes):
         _tell(progress, candidates, len(meshes))
+        if time.perf_counter() > deadline:
+            cut_short = True
+            candidates += [Candidate(mesh=left, status="skipped", reason=_OUT_OF_TIME)
+                           for left, _ in meshes[index:]]
+            break
         if reason:
             candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
             continue
@@ -272,9 +283,14 @@ def search(
             reason=f"no pipeline: BatchNorm in training mode ({batch_norm_layers(graph)[0]} "
                    "first) would see one micro-batch's statistics, not the batch's"))
     if pipeline:
-        pipe_best, outcomes = search_pipeline(
-            graph, cluster, prec, time_limit_s,
-            best_known_s=best[0].objective_s if best else float("inf"))
+        try:
+            pipe_best, outcomes = search_pipeline(
+                graph, cluster, prec, time_limit_s,
+                best_known_s=best[0].objective_s if best else float("inf"),
+                deadline=start if cut_short else deadline)
+        except TimeLimitReached as stop:
+            cut_short = True
+            pipe_best, outcomes = stop.best, stop.results
         if check is not None:
             pipe_best, outcomes = _check_pipelines(graph, cluster, prec, outcomes, check)
         candidates += [_pipeline_candidate(o) for o in outcomes
@@ -283,13 +299,21 @@ def search(
             pipe_best = None  # a fixed mesh was asked for
         solver_name = make_solver(time_limit_s).name
         _tell(progress, candidates, len(candidates))
+    if best is None and pipe_best is None and cut_short:
+        raise TimeLimitError(
+            f"no plan found for {graph.model_name or 'the model'} on {cluster.world_size} "
+            f"devices within the time limit of {time_limit_s:g} s: allow more time "
+            "(--time-limit, or time_limit_s=) or fix the mesh (--mesh)")
     if best is None and pipe_best is None:
         raise _infeasible(graph, cluster, candidates)
-    lower = min(c.lower_bound_s for c in candidates if c.status == "optimal")
+    # A search cut short certifies nothing about what it did not evaluate.
+    lower = 0.0 if cut_short else min(c.lower_bound_s for c in candidates
+                                      if c.status == "optimal")
+    status = "time limit" if cut_short else "optimal"
     if pipe_best is not None and (best is None or pipe_best.step_time_s < best[0].objective_s):
         bound = min(lower, pipe_best.step_time_s)
         report = SolverReport(
-            solver=solver_name, status="optimal", objective_s=pipe_best.step_time_s,
+            solver=solver_name, status=status, objective_s=pipe_best.step_time_s,
             lower_bound_s=bound, gap=(pipe_best.step_time_s - bound) / pipe_best.step_time_s,
             solve_time_s=time.perf_counter() - start, candidates=len(candidates))
         plan = _make_pipeline_plan(graph, cluster, prec, pipe_best, report)
@@ -299,7 +323,7 @@ def search(
     cand, options = best
     report = SolverReport(
         solver=solver_name,
-        status="optimal",
+        status=status,
         objective_s=cand.objective_s,
         lower_bound_s=lower,
         gap=(cand.objective_s - lower) / cand.objective_s if cand.objective_s else 0.0,
@@ -452,6 +476,8 @@ def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
 
 PlanCheck = Callable[[Plan], "str | None"]
 """Why the runtime would refuse a plan, or None (``runtime.validate.plan_problem``)."""
+
+_OUT_OF_TIME = "not searched: the time limit (--time-limit) ran out first"
 
 _UNSOLVED = SolverReport(solver="", status="optimal", objective_s=0.0, lower_bound_s=0.0,
                          gap=0.0, solve_time_s=0.0)
