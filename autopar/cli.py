@@ -77,7 +77,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=list(PRECISIONS),
                    help="parameter and compute precision to plan for")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
-    p.add_argument("--time-limit", type=float, default=10.0, help="ILP time limit, seconds")
+    p.add_argument("--time-limit", type=float, default=10.0,
+                   help="search time limit, seconds: every search loop stops once it passes "
+                        "and the best plan found by then is returned (status 'time limit')")
     add_plan_options(p)
     p.set_defaults(handler=cmd_plan)
     add_commands(sub)

@@ -272,7 +272,7 @@ def undominated(costs: dict[str, LayerCost], terms) -> dict[str, LayerCost]:
     values = np.array([terms(costs[k]) for k in keys], dtype=float)
     no_worse = (values[:, None, :] <= values[None, :, :]).all(axis=2)
     same = (values[:, None, :] == values[None, :, :]).all(axis=2)
-    earlier = np.tri(len(keys), k=-1, dtype=bool)  # earlier[j, i]: j < i
+    earlier = ~np.tri(len(keys), dtype=bool)  # earlier[j, i]: j < i
     beaten = no_worse & (~same | earlier)
     np.fill_diagonal(beaten, False)
     return {k: costs[k] for k, out in zip(keys, beaten.any(axis=0), strict=True) if not out}
