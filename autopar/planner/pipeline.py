@@ -82,7 +82,11 @@ PIPELINE_SCHEDULES = (  # (schedule, virtual stages per rank)
 MAX_MICROBATCHES_PER_STAGE = 8
 """m is searched among divisors of the per-replica batch in [pp, 8·pp]: beyond 8·pp the
 bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
-SATURATION_MICROBATCHES_PER_RANK = 4
+SATURATION_MICROBATCHES_PER_RANK = 3
+"""In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, Interleaved1F1B by
+2p, the zero-bubble schedules by 3p; tests/planner/test_fast_paths.py checks p up to 16,
+and p = 40, 48, 64 and 128 were checked once): unit-time runs stop there. The largest
+runs, at p = 64, are a quarter shorter than at 4p."""
 EXHAUSTIVE_CUTS = 64
 """Enumerate every contiguous cut of models with at most EXHAUSTIVE_LAYERS layers when
 there are at most this many cuts; larger models take the balanced cut."""
@@ -469,7 +473,7 @@ class _Context:
         """Per stage, the most micro-batches whose activations it holds at once."""
         if config.schedule == "GPipe":
             return (config.microbatches,) * config.num_stages
-        # Peaks stop growing by m = 4p (tests/test_schedule.py checks it), so a shorter
+        # Peaks stop growing by m = 3p (SATURATION_MICROBATCHES_PER_RANK), so a shorter
         # unit-time run gives them.
         m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
         key = (config.schedule, config.mesh.pp, config.virtual_stages, m)
@@ -534,11 +538,10 @@ class _Context:
         pp, v = config.mesh.pp, config.virtual_stages
         owner = stage_ranks(config.schedule, pp, pp * v)
         inflight = inflight or self.inflight(config)
-        out = []
-        for rank in range(pp):
-            members = [i for i, s in enumerate(stage_of) if owner[s] == rank]
-            out.append((members, self._rank_options(config, members, stage_of, inflight)))
-        return out
+        members: list[list[int]] = [[] for _ in range(pp)]
+        for i, s in enumerate(stage_of):  # one pass, each rank's layers in order
+            members[owner[s]].append(i)
+        return [(mine, self._rank_options(config, mine, stage_of, inflight)) for mine in members]
 
     def _rank_options(self, config: PipelineConfig, members: list[int],
                       stage_of: tuple[int, ...], inflight: tuple[int, ...]) -> list[ClassOptions]:

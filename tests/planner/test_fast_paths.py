@@ -127,3 +127,16 @@ def test_peak_only_liveness_finds_the_full_walks_peak(schedule, v):
     peaks = pipeline_liveness(costs, names, stage_of, owner, slots, p, peak_only=True)
     assert [r.peak for r in peaks] == [r.peak for r in full]
     assert all(len(r.timeline) == 1 for r in peaks)
+
+
+@pytest.mark.parametrize("schedule, v", [("1F1B", 1), ("Interleaved1F1B", 2),
+                                         ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)])
+@pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 16])
+def test_in_flight_peaks_stop_growing_by_3p_micro_batches(schedule, v, p):
+    # The planner runs unit-time schedules at min(m, 3p) micro-batches (interleaved
+    # schedules take m in multiples of p).
+    from autopar.planner.pipeline import SATURATION_MICROBATCHES_PER_RANK
+
+    saturated = SATURATION_MICROBATCHES_PER_RANK * p
+    peaks = {m: unit_peaks(schedule, p, v, m) for m in (saturated, saturated + p, 6 * p)}
+    assert len(set(peaks.values())) == 1, peaks
