@@ -155,11 +155,15 @@ def run_actions(
     *,
     p2p_slowdown: float = 1.0,
     p2p_blocking: bool = False,
+    in_order: bool = True,
 ) -> list[Action]:
     """``simulate``'s actions in the order they ran, as tuples, without building the
     Timeline: what the planner needs of the many unit-time runs that give it in-flight
     counts. The loop keeps its state in flat lists (one entry per stage and micro-batch)
-    rather than dicts of tuples: the planner runs it on 100,000-action schedules."""
+    rather than dicts of tuples: the planner runs it on 100,000-action schedules.
+    ``in_order``: schedules without a split W take the heap-free path (_run_in_order);
+    False runs them through the event loop too, the reference that path is tested
+    against."""
     if schedule not in SIM_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SIM_SCHEDULES)}")
     p, m = num_ranks, num_microbatches
@@ -213,6 +217,17 @@ def run_actions(
     out: list[Action] = []
     sent_until = [0.0] * p  # when this rank's last send completes
 
+    if in_order and not split_w:  # no W to slot in: each rank's order is fixed
+        ran = _run_in_order(orders, owner, fwd, bwd, hop_f, hop_b, sends_f, sends_b, p2p_s,
+                            p2p_slowdown, p2p_blocking, m)
+        # The event loop runs actions in order of (start, rank): an action starts after
+        # the start of the one that enabled it, strictly unless that one took no time.
+        # Sorted so, the actions come in its order, and sums over them add up alike;
+        # with a zero-time action the event loop itself decides the order.
+        if all(end > start for _, (_, _, _, start, end) in ran):
+            ran.sort(key=lambda item: (item[1][3], item[0]))
+            return [(rank, stage, action, mb, start, end)
+                    for rank, (action, stage, mb, start, end) in ran]
     greedy = schedule == "ZBVZeroBubble"
     held = [0] * p
     next_f = [0] * num_stages
@@ -318,6 +333,78 @@ def run_actions(
             refresh(a)
     if finished < total:
         raise AssertionError(f"{schedule} deadlocked after {finished} of {total} actions")
+    return out
+
+
+def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
+                  fwd: list[float], bwd: list[float], hop_f: list[float], hop_b: list[float],
+                  sends_f: list[bool], sends_b: list[bool], p2p_s: float, p2p_slowdown: float,
+                  p2p_blocking: bool, m: int
+                  ) -> list[tuple[int, tuple[str, int, int, float, float]]]:
+    """run_actions for schedules without a split W (every rank's order fixed): an action
+    starts when its rank is free and its inputs have arrived, so its times follow from
+    its rank's previous action and its inputs alone, whatever order the ranks are
+    advanced in. Each rank runs on until an input is missing; a rank whose action
+    completes an input another rank waits for wakes that rank. The same arithmetic as
+    the event loop, without its heap: the planner runs schedules of 65,000 actions."""
+    p, num_stages = len(orders), len(fwd)
+    last = num_stages - 1
+    done_f: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    done_b: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    clock, sent_until, pos = [0.0] * p, [0.0] * p, [0] * p
+    slowed = p2p_slowdown != 1.0
+    out: list[tuple[int, tuple[str, int, int, float, float]]] = []
+    ready_ranks = list(range(p))
+    while ready_ranks:
+        r = ready_ranks.pop()
+        order = orders[r]
+        while pos[r] < len(order):
+            action, stage, mb = order[pos[r]]
+            if action == "F":
+                if stage == 0:
+                    ready = 0.0
+                else:
+                    t = done_f[stage - 1][mb]
+                    if t is None:
+                        break
+                    ready = t + hop_f[stage]
+            else:
+                t = done_f[stage][mb]
+                if t is None:
+                    break
+                t += 0.0  # the F ran on this rank: no hop
+                if stage == last:
+                    ready = t
+                else:
+                    u = done_b[stage + 1][mb]
+                    if u is None:
+                        break
+                    u += hop_b[stage]
+                    ready = t if t >= u else u
+            start = clock[r] if clock[r] >= ready else ready
+            end = start + (fwd[stage] if action == "F" else bwd[stage])
+            in_flight = sent_until[r] - start
+            if in_flight > 0.0 or slowed:
+                end += pipeline_p2p_slowdown_s(end - start, max(0.0, in_flight),
+                                               slowdown=p2p_slowdown)
+            out.append((r, (action, stage, mb, start, end)))
+            clock[r] = end
+            if sends_f[stage] if action == "F" else sends_b[stage]:
+                sent_until[r] = end + p2p_s
+                if p2p_blocking:
+                    clock[r] = sent_until[r]
+            pos[r] += 1
+            if action == "F":
+                done_f[stage][mb] = end
+                woken = owner[stage + 1] if stage < last else r
+            else:
+                done_b[stage][mb] = end
+                woken = owner[stage - 1] if stage > 0 else r
+            if woken != r and woken not in ready_ranks:
+                ready_ranks.append(woken)
+    if any(pos[r] < len(orders[r]) for r in range(p)):
+        raise AssertionError(f"deadlocked after {sum(pos)} of "
+                             f"{sum(len(o) for o in orders)} actions")
     return out
 
 

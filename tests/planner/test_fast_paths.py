@@ -140,3 +140,20 @@ def test_in_flight_peaks_stop_growing_by_3p_micro_batches(schedule, v, p):
     saturated = SATURATION_MICROBATCHES_PER_RANK * p
     peaks = {m: unit_peaks(schedule, p, v, m) for m in (saturated, saturated + p, 6 * p)}
     assert len(set(peaks.values())) == 1, peaks
+
+
+@pytest.mark.parametrize("schedule, v", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2)])
+@pytest.mark.parametrize("p2p, slowdown, blocking", [(0.0, 1.0, False), (0.3, 1.0, False),
+                                                     (0.3, 1.7, False), (0.2, 1.0, True)])
+def test_fixed_orders_run_without_the_event_loop_exactly_as_with_it(schedule, v, p2p,
+                                                                    slowdown, blocking):
+    rnd = random.Random(f"{schedule}{p2p}{slowdown}{blocking}")
+    for p in (2, 3, 4):
+        for m in (p, 2 * p, 3 * p):
+            # Zero-time stages too: ties in start time must order alike.
+            stages = [StageTimes(fwd_s=rnd.choice([0.0, 0.5, 1.0, 1.7]),
+                                 bwd_s=rnd.choice([0.0, 1.0, 2.3]),
+                                 wgrad_s=rnd.choice([0.0, 0.4])) for _ in range(p * v)]
+            kwargs = dict(p2p_s=p2p, p2p_slowdown=slowdown, p2p_blocking=blocking)
+            assert run_actions(schedule, p, m, stages, **kwargs) == \
+                run_actions(schedule, p, m, stages, in_order=False, **kwargs)
