@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=list(PRECISIONS),
                    help="parameter and compute precision to plan for")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
-    p.add_argument("--time-limit", type=float, default=10.0,
+    p.add_argument("--time-limit", type=float, default=60.0,
                    help="search time limit, seconds: every search loop stops once it passes "
                         "and the best plan found by then is returned (status 'time limit')")
     add_plan_options(p)

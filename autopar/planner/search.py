@@ -151,7 +151,7 @@ def search(
     *,
     precision_name: str = "float32",
     mesh: Mesh | None = None,
-    time_limit_s: float = 10.0,
+    time_limit_s: float = 60.0,
     progress: ProgressFn | None = None,
     pipeline: bool = True,
     check: PlanCheck | None = None,
