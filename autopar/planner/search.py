@@ -303,7 +303,7 @@ def search(
         raise TimeLimitError(
             f"no plan found for {graph.model_name or 'the model'} on {cluster.world_size} "
             f"devices within the time limit of {time_limit_s:g} s: allow more time "
-            "(--time-limit, or time_limit_s=) or fix the mesh (--mesh)")
+            "(--time-limit, or time_limit_s=)")
     if best is None and pipe_best is None:
         raise _infeasible(graph, cluster, candidates)
     # A search cut short certifies nothing about what it did not evaluate.
