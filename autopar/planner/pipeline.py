@@ -84,7 +84,7 @@ MAX_MICROBATCHES_PER_STAGE = 8
 bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
 SATURATION_MICROBATCHES_PER_RANK = 3
 """In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, Interleaved1F1B by
-2p, the zero-bubble schedules by 3p; tests/planner/test_fast_paths.py checks p up to 16,
+2p, the zero-bubble schedules by 3p; tests/autopar/planner/test_fast_paths.py checks p up to 16,
 and p = 40, 48, 64 and 128 were checked once): unit-time runs stop there. The largest
 runs, at p = 64, are a quarter shorter than at 4p."""
 EXHAUSTIVE_CUTS = 64

@@ -19,7 +19,7 @@ from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def brute_divisors(n: int) -> list[int]:
