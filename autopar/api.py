@@ -51,7 +51,7 @@ def search_plans(
     opaque: Iterable[str] = (),
     model_name: str = "",
     seq_len: int | None = None,
-    time_limit_s: float = 10.0,
+    time_limit_s: float = 60.0,
     progress: ProgressFn | None = None,
 ) -> SearchResult:
     """The best plan and every candidate the search considered.

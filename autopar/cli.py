@@ -87,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="float32", choices=list(PRECISIONS),
                    help="parameter and compute precision to plan for")
     p.add_argument("--json", metavar="PATH", help="also write the plan as JSON")
-    p.add_argument("--time-limit", type=positive_seconds, default=10.0,
-                   help="ILP time limit, seconds")
+    p.add_argument("--time-limit", type=positive_seconds, default=60.0,
+                   help="search time limit, seconds: every search loop stops once it passes "
+                        "and the best plan found by then is returned (status 'time limit')")
     p.add_argument("--force", action="store_true",
                    help="overwrite existing --json, --export and --plot files")
     p.add_argument("--from-megatron", metavar="ARGS",

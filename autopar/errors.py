@@ -13,4 +13,9 @@ class InfeasibleError(AutoparError):
     """No plan fits the cluster; the message gives the smallest per-rank memory any plan needs."""
 
 
-__all__ = ["AutoparError", "CaptureError", "ConfigError", "InfeasibleError", "PlanError"]
+class TimeLimitError(AutoparError):
+    """The search found no plan within its time limit; the message says how to allow more."""
+
+
+__all__ = ["AutoparError", "CaptureError", "ConfigError", "InfeasibleError", "PlanError",
+           "TimeLimitError"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import heapq
+from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
@@ -167,17 +168,48 @@ def simulate(
 ) -> Timeline:
     """Simulate one step; ``stages`` lists every stage (num_ranks × virtual stages).
 
+    A result crossing to another rank arrives ``p2p_s`` after its action ends. Meanwhile
+    the sender goes on (torch.distributed.pipelining's isend), its next action slowed by
+    the part of the transfer it overlaps, as cost_models.overlap.pipeline_p2p_slowdown_s
+    (``p2p_slowdown``: σ); with ``p2p_blocking`` it waits for the transfer instead.
+
     ``orders``: per rank, the (action, stage, micro-batch) sequence the runtime's schedule
     runs (runtime.schedule_orders reads torch's); each rank then runs exactly that order,
     weight-gradient passes (W) where it puts them. Without, the fixed F/B orders of
     ``rank_orders`` with each deferred W run when its rank would otherwise wait (at most
     num_ranks of them pending), and ZBVZeroBubble built greedily.
-
-    A result crossing to another rank arrives ``p2p_s`` after its action ends. Meanwhile
-    the sender goes on (torch.distributed.pipelining's isend), its next action slowed by
-    the part of the transfer it overlaps, as cost_models.overlap.pipeline_p2p_slowdown_s
-    (``p2p_slowdown``: σ); with ``p2p_blocking`` it waits for the transfer instead.
     """
+    actions = run_actions(schedule, num_ranks, num_microbatches, stages, p2p_s,
+                          p2p_slowdown=p2p_slowdown, p2p_blocking=p2p_blocking, orders=orders)
+    slots = [Slot(rank=r, stage=st, action=a, microbatch=mb, start_s=t0, end_s=t1)
+             for r, st, a, mb, t0, t1 in actions]
+    return _timeline(schedule, num_ranks, num_microbatches, slots, stages,
+                     SCHEDULES[schedule].split_backward)
+
+
+Action = tuple[int, int, str, int, float, float]
+"""(rank, stage, action, micro-batch, start_s, end_s): a Slot's fields, as a tuple."""
+
+
+def run_actions(
+    schedule: str,
+    num_ranks: int,
+    num_microbatches: int,
+    stages: list[StageTimes],
+    p2p_s: float = 0.0,
+    *,
+    p2p_slowdown: float = 1.0,
+    p2p_blocking: bool = False,
+    in_order: bool = True,
+    orders: list[list[tuple[str, int, int]]] | None = None,
+) -> list[Action]:
+    """``simulate``'s actions in the order they ran, as tuples, without building the
+    Timeline: what the planner needs of the many unit-time runs that give it in-flight
+    counts. The loop keeps its state in flat lists (one entry per stage and micro-batch)
+    rather than dicts of tuples: the planner runs it on 100,000-action schedules.
+    ``in_order``: schedules without a split W take the heap-free path (_run_in_order);
+    False runs them through the event loop too, the reference that path is tested
+    against. ``orders``: as ``simulate``'s."""
     if schedule not in SIM_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SIM_SCHEDULES)}")
     p, m = num_ranks, num_microbatches
@@ -189,50 +221,73 @@ def simulate(
     explicit = orders is not None and any(a == "W" for order in orders for a, _, _ in order)
     greedy = orders is None and schedule == "ZBVZeroBubble"
     orders = orders if orders is not None else rank_orders(schedule, p, v, m)
-    last = len(stages) - 1
+    num_stages = len(stages)
+    last = num_stages - 1
 
-    done: dict[tuple[str, int, int], float] = {}
-    clock = [0.0] * p
-    pos = [0] * p
-    pending_w: list[list[tuple[int, int]]] = [[] for _ in range(p)]
-    slots: list[Slot] = []
+    # When each (stage, micro-batch) F and B ended; None until it has.
+    done_f: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    done_b: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    # The hop from the stage that feeds this one: its F from stage - 1, its B from stage + 1.
+    hop_f = [p2p_s if st > 0 and owner[st - 1] != owner[st] else 0.0 for st in range(num_stages)]
+    hop_b = [p2p_s if st < last and owner[st + 1] != owner[st] else 0.0
+             for st in range(num_stages)]
+    fwd = [t.fwd_s for t in stages]
+    bwd = [t.bwd_s if split_w else t.bwd_s + t.wgrad_s for t in stages]
+    wgrad = [t.wgrad_s for t in stages]
+    sends_f = [st < last and owner[st + 1] != owner[st] for st in range(num_stages)]
+    sends_b = [st > 0 and owner[st - 1] != owner[st] for st in range(num_stages)]
+    # The ranks to re-examine after an action of a stage: its own, its neighbours'.
+    affected = [sorted({owner[st]} | {owner[n] for n in (st - 1, st + 1) if 0 <= n <= last})
+                for st in range(num_stages)]
+    slowed = p2p_slowdown != 1.0
 
     def arrival(action: str, stage: int, mb: int) -> float | None:
         if action == "W":  # after its own B, on the same rank
-            return done.get(("B", stage, mb))
+            return done_b[stage][mb]
         if action == "F":
-            deps = [] if stage == 0 else [("F", stage - 1, mb)]
-        else:
-            deps = [("F", stage, mb)] + ([] if stage == last else [("B", stage + 1, mb)])
-        times = []
-        for dep in deps:
-            if dep not in done:
-                return None
-            hop = p2p_s if owner[dep[1]] != owner[stage] else 0.0
-            times.append(done[dep] + hop)
-        return max(times, default=0.0)
+            if stage == 0:
+                return 0.0
+            t = done_f[stage - 1][mb]
+            return None if t is None else t + hop_f[stage]
+        t = done_f[stage][mb]
+        if t is None:
+            return None
+        t += 0.0  # the F ran on this rank: no hop
+        if stage == last:
+            return t
+        u = done_b[stage + 1][mb]
+        if u is None:
+            return None
+        u += hop_b[stage]
+        return t if t >= u else u
 
-    def duration(action: str, stage: int) -> float:
-        t = stages[stage]
-        if action == "F":
-            return t.fwd_s
-        if action == "W":
-            return t.wgrad_s
-        return t.bwd_s if split_w else t.bwd_s + t.wgrad_s
-
-    def sends(action: str, stage: int) -> bool:
-        to = stage + 1 if action == "F" else stage - 1
-        return action != "W" and 0 <= to <= last and owner[to] != owner[stage]
-
+    clock = [0.0] * p
+    pos = [0] * p
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+    out: list[Action] = []
     sent_until = [0.0] * p  # when this rank's last send completes
 
+    if in_order and not split_w:  # no W to slot in: each rank's order is fixed
+        ran = _run_in_order(orders, owner, fwd, bwd, hop_f, hop_b, sends_f, sends_b, p2p_s,
+                            p2p_slowdown, p2p_blocking, m)
+        # The event loop runs actions in order of (start, rank): an action starts after
+        # the start of the one that enabled it, strictly unless that one took no time.
+        # Sorted so, the actions come in its order, and sums over them add up alike;
+        # with a zero-time action the event loop itself decides the order.
+        if all(end > start for _, (_, _, _, start, end) in ran):
+            ran.sort(key=lambda item: (item[1][3], item[0]))
+            return [(rank, stage, action, mb, start, end)
+                    for rank, (action, stage, mb, start, end) in ran]
     held = [0] * p
-    next_mb = {(a, st): 0 for a in "FB" for st in range(len(stages))}
-    total = 2 * m * len(stages)
+    next_f = [0] * num_stages
+    next_b = [0] * num_stages
+    total = 2 * m * num_stages
+    finished = 0
 
     def candidates(r: int) -> list[tuple[str, int, int]]:
         if not greedy:
-            return [orders[r][pos[r]]] if pos[r] < len(orders[r]) else []
+            order = orders[r]
+            return [order[pos[r]]] if pos[r] < len(order) else []
         # ZB-V (Qi et al., "Pipeline Parallelism with Controllable Memory", 2024): each
         # rank holds stage r going down and stage 2p-1-r coming back; backwards first, and
         # down-chunk forwards only while fewer than 2p half stages are held. With up to p
@@ -242,11 +297,11 @@ def simulate(
         # down-chunk forward of the same micro-batch, and must never wait on the cap, or a
         # rank that filled it with down-chunk forwards would never free it (deadlock).
         down, up = r, 2 * p - 1 - r
-        out = [("B", st, next_mb["B", st]) for st in (up, down) if next_mb["B", st] < m]
-        if next_mb["F", up] < m:
-            out.append(("F", up, next_mb["F", up]))
-        if held[r] < 2 * p and next_mb["F", down] < m:
-            out.append(("F", down, next_mb["F", down]))
+        out = [("B", st, next_b[st]) for st in (up, down) if next_b[st] < m]
+        if next_f[up] < m:
+            out.append(("F", up, next_f[up]))
+        if held[r] < 2 * p and next_f[down] < m:
+            out.append(("F", down, next_f[down]))
         return out
 
     def choose(r: int) -> tuple[float, tuple[str, int, int]] | None:
@@ -257,24 +312,26 @@ def simulate(
             action, stage, mb = orders[r][pos[r]]
             ready = arrival(action, stage, mb)
             return None if ready is None else (max(clock[r], ready), (action, stage, mb))
-        if len(pending_w[r]) >= p:
+        waiting = pending_w[r]
+        if len(waiting) >= p:
             # Deferred weight gradients hold activations: at most p may wait, so a rank
             # holds at most p stage micro-batches more than the schedule without W split.
-            stage, mb = pending_w[r][0]
+            stage, mb = waiting[0]
             return clock[r], ("W", stage, mb)
-        choice = None
-        for priority, (action, stage, mb) in enumerate(candidates(r)):
-            ready = arrival(action, stage, mb)
-            if ready is None or (pending_w[r] and ready > clock[r]):
+        now = clock[r]
+        best_at, best = 0.0, None
+        for action in candidates(r):
+            ready = arrival(*action)
+            if ready is None or (waiting and ready > now):
                 continue
-            option = (max(clock[r], ready), priority, (action, stage, mb))
-            if choice is None or option[:2] < choice[:2]:
-                choice = option
-        if choice is not None:
-            return choice[0], choice[2]
-        if pending_w[r]:
-            stage, mb = pending_w[r][0]
-            return clock[r], ("W", stage, mb)
+            at = now if now >= ready else ready
+            if best is None or at < best_at:  # ties keep the earlier candidate
+                best_at, best = at, action
+        if best is not None:
+            return best_at, best
+        if waiting:
+            stage, mb = waiting[0]
+            return now, ("W", stage, mb)
         return None
 
     # Event-driven: a rank's next action changes only when it runs something or a
@@ -294,34 +351,120 @@ def simulate(
         start, r, ver, (action, stage, mb) = heapq.heappop(heap)
         if ver != version[r]:
             continue
-        end = start + duration(action, stage)
-        in_flight = max(0.0, sent_until[r] - start)
-        end += pipeline_p2p_slowdown_s(end - start, in_flight, slowdown=p2p_slowdown)
-        slots.append(Slot(rank=r, stage=stage, action=action, microbatch=mb,
-                          start_s=start, end_s=end))
+        if action == "F":
+            end = start + fwd[stage]
+        elif action == "W":
+            end = start + wgrad[stage]
+        else:
+            end = start + bwd[stage]
+        in_flight = sent_until[r] - start
+        if in_flight > 0.0 or slowed:
+            end += pipeline_p2p_slowdown_s(end - start, max(0.0, in_flight),
+                                           slowdown=p2p_slowdown)
+        out.append((r, stage, action, mb, start, end))
         clock[r] = end
-        if sends(action, stage):
+        if (sends_f[stage] if action == "F" else action == "B" and sends_b[stage]):
             sent_until[r] = end + p2p_s
             if p2p_blocking:
                 clock[r] = sent_until[r]
         if action == "W":
-            pending_w[r].remove((stage, mb))
+            if explicit:  # the table says which; each comes after its own B
+                pending_w[r].remove((stage, mb))
+                pos[r] += 1
+            else:
+                pending_w[r].popleft()
             held[r] -= 1
-            pos[r] += explicit
         else:
-            done[(action, stage, mb)] = end
+            finished += 1
             pos[r] += 1
-            next_mb[action, stage] += 1
-            held[r] += 1 if action == "F" else 0
-            if action == "B" and split_w:
-                pending_w[r].append((stage, mb))
-            elif action == "B":
-                held[r] -= 1
-        for affected in {r} | {owner[n] for n in (stage - 1, stage + 1) if 0 <= n <= last}:
-            refresh(affected)
-    if len(done) < total:
-        raise AssertionError(f"{schedule} deadlocked after {len(done)} of {total} actions")
-    return _timeline(schedule, p, m, slots, stages, split_w)
+            if action == "F":
+                done_f[stage][mb] = end
+                next_f[stage] += 1
+                held[r] += 1
+            else:
+                done_b[stage][mb] = end
+                next_b[stage] += 1
+                if split_w:
+                    pending_w[r].append((stage, mb))
+                else:
+                    held[r] -= 1
+        for a in affected[stage]:
+            refresh(a)
+    if finished < total:
+        raise AssertionError(f"{schedule} deadlocked after {finished} of {total} actions")
+    return out
+
+
+def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
+                  fwd: list[float], bwd: list[float], hop_f: list[float], hop_b: list[float],
+                  sends_f: list[bool], sends_b: list[bool], p2p_s: float, p2p_slowdown: float,
+                  p2p_blocking: bool, m: int
+                  ) -> list[tuple[int, tuple[str, int, int, float, float]]]:
+    """run_actions for schedules without a split W (every rank's order fixed): an action
+    starts when its rank is free and its inputs have arrived, so its times follow from
+    its rank's previous action and its inputs alone, whatever order the ranks are
+    advanced in. Each rank runs on until an input is missing; a rank whose action
+    completes an input another rank waits for wakes that rank. The same arithmetic as
+    the event loop, without its heap: the planner runs schedules of 65,000 actions."""
+    p, num_stages = len(orders), len(fwd)
+    last = num_stages - 1
+    done_f: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    done_b: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    clock, sent_until, pos = [0.0] * p, [0.0] * p, [0] * p
+    slowed = p2p_slowdown != 1.0
+    out: list[tuple[int, tuple[str, int, int, float, float]]] = []
+    ready_ranks = list(range(p))
+    while ready_ranks:
+        r = ready_ranks.pop()
+        order = orders[r]
+        while pos[r] < len(order):
+            action, stage, mb = order[pos[r]]
+            if action == "F":
+                if stage == 0:
+                    ready = 0.0
+                else:
+                    t = done_f[stage - 1][mb]
+                    if t is None:
+                        break
+                    ready = t + hop_f[stage]
+            else:
+                t = done_f[stage][mb]
+                if t is None:
+                    break
+                t += 0.0  # the F ran on this rank: no hop
+                if stage == last:
+                    ready = t
+                else:
+                    u = done_b[stage + 1][mb]
+                    if u is None:
+                        break
+                    u += hop_b[stage]
+                    ready = t if t >= u else u
+            start = clock[r] if clock[r] >= ready else ready
+            end = start + (fwd[stage] if action == "F" else bwd[stage])
+            in_flight = sent_until[r] - start
+            if in_flight > 0.0 or slowed:
+                end += pipeline_p2p_slowdown_s(end - start, max(0.0, in_flight),
+                                               slowdown=p2p_slowdown)
+            out.append((r, (action, stage, mb, start, end)))
+            clock[r] = end
+            if sends_f[stage] if action == "F" else sends_b[stage]:
+                sent_until[r] = end + p2p_s
+                if p2p_blocking:
+                    clock[r] = sent_until[r]
+            pos[r] += 1
+            if action == "F":
+                done_f[stage][mb] = end
+                woken = owner[stage + 1] if stage < last else r
+            else:
+                done_b[stage][mb] = end
+                woken = owner[stage - 1] if stage > 0 else r
+            if woken != r and woken not in ready_ranks:
+                ready_ranks.append(woken)
+    if any(pos[r] < len(orders[r]) for r in range(p)):
+        raise AssertionError(f"deadlocked after {sum(pos)} of "
+                             f"{sum(len(o) for o in orders)} actions")
+    return out
 
 
 def _timeline(schedule: str, p: int, m: int, slots: list[Slot], stages: list[StageTimes],

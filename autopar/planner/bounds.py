@@ -21,6 +21,7 @@ per-b lower bounds bounds the ILP. The lower bound leaves out host memory and th
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 from collections.abc import Callable, Iterable
@@ -88,22 +89,55 @@ def bounds_at_cap(classes: list[ClassOptions], cap: float, capacity_bytes: float
                   margin_fraction: float, value: Value = time_value) -> tuple[float, float]:
     """(lower bound, upper bound) on the rank ILP with its largest buffer fixed to ``cap``
     (upper: inf when no integer point was found or host memory could bind)."""
-    hulls, host = [], 0.0
-    for c in classes:
-        allowed = [x for x in c.costs.values() if x.buffer_bytes <= cap]
-        if not allowed:
-            return math.inf, math.inf
-        hulls.append((c.count, lower_hull((x.resident_with(c.inflight), value(x))
-                                          for x in allowed)))
-        host += c.count * max(x.host_bytes for x in allowed)
-    lower, _ = greedy(hulls, capacity_bytes / (1 + margin_fraction) - cap)
-    _, upper = greedy(hulls, (capacity_bytes - UPPER_SLACK_BYTES) / (1 + margin_fraction) - cap)
-    return lower, upper if host <= HOST_MEMORY_BYTES - UPPER_SLACK_BYTES else math.inf
+    return CapBounds(classes, capacity_bytes, margin_fraction, value).at(cap)
 
 
 def rank_bound(classes: list[ClassOptions], capacity_bytes: float, margin_fraction: float,
                value: Value = time_value) -> float:
     """A lower bound on the rank ILP's optimum (inf: nothing fits the device)."""
     caps = sorted({x.buffer_bytes for c in classes for x in c.costs.values()})
-    return min((bounds_at_cap(classes, cap, capacity_bytes, margin_fraction, value)[0]
-                for cap in caps), default=math.inf)
+    bounds = CapBounds(classes, capacity_bytes, margin_fraction, value)
+    return min((bounds.at(cap)[0] for cap in caps), default=math.inf)
+
+
+class CapBounds:
+    """``bounds_at_cap`` for many caps of one program. A class's allowed options, and so
+    its hull, change only at its own buffer sizes: each class's options are sorted by
+    buffer once and its hull is built once per distinct allowed set, not once per cap."""
+
+    def __init__(self, classes: list[ClassOptions], capacity_bytes: float,
+                 margin_fraction: float, value: Value) -> None:
+        self.capacity_bytes, self.margin_fraction = capacity_bytes, margin_fraction
+        self.classes = []  # (count, inflight, options by buffer, their buffers)
+        for c in classes:
+            options = sorted(c.costs.values(), key=lambda x: x.buffer_bytes)
+            self.classes.append((c.count, c.inflight, options,
+                                 [x.buffer_bytes for x in options]))
+        self.value = value
+        self._hulls: dict[tuple[int, int], tuple[Hull, float]] = {}
+
+    def _hull(self, index: int, allowed: int) -> tuple[Hull, float]:
+        """The class's hull over its ``allowed`` lightest-buffer options, and their most
+        host bytes."""
+        key = (index, allowed)
+        if key not in self._hulls:
+            _, inflight, options, _ = self.classes[index]
+            kept = options[:allowed]
+            self._hulls[key] = (
+                lower_hull((x.resident_with(inflight), self.value(x)) for x in kept),
+                max(x.host_bytes for x in kept))
+        return self._hulls[key]
+
+    def at(self, cap: float) -> tuple[float, float]:
+        hulls, host = [], 0.0
+        for index, (count, _, _, buffers) in enumerate(self.classes):
+            allowed = bisect.bisect_right(buffers, cap)
+            if not allowed:
+                return math.inf, math.inf
+            hull, most_host = self._hull(index, allowed)
+            hulls.append((count, hull))
+            host += count * most_host
+        lower, _ = greedy(hulls, self.capacity_bytes / (1 + self.margin_fraction) - cap)
+        _, upper = greedy(hulls, (self.capacity_bytes - UPPER_SLACK_BYTES)
+                          / (1 + self.margin_fraction) - cap)
+        return lower, upper if host <= HOST_MEMORY_BYTES - UPPER_SLACK_BYTES else math.inf

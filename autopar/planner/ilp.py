@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import pulp
 
-from autopar.planner.bounds import bounds_at_cap
+from autopar.planner.bounds import CapBounds, time_value
 from autopar.planner.costs import HOST_MEMORY_BYTES, LayerCost, undominated
 
 GIB = 1024**3
@@ -379,9 +379,10 @@ def _buffer_caps(classes: list[ClassOptions], capacity_bytes: float, margin_frac
                  ) -> list[tuple[float, float, float, list[ClassOptions]]]:
     """Per buffer cap whose LP is feasible: (lower bound, cap, upper bound, sub-program)."""
     out = []
+    bounds = CapBounds(classes, capacity_bytes, margin_fraction, time_value)
     for cap in sorted({cost.buffer_bytes for c in classes for cost in c.costs.values()}):
+        lower, upper = bounds.at(cap)
         sub = _under_cap(classes, cap)
-        lower, upper = bounds_at_cap(sub, cap, capacity_bytes, margin_fraction)
         if not math.isinf(lower):  # an infeasible LP: so is the integer program
             out.append((lower, cap, upper, sub))
     return out

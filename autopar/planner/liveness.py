@@ -73,6 +73,7 @@ stage keeps until the micro-batch's backward (``PipelineStage``'s forward cache)
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -148,21 +149,27 @@ def step_liveness(costs: Sequence[LayerCost], names: Sequence[str], *, microbatc
 
 def pipeline_liveness(costs: Sequence[LayerCost], names: Sequence[str],
                       stage_of: Sequence[int], owner: Sequence[int], slots, num_ranks: int,
-                      *, uncosted: Sequence[Uncosted] = ()) -> tuple[RankLiveness, ...]:
+                      *, uncosted: Sequence[Uncosted] = (), peak_only: bool = False
+                      ) -> tuple[RankLiveness, ...]:
     """Every pipeline rank: its stages' F / B / W actions in the order of the simulated
     timeline (``slots``: cost_models.schedule.Slot; ``owner``: the rank of each stage),
     each a walk over the stage's layers, then the optimizer step after the flush.
-    ``uncosted``: per rank (default none)."""
+    ``uncosted``: per rank (default none). ``peak_only``: each rank's timeline holds only
+    its peak (the same event ``peak`` finds in the whole timeline), for the planner, which
+    walks schedules of 100,000 actions and needs nothing else."""
     split = any(s.action == "W" for s in slots)
     microbatches = 1 + max((s.microbatch for s in slots), default=0)
+    by_rank: list[list] = [[] for _ in range(num_ranks)]
+    for s in slots:
+        by_rank[s.rank].append(s)
     out = []
     for rank in range(num_ranks):
         layers = [_Layer(n, c, s) for n, c, s in zip(names, costs, stage_of, strict=True)
                   if owner[s] == rank]
-        mine = sorted((s for s in slots if s.rank == rank), key=lambda s: (s.start_s, s.end_s))
+        mine = sorted(by_rank[rank], key=lambda s: (s.start_s, s.end_s))
         walk = _Walk(layers, split_backward=split, ddp=False, microbatches=microbatches,
                      uncosted=uncosted[rank] if uncosted else None, label_microbatch=True,
-                     pipelined=True)
+                     pipelined=True, peak_only=peak_only)
         out.append(walk.run([(s.action, s.stage, s.microbatch) for s in mine]))
     return tuple(out)
 
@@ -174,7 +181,7 @@ class _Walk:
 
     def __init__(self, layers: list[_Layer], *, split_backward: bool, ddp: bool,
                  microbatches: int, uncosted: Uncosted | None, label_microbatch: bool,
-                 pipelined: bool) -> None:
+                 pipelined: bool, peak_only: bool = False) -> None:
         self.layers, self.split, self.ddp = layers, split_backward, ddp
         self.microbatches, self.label, self.pipelined = microbatches, label_microbatch, pipelined
         self.uncosted = uncosted or Uncosted()
@@ -189,15 +196,27 @@ class _Walk:
         self.second: set[int] = set()  # rule 9: autograd's own gradients beside DDP's buckets
         self.saved: dict[tuple[int, int], float] = {}  # (layer, micro-batch) -> bytes, rule 5
         self.timeline: list[Usage] = []
+        self.peak_only = peak_only
+        self.peak_total = -math.inf
 
-    def record(self, event: str, buffer: float) -> None:
+    def record(self, event: str | tuple[str, str, str], buffer: float) -> None:
+        """One event's usage; ``event`` as text, or as (verb, layer, suffix) joined only
+        when it is kept (peak_only keeps few)."""
         grads = sum(self.layers[i].cost.grads_bytes for i in self.grads)
         grads += sum(self.layers[i].cost.grads_bytes for i in self.second)
         gathered = sum(self.layers[i].cost.gathered_bytes for i in self.gathered)
+        params, activations = self.params + gathered, sum(self.saved.values())
+        if self.peak_only:  # Usage.total_bytes, summed in its order; the first of equals
+            total = params + grads + self.optimizer + activations + buffer
+            if not total > self.peak_total:
+                return
+            self.peak_total = total
+            self.timeline[:] = []
+        if isinstance(event, tuple):
+            event = f"{event[0]} of {event[1]}{event[2]}"
         self.timeline.append(Usage(
-            event=event, params_bytes=self.params + gathered, optimizer_bytes=self.optimizer,
-            grads_bytes=grads, activations_bytes=sum(self.saved.values()),
-            buffers_bytes=buffer))
+            event=event, params_bytes=params, optimizer_bytes=self.optimizer,
+            grads_bytes=grads, activations_bytes=activations, buffers_bytes=buffer))
 
     def run(self, actions: list[tuple[str, int, int]]) -> RankLiveness:
         for action, stage, mb in actions:
@@ -232,7 +251,7 @@ class _Walk:
             self.grads.add(i)
             if self.ddp_copies and mb < self.microbatches - 1:
                 self.second.add(i)  # rule 9; the last micro-batch moves it into the bucket
-        self.record(f"{self.VERBS[action]} of {self.layers[i].name}{suffix}", buffer)
+        self.record((self.VERBS[action], self.layers[i].name, suffix), buffer)
         if action != "F" and self.ddp_copies and mb == self.microbatches - 1:
             self.second.discard(i)
         if action == "W" or (action == "B" and not self.split):

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -60,7 +61,14 @@ from autopar.planner.ties import (
 from cost_models.comm import Group, group_link, p2p_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
-from cost_models.schedule import StageTimes, Timeline, rank_orders, simulate, stage_ranks
+from cost_models.schedule import (
+    StageTimes,
+    Timeline,
+    rank_orders,
+    run_actions,
+    simulate,
+    stage_ranks,
+)
 from passes.records import LayerGraph, LayerInfo
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Mesh, schedule_microbatch_problem
 
@@ -74,7 +82,11 @@ PIPELINE_SCHEDULES = (  # (schedule, virtual stages per rank)
 MAX_MICROBATCHES_PER_STAGE = 8
 """m is searched among divisors of the per-replica batch in [pp, 8·pp]: beyond 8·pp the
 bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
-SATURATION_MICROBATCHES_PER_RANK = 4
+SATURATION_MICROBATCHES_PER_RANK = 3
+"""In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, Interleaved1F1B by
+2p, the zero-bubble schedules by 3p; tests/autopar/planner/test_fast_paths.py checks p up to 16,
+and p = 40, 48, 64 and 128 were checked once): unit-time runs stop there. The largest
+runs, at p = 64, are a quarter shorter than at 4p."""
 EXHAUSTIVE_CUTS = 64
 """Enumerate every contiguous cut of models with at most EXHAUSTIVE_LAYERS layers when
 there are at most this many cuts; larger models take the balanced cut."""
@@ -134,14 +146,14 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
         return []
     out = []
     # Stages cut from an exported graph run no tensor parallelism (passes/split_export.py).
-    tps = [1] if graph.exported_stages else _divisors(math.gcd(cluster.devices_per_node, world))
+    tps = [1] if graph.exported_stages else divisors(math.gcd(cluster.devices_per_node, world))
     for tp in tps:
-        for pp in _divisors(world // tp):
+        for pp in divisors(world // tp):
             dp = world // (tp * pp)
             if pp < 2 or pp > layers or batch % dp:
                 continue
             per_replica = batch // dp
-            ms = [d for d in _divisors(per_replica) if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
+            ms = [d for d in divisors(per_replica) if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
             for m in ms or [per_replica]:
                 for schedule, v in PIPELINE_SCHEDULES:
                     if pp * v > layers or (v > 1 and m % pp):
@@ -173,11 +185,25 @@ def pipeline_problem(graph: LayerGraph) -> str | None:
     return None
 
 
+class TimeLimitReached(Exception):  # noqa: N818 (a signal to the caller, not an error)
+    """``search_pipeline`` passed its deadline: the best plan found so far (or None) and
+    the outcomes so far."""
+
+    def __init__(self, best: PipelineOutcome | None,
+                 results: list[PipelineOutcome | Infeasible]) -> None:
+        super().__init__("the pipeline search reached its time limit")
+        self.best, self.results = best, results
+
+
 def search_pipeline(
     graph: LayerGraph, cluster: Cluster, prec: Precision, time_limit_s: float = 10.0,
-    best_known_s: float = math.inf, *, prune: bool = True,
+    best_known_s: float = math.inf, *, prune: bool = True, deadline: float = math.inf,
 ) -> tuple[PipelineOutcome | None, list[PipelineOutcome | Infeasible]]:
     """The fastest pipeline plan (or None), and every configuration's outcome.
+
+    ``deadline`` (a ``time.perf_counter()`` value): every loop stops once it has passed and
+    raises TimeLimitReached with what it has (each step between checks is one
+    configuration, its ILPs each bounded by ``time_limit_s``).
 
     Every (configuration, cut) has a position in the order of a bound that needs no ILP
     (each layer on its fastest strategy, memory ignored), and the answer is the fastest
@@ -185,22 +211,26 @@ def search_pipeline(
     (memory_bound: the rank ILPs' LP bounds) that skips configurations before their ILPs
     and evaluates the most promising first; the answer is the same without it."""
     ctx = _Context(graph, cluster, prec, time_limit_s, prune=prune)
-    queue = sorted(
-        ((ctx.bound(config, cut, ctx.fastest(config, cut)), i, config, cut)
-         for i, config in enumerate(pipeline_configs(graph, cluster))
-         for cut in ctx.cuts(config)),
-        key=lambda item: item[:2])
+    queue = []
+    for i, config in enumerate(pipeline_configs(graph, cluster)):
+        if time.perf_counter() > deadline:
+            raise TimeLimitReached(None, [])
+        queue += [(ctx.bound(config, cut, ctx.fastest(config, cut)), i, config, cut)
+                  for cut in ctx.cuts(config)]
+    queue.sort(key=lambda item: item[:2])
     ordered = [(optimistic, p, config, cut)
                for p, (optimistic, _, config, cut) in enumerate(queue)
                if optimistic < best_known_s]  # memory can only slow a plan down
     results: list[PipelineOutcome | Infeasible] = []
     if prune:
-        ordered, results = _by_memory_bound(ctx, ordered)
+        ordered, results = _by_memory_bound(ctx, ordered, deadline)
     best: PipelineOutcome | None = None
     best_key = (best_known_s, -1)  # a tie with the plan without pipelining does not win
     for bound, p, config, cut in ordered:
         if (bound, p) >= best_key:
             break  # sorted by (bound, position): nothing later can win
+        if time.perf_counter() > deadline:
+            raise TimeLimitReached(best, results)
         if prune:
             exact = ctx.memory_bound(config, cut)  # with the simulated in-flight counts
             if math.isinf(exact):
@@ -222,7 +252,8 @@ def search_pipeline(
     return best, results
 
 
-def _by_memory_bound(ctx: _Context, ordered: list[tuple[float, int, PipelineConfig, tuple]]
+def _by_memory_bound(ctx: _Context, ordered: list[tuple[float, int, PipelineConfig, tuple]],
+                     deadline: float = math.inf
                      ) -> tuple[list[tuple[float, int, PipelineConfig, tuple]], list[Infeasible]]:
     """The queue re-sorted by the larger of its bound and the memory-aware one (with
     in-flight counts that need no simulation), and the configurations whose LP relaxation
@@ -230,6 +261,8 @@ def _by_memory_bound(ctx: _Context, ordered: list[tuple[float, int, PipelineConf
     set lies inside the LP's)."""
     kept, infeasible = [], []
     for optimistic, p, config, cut in ordered:
+        if time.perf_counter() > deadline:
+            raise TimeLimitReached(None, [])
         bound = ctx.memory_bound(config, cut, simulated=False)
         if math.isinf(bound):
             infeasible.append(ctx.infeasible(config, cut))
@@ -260,6 +293,33 @@ class _Context:
         self._bounds: dict[tuple, float] = {}
         self._ramp: dict[tuple, list[tuple[int, list[int], int, int]]] = {}
         self._roles: dict[tuple, dict[int, TieRole]] = {}
+        self._layer_costs: dict[tuple, list[dict[str, LayerCost]]] = {}
+        self._summaries: dict[int, tuple[LayerCost, float, float, float]] = {}
+
+    def layer_costs(self, config: PipelineConfig, stage_of: tuple[int, ...] | None = None
+                    ) -> list[dict[str, LayerCost]]:
+        """Every layer's ``costs``; for a model without ties one list per (dp, tp, m,
+        recomputation modes), whatever the cut, so the bounds of hundreds of
+        configurations do not look each layer up again."""
+        n = len(self.graph.layers)
+        if config.tie_strategy:
+            return [self.costs(i, config, stage_of) for i in range(n)]
+        key = (config.mesh.dp, config.mesh.tp, config.microbatches,
+               config.schedule not in SPLIT_BACKWARD_SCHEDULES)
+        if key not in self._layer_costs:
+            self._layer_costs[key] = [self.costs(i, config) for i in range(n)]
+        return self._layer_costs[key]
+
+    def summary(self, options: dict[str, LayerCost]) -> tuple[LayerCost, float, float, float]:
+        """Of one layer's options (a dict ``costs`` keeps, so its id is stable): the
+        fastest (the first of equals), and the least F + B + W, F and B."""
+        key = id(options)
+        if key not in self._summaries:
+            values = options.values()
+            self._summaries[key] = (min(values, key=lambda c: c.time_s),
+                                    min(c.fwd_s + c.bwd_s + c.wgrad_s for c in values),
+                                    min(c.fwd_s for c in values), min(c.bwd_s for c in values))
+        return self._summaries[key]
 
     def costs(self, layer_index: int, config: PipelineConfig,
               stage_of: tuple[int, ...] | None = None) -> dict[str, LayerCost]:
@@ -327,15 +387,13 @@ class _Context:
             cuts = [_assignment(n, bounds)
                     for bounds in itertools.combinations(allowed, stages - 1)]
         else:
-            weights = [min(c.fwd_s + c.bwd_s + c.wgrad_s
-                           for c in self.costs(i, config).values()) for i in range(n)]
+            weights = [self.summary(options)[1] for options in self.layer_costs(config)]
             cuts = [_assignment(n, balanced_bounds(weights, stages, self.graph.uncuttable))]
         owner = stage_ranks(config.schedule, config.mesh.pp, stages)
         return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
 
     def fastest(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> list[LayerCost]:
-        return [min(self.costs(i, config, stage_of).values(), key=lambda c: c.time_s)
-                for i in range(len(stage_of))]
+        return [self.summary(options)[0] for options in self.layer_costs(config, stage_of)]
 
     def bound(self, config: PipelineConfig, stage_of: tuple[int, ...],
               costs: list[LayerCost]) -> float:
@@ -415,7 +473,7 @@ class _Context:
         """Per stage, the most micro-batches whose activations it holds at once."""
         if config.schedule == "GPipe":
             return (config.microbatches,) * config.num_stages
-        # Peaks stop growing by m = 4p (tests/test_schedule.py checks it), so a shorter
+        # Peaks stop growing by m = 3p (SATURATION_MICROBATCHES_PER_RANK), so a shorter
         # unit-time run gives them.
         m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
         key = (config.schedule, config.mesh.pp, config.virtual_stages, m)
@@ -436,10 +494,10 @@ class _Context:
         pp, v = config.mesh.pp, config.virtual_stages
         owner = stage_ranks(config.schedule, pp, pp * v)
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
-        for i, s in enumerate(stage_of):
-            options = self.costs(i, config, stage_of).values()
-            fwd[s] += min(c.fwd_s for c in options)
-            bwd[s] += min(c.bwd_s for c in options)
+        for options, s in zip(self.layer_costs(config, stage_of), stage_of, strict=True):
+            _, _, least_fwd, least_bwd = self.summary(options)
+            fwd[s] += least_fwd
+            bwd[s] += least_bwd
         split_w = "ZeroBubble" in config.schedule
         out = 0.0
         inflight = self.inflight(config) if simulated else self.inflight_floor(config)
@@ -480,11 +538,10 @@ class _Context:
         pp, v = config.mesh.pp, config.virtual_stages
         owner = stage_ranks(config.schedule, pp, pp * v)
         inflight = inflight or self.inflight(config)
-        out = []
-        for rank in range(pp):
-            members = [i for i, s in enumerate(stage_of) if owner[s] == rank]
-            out.append((members, self._rank_options(config, members, stage_of, inflight)))
-        return out
+        members: list[list[int]] = [[] for _ in range(pp)]
+        for i, s in enumerate(stage_of):  # one pass, each rank's layers in order
+            members[owner[s]].append(i)
+        return [(mine, self._rank_options(config, mine, stage_of, inflight)) for mine in members]
 
     def _rank_options(self, config: PipelineConfig, members: list[int],
                       stage_of: tuple[int, ...], inflight: tuple[int, ...]) -> list[ClassOptions]:
@@ -568,7 +625,7 @@ class _Context:
         # sum its ILP constrained (each stage's own in-flight peak times its activations).
         peaks = [r.peak for r in pipeline_liveness(
             prepared.costs, [layer.name for layer in self.graph.layers],
-            prepared.stage_of_layer, owner, timeline.slots, pp)]
+            prepared.stage_of_layer, owner, timeline.slots, pp, peak_only=True)]
         return PipelineOutcome(config=config, step_time_s=timeline.step_time_s + max(sync),
                                lower_bound_s=prepared.lower_bound_s,
                                stage_of_layer=prepared.stage_of_layer, costs=prepared.costs,
@@ -602,7 +659,16 @@ def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
     num_stages = pp * virtual_stages
     if "ZeroBubble" in schedule:  # W frees them, and runs whenever a rank would idle
         unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * num_stages
-        return stage_peaks(simulate(schedule, pp, microbatches, unit), num_stages)
+        # A stage's actions all run on its one rank, one at a time, so the order they ran
+        # in is their order in time: no Timeline (nor sort) is needed to count them.
+        peak, held = [0] * num_stages, [0] * num_stages
+        for _, stage, action, *_ in run_actions(schedule, pp, microbatches, unit):
+            if action == "F":
+                held[stage] += 1
+                peak[stage] = max(peak[stage], held[stage])
+            elif action == "W":
+                held[stage] -= 1
+        return tuple(peak)
     return order_peaks(schedule, pp, virtual_stages, microbatches)
 
 
@@ -694,8 +760,15 @@ def _class_key(stage: int, layer_class: str) -> str:
     return f"{stage}:{layer_class}"
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+def divisors(n: int) -> list[int]:
+    """The divisors of ``n`` in increasing order, from its prime factorisation (sympy's:
+    trial division, then Pollard's rho), so a cluster of 10^9 nodes takes milliseconds
+    where counting to n took hours."""
+    from sympy import divisors as sympy_divisors  # loaded with torch.fx; lazy otherwise
+
+    if n < 1:
+        raise ValueError(f"divisors of {n}: a positive integer is needed")
+    return [int(d) for d in sympy_divisors(n)]
 
 
 def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) -> PipelineOutcome:

@@ -12,12 +12,13 @@ all candidates, so it bounds every plan the search space holds.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from autopar.errors import ConfigError, InfeasibleError
+from autopar.errors import ConfigError, InfeasibleError, TimeLimitError
 from autopar.planner.bounds import rank_bound
 from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options, on_ddp
 from autopar.planner.ilp import (
@@ -33,6 +34,8 @@ from autopar.planner.pipeline import (
     Infeasible,
     PipelineConfig,
     PipelineOutcome,
+    TimeLimitReached,
+    divisors,
     pipeline_configs,
     pipeline_problem,
     search_pipeline,
@@ -97,9 +100,7 @@ def candidate_meshes(cluster: Cluster, global_batch: int, *, seq_len: int | None
     cp > 1 only when ``context_parallel`` and the sequence splits into 2·cp chunks."""
     world = cluster.world_size
     out = []
-    for tp in range(1, min(cluster.devices_per_node, world) + 1):
-        if cluster.devices_per_node % tp or world % tp:
-            continue
+    for tp in divisors(math.gcd(cluster.devices_per_node, world)):  # tp inside a node
         for cp in context_degrees(world // tp, seq_len if context_parallel else None):
             mesh = Mesh(dp=world // (tp * cp), cp=cp, tp=tp)
             reason = ""
@@ -150,7 +151,7 @@ def search(
     *,
     precision_name: str = "float32",
     mesh: Mesh | None = None,
-    time_limit_s: float = 10.0,
+    time_limit_s: float = 60.0,
     progress: ProgressFn | None = None,
     pipeline: bool = True,
     check: PlanCheck | None = None,
@@ -164,6 +165,10 @@ def search(
     passes the runtime's ``runtime.validate.plan_problem``): a plan it refuses becomes a
     'refused' candidate with its reason, so the search never returns such a plan."""
     start = time.perf_counter()
+    if not time_limit_s > 0 or math.isinf(time_limit_s):
+        raise ConfigError(f"time limit {time_limit_s!r} s: give a positive number of seconds "
+                          "(--time-limit)")
+    deadline = start + time_limit_s  # every loop below stops once it has passed
     prec = precision(precision_name)
     cluster.device.peak(prec.compute_dtype)  # a clear error if the device lacks the dtype
     meshes = candidate_meshes(cluster, graph.batch_size, seq_len=graph.seq_len,
@@ -201,8 +206,14 @@ def search(
 
     candidates: list[Candidate] = []
     best: tuple[Candidate, list[ClassOptions]] | None = None
-    for m, reason in meshes:
+    cut_short = False  # the deadline stopped a loop: the plan is the best found in time
+    for index, (m, reason) in enumerate(meshes):
         _tell(progress, candidates, len(meshes))
+        if time.perf_counter() > deadline:
+            cut_short = True
+            candidates += [Candidate(mesh=left, status="skipped", reason=_OUT_OF_TIME)
+                           for left, _ in meshes[index:]]
+            break
         if reason:
             candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
             continue
@@ -269,9 +280,14 @@ def search(
             reason=f"no pipeline: BatchNorm in training mode ({batch_norm_layers(graph)[0]} "
                    "first) would see one micro-batch's statistics, not the batch's"))
     if pipeline:
-        pipe_best, outcomes = search_pipeline(
-            graph, cluster, prec, time_limit_s,
-            best_known_s=best[0].objective_s if best else float("inf"))
+        try:
+            pipe_best, outcomes = search_pipeline(
+                graph, cluster, prec, time_limit_s,
+                best_known_s=best[0].objective_s if best else float("inf"),
+                deadline=start if cut_short else deadline)
+        except TimeLimitReached as stop:
+            cut_short = True
+            pipe_best, outcomes = stop.best, stop.results
         if check is not None:
             pipe_best, outcomes = _check_pipelines(graph, cluster, prec, outcomes, check)
         candidates += [_pipeline_candidate(o) for o in outcomes
@@ -280,13 +296,21 @@ def search(
             pipe_best = None  # a fixed mesh was asked for
         solver_name = make_solver(time_limit_s).name
         _tell(progress, candidates, len(candidates))
+    if best is None and pipe_best is None and cut_short:
+        raise TimeLimitError(
+            f"no plan found for {graph.model_name or 'the model'} on {cluster.world_size} "
+            f"devices within the time limit of {time_limit_s:g} s: allow more time "
+            "(--time-limit, or time_limit_s=)")
     if best is None and pipe_best is None:
         raise _infeasible(graph, cluster, candidates)
-    lower = min(c.lower_bound_s for c in candidates if c.status == "optimal")
+    # A search cut short certifies nothing about what it did not evaluate.
+    lower = 0.0 if cut_short else min(c.lower_bound_s for c in candidates
+                                      if c.status == "optimal")
+    status = "time limit" if cut_short else "optimal"
     if pipe_best is not None and (best is None or pipe_best.step_time_s < best[0].objective_s):
         bound = min(lower, pipe_best.step_time_s)
         report = SolverReport(
-            solver=solver_name, status="optimal", objective_s=pipe_best.step_time_s,
+            solver=solver_name, status=status, objective_s=pipe_best.step_time_s,
             lower_bound_s=bound, gap=(pipe_best.step_time_s - bound) / pipe_best.step_time_s,
             solve_time_s=time.perf_counter() - start, candidates=len(candidates))
         plan = _make_pipeline_plan(graph, cluster, prec, pipe_best, report)
@@ -296,7 +320,7 @@ def search(
     cand, options = best
     report = SolverReport(
         solver=solver_name,
-        status="optimal",
+        status=status,
         objective_s=cand.objective_s,
         lower_bound_s=lower,
         gap=(cand.objective_s - lower) / cand.objective_s if cand.objective_s else 0.0,
@@ -450,6 +474,8 @@ def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
 
 PlanCheck = Callable[[Plan], "str | None"]
 """Why the runtime would refuse a plan, or None (``runtime.validate.plan_problem``)."""
+
+_OUT_OF_TIME = "not searched: the time limit (--time-limit) ran out first"
 
 _UNSOLVED = SolverReport(solver="", status="optimal", objective_s=0.0, lower_bound_s=0.0,
                          gap=0.0, solve_time_s=0.0)

@@ -71,5 +71,6 @@ def test_autopar_plans_at_least_as_fast_as_the_published_configuration(index):
     slower than the published one (which is in its search space or beaten)."""
     row = megatron_rows()[index]
     graph = graph_of(row)
-    plan = search(graph, megatron_cluster(row), precision_name="float16").plan
+    plan = search(graph, megatron_cluster(row), precision_name="float16",
+                  time_limit_s=600).plan  # the choice is under test, not the machine's speed
     assert plan.prediction.step_time_s <= evaluation(row).step_time_s * (1 + 1e-9)
