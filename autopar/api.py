@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch.distributed as dist
 import torch.nn as nn
 
-from autopar.errors import AutoparError
+from autopar.errors import AutoparError, ConfigError
 from autopar.explain import attach_rationale
 from autopar.lower import make_trainer, microbatch_inputs
 from autopar.planner import SearchResult, search
@@ -26,6 +26,7 @@ from passes.layer_graph import build_layer_graph
 from passes.split_stages import split_pipeline
 from passes.trace import inputs_to_meta, to_meta
 from runtime.batch import Inputs, as_inputs
+from runtime.device import resolve_device_type
 from runtime.launch import launched_plan
 from runtime.plan import Mesh, Plan
 from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer
@@ -68,6 +69,7 @@ def search_plans(
     (``runtime.validate``) about every feasible candidate's plan, and a pipeline plan is
     split into its stages here, on meta tensors, as ``compile`` will split it.
     """
+    check_model(model)
     cluster = as_cluster(cluster)
     inputs = as_inputs(example_inputs)
     graph = build_layer_graph(model, inputs, model_name=model_name, opaque=tuple(opaque),
@@ -79,6 +81,17 @@ def search_plans(
     if result.plan.mesh.pp > 1:
         check_stage_split(meta_model, result.plan, inputs)
     return attach_rationale(result, graph, cluster, precision)
+
+
+def check_model(model: object) -> None:
+    """A model autopar can plan: a module with parameters to train."""
+    if not isinstance(model, nn.Module):
+        raise ConfigError(f"model must be a torch.nn.Module, got {type(model).__name__} "
+                          f"({str(model)[:60]!r}); pass the module itself, e.g. "
+                          "GPT(config), not its name")
+    if not any(p.numel() for p in model.parameters()):
+        raise ConfigError(f"{type(model).__name__} has no parameters: there is nothing to "
+                          "train or to split across devices")
 
 
 def check_stage_split(model: nn.Module, plan: Plan, example_inputs: Inputs, *,
@@ -142,6 +155,8 @@ def compile(  # noqa: A001 - the public name the architecture promises
     LR scheduler that ``trainer.step()`` steps after each optimizer step. Both end up as
     ``trainer.optimizer`` and ``trainer.lr_scheduler``.
     """
+    resolve_device_type(device_type)  # CUDA without a GPU: said before any planning
+    check_model(model)
     if not dist.is_available() or not dist.is_initialized():
         raise AutoparError(
             "autopar.compile runs on every rank of an initialised process group; start the "

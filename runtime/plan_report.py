@@ -13,6 +13,7 @@ annotate pass counted, attention included), not from the 6N + 12·L·H·Q·T clo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from runtime.plan import (
@@ -169,12 +170,25 @@ def rank_memory(plan: Plan) -> list[tuple[str, MemoryBreakdown]]:
 
 # -- alternatives ---------------------------------------------------------------------------
 
-def why_lost(plan: Plan, alt) -> str:
-    """One phrase: how an alternative compares with the plan."""
+def chosen_alternative(plan: Plan) -> int | None:
+    """Index of the alternative that is the plan itself: its shape and its step time (a
+    shape may appear more than once, e.g. with other stage cuts or tied strategies)."""
+    r, pred = plan.rationale, plan.prediction
+    if r is None or pred is None:
+        return None
+    return next((i for i, alt in enumerate(r.alternatives)
+                 if alt.mesh == plan.mesh and alt.pipeline == plan.pipeline
+                 and alt.step_time_s is not None
+                 and math.isclose(alt.step_time_s, pred.step_time_s, rel_tol=1e-9)), None)
+
+
+def why_lost(plan: Plan, alt, *, is_plan: bool = False) -> str:
+    """One phrase: how an alternative compares with the plan (``is_plan``: it is the plan,
+    ``chosen_alternative``)."""
     chosen = plan.prediction.step_time_s if plan.prediction else None
+    if is_plan:
+        return "chosen"
     if alt.status == "optimal" and alt.step_time_s is not None:
-        if alt.mesh == plan.mesh and alt.pipeline == plan.pipeline:
-            return "chosen"
         if chosen is None:
             return "feasible"
         delta = alt.step_time_s - chosen
@@ -208,10 +222,12 @@ def alternatives_lines(plan: Plan, top_k: int) -> list[str]:
     src = r.cluster_provenance
     shown = r.alternatives[:top_k]
     rows = [("#", "shape", "step time", "vs this plan")]
+    mine = chosen_alternative(plan)
     for i, alt in enumerate(shown, 1):
         t = (ms(alt.step_time_s) if alt.step_time_s is not None
              else f"≥ {ms(alt.lower_bound_s)}" if alt.lower_bound_s is not None else "-")
-        rows.append((str(i), shape(alt.mesh, alt.pipeline), t, why_lost(plan, alt)))
+        rows.append((str(i), shape(alt.mesh, alt.pipeline), t,
+                     why_lost(plan, alt, is_plan=i - 1 == mine)))
     return ["", f"Alternatives considered (best {len(shown)} of {len(r.alternatives)})  [{src}]",
             *table(rows)]
 

@@ -5,7 +5,8 @@ real weights, so the planner can ask the very code ``runtime.apply`` runs before
 a plan (``autopar.api`` passes ``check_plan`` to the search): nothing the search returns
 is refused at ``compile``. The model may live on the meta device.
 
-    layers          each plan module exists, and no two nest
+    layers          the plan names at least one layer, each plan module exists, and no
+                    two nest
     tensor parallel each TP layer's styles name modules of the right kind whose split
                     dims (and heads) the tp degree divides     (runtime.tensor_parallel)
     ties            modules sharing a parameter take one strategy (runtime.tied)
@@ -52,6 +53,11 @@ def plan_problem(model: nn.Module, plan: Plan) -> str | None:
 
 
 def _check_layers(model: nn.Module, plan: Plan) -> None:
+    if not plan.layers:
+        raise PlanError(
+            f"the plan names no layers, so nothing of {type(model).__name__} would be "
+            "parallelised as planned; plan it with `autopar plan` or list its modules in "
+            "'layers'")
     for layer in plan.layers:
         try:
             model.get_submodule(layer.module)
