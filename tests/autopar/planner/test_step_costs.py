@@ -373,7 +373,7 @@ def test_a_plan_that_runs_on_ddp_does_not_pay_fsdp2s_host_time_and_waits():
 @pytest.mark.parametrize("field", ["collective_skew_us", "fsdp_overhead_us", "tp_overhead_us",
                                    "dtensor_op_overhead_us"])
 def test_a_negative_host_overhead_names_the_field(field):
-    with pytest.raises(ConfigError, match=f"{field} must be a non-negative number"):
+    with pytest.raises(ConfigError, match=f"{field} must be a finite non-negative number"):
         Cluster.from_toml_text(_cluster_toml(device_extra=f"{field} = -1\n"))
 
 
