@@ -20,17 +20,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from reference import full_tensor, train_one_process
+from test_runtime_numerics import (  # one process's comparison: steps, rate, tolerances
+    GRAD_TOL,
+    LOSS_TOL,
+    LR,
+    PARAM_TOL,
+    STEPS,
+    ZERO_GRAD_PARAM_TOL,
+)
 
 from autopar.zoo import get_model
 from runtime.plan import LayerPlan, Mesh, Plan, PlanError
 
-STEPS = 3
-LR = 1e-3
-LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
-GRAD_TOL = dict(rtol=1e-5, atol=1e-7)
-PARAM_TOL = dict(rtol=1e-5, atol=1e-5)
-ZERO_GRAD_PARAM_TOL = dict(rtol=1e-5, atol=1e-4)
-"""The attention key bias, whose exact gradient is 0: Adam turns its noise into updates."""
 BATCH, SEQ, VOCAB = 8, 16, 128
 
 
