@@ -117,7 +117,9 @@ def test_launch_script_passes_accumulation_and_the_users_script(tmp_path):
     fake.write_text(f"#!{sys.executable}\nimport json, os, sys\nprint(json.dumps([sys.argv[1:], "
                     "os.environ['ACCELERATE_GRADIENT_ACCUMULATION_STEPS']]))\n")
     fake.chmod(0o755)
-    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_ADDR": "10.0.0.1",
+    # MASTER_PORT unset (an earlier test in this process may have set one): the default
+    env = {**{k: v for k, v in os.environ.items() if k != "MASTER_PORT"},
+           "PATH": f"{bin_dir}:{os.environ['PATH']}", "MASTER_ADDR": "10.0.0.1",
            "NODE_RANK": "1"}
     out = subprocess.run(["bash", str(script), "my train.py", "--lr", "3e-4"], env=env,
                          check=True, capture_output=True, text=True).stdout
