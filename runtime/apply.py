@@ -56,7 +56,7 @@ from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.precision import fsdp_policies, is_mixed
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel
-from runtime.validate import check_plan
+from runtime.validate import check_plan, plan_notes
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +108,8 @@ def validate_plan(model: nn.Module, plan: Plan) -> str | None:
             raise PlanError("expert parallelism needs a model with real weights (each rank "
                             "keeps its experts' slice of rank 0's); build the model on cpu")
     check_plan(model, plan)
+    for note in plan_notes(model, plan):
+        logger.warning(note)
     return position_argument(model) if plan.mesh.cp > 1 else None
 
 

@@ -5,8 +5,7 @@ real weights, so the planner can ask the very code ``runtime.apply`` runs before
 a plan (``autopar.api`` passes ``check_plan`` to the search): nothing the search returns
 is refused at ``compile``. The model may live on the meta device.
 
-    layers          the plan names at least one layer, each plan module exists, and no
-                    two nest
+    layers          each plan module exists, and no two nest
     tensor parallel each TP layer's styles name modules of the right kind whose split
                     dims (and heads) the tp degree divides     (runtime.tensor_parallel)
     ties            modules sharing a parameter take one strategy (runtime.tied)
@@ -52,12 +51,17 @@ def plan_problem(model: nn.Module, plan: Plan) -> str | None:
     return None
 
 
+def plan_notes(model: nn.Module, plan: Plan) -> list[str]:
+    """What a plan the runtime runs does that its writer may not have meant (logged by
+    ``runtime.apply``): a plan naming no layers replicates the whole model on every rank."""
+    if plan.layers:
+        return []
+    return [f"the plan names no layers: all of {type(model).__name__} stays with the root "
+            "and is replicated on every rank (data parallelism only); list its modules in "
+            "'layers', or plan it with `autopar plan`, to shard or split it"]
+
+
 def _check_layers(model: nn.Module, plan: Plan) -> None:
-    if not plan.layers:
-        raise PlanError(
-            f"the plan names no layers, so nothing of {type(model).__name__} would be "
-            "parallelised as planned; plan it with `autopar plan` or list its modules in "
-            "'layers'")
     for layer in plan.layers:
         try:
             model.get_submodule(layer.module)

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.errors import ConfigError
-from runtime.plan import Plan, PlanError
+from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.plan_report import alternatives_lines
 from runtime.validate import plan_problem
 
@@ -44,9 +44,19 @@ def test_cuda_without_a_gpu_is_said_before_anything_runs(monkeypatch):
         autopar.compile(nn.Linear(8, 8), "local", torch.randn(4, 8), device_type="cuda")
 
 
-def test_a_plan_with_no_layers_is_refused():
+def test_a_plan_with_no_layers_runs_and_says_what_it_does():
+    """Such a plan is valid (everything on the root, replicated); runtime.apply logs what
+    it does rather than running it without a word."""
+    from runtime.validate import plan_notes
+
     plan = Plan(global_batch=4)
-    assert "the plan names no layers" in plan_problem(nn.Linear(8, 8), plan)
+    assert plan_problem(nn.Linear(8, 8), plan) is None
+    assert plan_notes(nn.Linear(8, 8), plan) == [
+        "the plan names no layers: all of Linear stays with the root and is replicated on "
+        "every rank (data parallelism only); list its modules in 'layers', or plan it with "
+        "`autopar plan`, to shard or split it"]
+    model = nn.Sequential(nn.Linear(8, 8))
+    assert plan_notes(model, Plan(global_batch=4, layers=(LayerPlan(module="0"),))) == []
 
 
 def test_only_the_plan_itself_is_marked_chosen_among_alternatives():
