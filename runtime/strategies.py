@@ -93,7 +93,8 @@ class StrategySpec:
         if not self.sharded:
             return 1
         if self.hybrid:
-            assert hsdp_shard_size is not None, "hsdp needs Plan.hsdp_shard_size"
+            if not hsdp_shard_size:
+                raise ValueError(f"strategy {self.name!r} needs hsdp_shard_size")
             return hsdp_shard_size
         return self.group_ranks(replicas, tp)
 

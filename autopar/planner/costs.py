@@ -312,7 +312,7 @@ def layer_cost(
         tp_params = layer.param_count * (1 - frac + frac / tp)
     else:
         tp_params = float(layer.param_count)
-    shards = shard_ranks(strategy, dp, tp, hsdp_shard_size)
+    shards = s.shard_ranks(dp, tp, hsdp_shard_size)
     local_params = tp_params / shards
 
     compute = estimators.compute(layer, ctx)
@@ -389,13 +389,6 @@ def layer_cost(
         gathered_bytes=states[4],
         collective_buffer_bytes=states[3] if mesh.pp > 1 else 0.0,
     )
-
-
-def shard_ranks(strategy: str, dp: int, tp: int, hsdp_shard_size: int | None) -> int:
-    """Ranks a layer's states are sharded over (runtime.strategies), ``dp`` being dp × cp."""
-    if spec(strategy).hybrid and not hsdp_shard_size:
-        raise ValueError(f"strategy {strategy!r} needs hsdp_shard_size")
-    return spec(strategy).shard_ranks(dp, tp, hsdp_shard_size)
 
 
 @dataclass(frozen=True)

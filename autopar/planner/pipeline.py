@@ -62,6 +62,7 @@ from cost_models.comm import Group, group_link, p2p_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from cost_models.schedule import (
+    SCHEDULES,
     StageTimes,
     Timeline,
     rank_orders,
@@ -72,13 +73,8 @@ from cost_models.schedule import (
 from passes.records import LayerGraph, LayerInfo
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Mesh, schedule_microbatch_problem
 
-PIPELINE_SCHEDULES = (  # (schedule, virtual stages per rank)
-    ("GPipe", 1),
-    ("1F1B", 1),
-    ("Interleaved1F1B", 2),
-    ("InterleavedZeroBubble", 2),
-    ("ZBVZeroBubble", 2),
-)
+PIPELINE_SCHEDULES = tuple((name, v) for name, spec in SCHEDULES.items() for v in spec.searched)
+"""(schedule, virtual stages per rank) searched: the schedule table's ``searched``."""
 MAX_MICROBATCHES_PER_STAGE = 8
 """m is searched among divisors of the per-replica batch in [pp, 8·pp]: beyond 8·pp the
 bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
@@ -410,7 +406,7 @@ class _Context:
             sync[owner[s]] += cost.step_s
             fwd[s] += cost.fwd_s
             bwd[s] += cost.bwd_s
-        split_w = "ZeroBubble" in config.schedule
+        split_w = SCHEDULES[config.schedule].split_backward
         first = [min(s for s in range(pp * v) if owner[s] == r) for r in range(pp)]
         return max(sum(fwd[:first[r]]) + busy[r] + (0.0 if split_w else sum(bwd[:first[r]]))
                    for r in range(pp)) + max(sync)
@@ -426,7 +422,7 @@ class _Context:
             return 0.0
         pp, num_stages, m = config.mesh.pp, config.num_stages, config.microbatches
         owner = stage_ranks(config.schedule, pp, num_stages)
-        split_w = "ZeroBubble" in config.schedule
+        split_w = SCHEDULES[config.schedule].split_backward
         fwd, bwd, busy, sync = [0.0] * num_stages, [0.0] * num_stages, [0.0] * pp, [0.0] * pp
         for cost, s in zip(prepared.costs, prepared.stage_of_layer, strict=True):
             fwd[s] += cost.fwd_s
@@ -498,7 +494,7 @@ class _Context:
             _, _, least_fwd, least_bwd = self.summary(options)
             fwd[s] += least_fwd
             bwd[s] += least_bwd
-        split_w = "ZeroBubble" in config.schedule
+        split_w = SCHEDULES[config.schedule].split_backward
         out = 0.0
         inflight = self.inflight(config) if simulated else self.inflight_floor(config)
         for rank, (_, options) in enumerate(self._ranks(config, stage_of, inflight)):
@@ -657,7 +653,7 @@ def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
     and B frees the activations, the order alone gives it (a stage's count moves only
     with its own rank's actions, which run in that order), without simulating."""
     num_stages = pp * virtual_stages
-    if "ZeroBubble" in schedule:  # W frees them, and runs whenever a rank would idle
+    if SCHEDULES[schedule].split_backward:  # W frees them, and runs whenever a rank would idle
         unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * num_stages
         # A stage's actions all run on its one rank, one at a time, so the order they ran
         # in is their order in time: no Timeline (nor sort) is needed to count them.

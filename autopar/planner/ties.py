@@ -40,7 +40,6 @@ from autopar.planner.costs import (
     allowed_strategies,
     hsdp_shard_size,
     layer_cost,
-    shard_ranks,
 )
 from autopar.planner.ilp import ClassOptions
 from cost_models.comm import Group, all_reduce_s
@@ -216,7 +215,7 @@ def with_sync(cost: LayerCost, role: TieRole, mesh: Mesh, cluster: Cluster, prec
     once a step after the flush, not overlapped."""
     if role.sync is None:
         return cost
-    shards = shard_ranks(cost.strategy, mesh.replicas, mesh.tp, hsdp_shard_size)
+    shards = spec(cost.strategy).shard_ranks(mesh.replicas, mesh.tp, hsdp_shard_size)
     seconds = all_reduce_s(role.shared_numel / shards * prec.held_grad_bytes, role.sync,
                            cluster)
     return dataclasses.replace(cost, step_s=cost.step_s + seconds,
