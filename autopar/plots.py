@@ -22,6 +22,7 @@ from cost_models.schedule import StageTimes, Timeline, simulate
 from runtime.files import write_atomic
 from runtime.plan import Plan
 from runtime.plan_report import GiB, rank_memory, shape
+from runtime.schedule_orders import runtime_orders
 
 MEMORY_PARTS = (("params_bytes", "parameters"), ("grads_bytes", "gradients"),
                 ("optimizer_bytes", "optimizer states"), ("activations_bytes", "activations"),
@@ -140,7 +141,9 @@ def plan_timeline(plan: Plan) -> Timeline | None:
     for layer in plan.layers:
         per_stage[layer.stage] += (layer.time_s or 0.0) / m
     stages = [StageTimes(fwd_s=t / 3, bwd_s=2 * t / 3) for t in per_stage]
-    return simulate(plan.pipeline.schedule, plan.mesh.pp, m, stages)
+    return simulate(plan.pipeline.schedule, plan.mesh.pp, m, stages,
+                    orders=runtime_orders(plan.pipeline.schedule, plan.mesh.pp,
+                                          plan.pipeline.virtual_stages, m))
 
 
 def plot_scaling(points: list[ScalingPoint], path: str | os.PathLike, *, title: str = "",

@@ -13,8 +13,12 @@ ones (cost_models.schedule.rank_orders).
 
 from __future__ import annotations
 
+import functools
+
 from torch.distributed.pipelining import schedules
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, _ComputationType
+
+from cost_models.schedule import rank_orders
 
 ACTION_OF = {
     _ComputationType.FORWARD: "F",
@@ -41,3 +45,15 @@ def torch_rank_orders(schedule: str, pp: int, virtual_stages: int, microbatches:
     return [[(ACTION_OF[a.computation_type], a.stage_index, a.microbatch_index)
              for a in table._calculate_single_rank_operations(rank) if a is not None]
             for rank in range(pp)]
+
+
+@functools.lru_cache(maxsize=512)
+def runtime_orders(schedule: str, pp: int, virtual_stages: int, microbatches: int
+                   ) -> tuple[tuple[tuple[str, int, int], ...], ...]:
+    """Per pipeline rank, the (action, stage, micro-batch) sequence the runtime runs:
+    torch's own table where the schedule has one, the textbook order of GPipe and 1F1B
+    (which torch runs imperatively) otherwise. What the planner simulates."""
+    orders = torch_rank_orders(schedule, pp, virtual_stages, microbatches)
+    if orders is None:
+        orders = rank_orders(schedule, pp, virtual_stages, microbatches)
+    return tuple(tuple(order) for order in orders)

@@ -4,8 +4,9 @@ For every configuration (tp, pp, dp, schedule, virtual stages v, micro-batches m
 
 1. cut the layers into pp·v contiguous stages — every cut when there are few (small
    models), else the cut that minimises the slowest stage (binary search on the bound);
-2. take, per stage, the micro-batches it holds at once under the schedule (the simulator
-   run on unit times: GPipe m, 1F1B p - r, ...);
+2. take, per stage, the micro-batches it holds at once under the schedule, counted along
+   the order each rank runs (``runtime_orders``: torch's own schedule table where it has
+   one, so what is simulated is what runs; GPipe m, 1F1B p - r, ...);
 3. per pipeline rank, solve the strategy ILP (ilp.py) over that rank's stages, with each
    layer's activations counted once per micro-batch in flight, under the device memory;
 4. simulate the schedule with the chosen per-stage F / B / W times and point-to-point
@@ -65,13 +66,12 @@ from cost_models.schedule import (
     SCHEDULES,
     StageTimes,
     Timeline,
-    rank_orders,
-    run_actions,
     simulate,
     stage_ranks,
 )
 from passes.records import LayerGraph, LayerInfo
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Mesh, schedule_microbatch_problem
+from runtime.schedule_orders import runtime_orders
 
 PIPELINE_SCHEDULES = tuple((name, v) for name, spec in SCHEDULES.items() for v in spec.searched)
 """(schedule, virtual stages per rank) searched: the schedule table's ``searched``."""
@@ -79,10 +79,10 @@ MAX_MICROBATCHES_PER_STAGE = 8
 """m is searched among divisors of the per-replica batch in [pp, 8·pp]: beyond 8·pp the
 bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
 SATURATION_MICROBATCHES_PER_RANK = 3
-"""In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, Interleaved1F1B by
-2p, the zero-bubble schedules by 3p; tests/autopar/planner/test_fast_paths.py checks p up to 16,
-and p = 40, 48, 64 and 128 were checked once): unit-time runs stop there. The largest
-runs, at p = 64, are a quarter shorter than at 4p."""
+"""In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, the interleaved
+and zero-bubble tables by 2p to 3p; tests/autopar/planner/test_fast_paths.py checks p up
+to 16 on the runtime's orders): peaks are counted on m = min(m, 3p), whose tables are
+shorter and shared by every larger m."""
 EXHAUSTIVE_CUTS = 64
 """Enumerate every contiguous cut of models with at most EXHAUSTIVE_LAYERS layers when
 there are at most this many cuts; larger models take the balanced cut."""
@@ -227,12 +227,6 @@ def search_pipeline(
             break  # sorted by (bound, position): nothing later can win
         if time.perf_counter() > deadline:
             raise TimeLimitReached(best, results)
-        if prune:
-            exact = ctx.memory_bound(config, cut)  # with the simulated in-flight counts
-            if math.isinf(exact):
-                results.append(ctx.infeasible(config, cut))
-            if (exact, p) >= best_key:
-                continue
         prepared = ctx.prepare(config, cut)
         if isinstance(prepared, Infeasible):
             results.append(prepared)
@@ -251,15 +245,14 @@ def search_pipeline(
 def _by_memory_bound(ctx: _Context, ordered: list[tuple[float, int, PipelineConfig, tuple]],
                      deadline: float = math.inf
                      ) -> tuple[list[tuple[float, int, PipelineConfig, tuple]], list[Infeasible]]:
-    """The queue re-sorted by the larger of its bound and the memory-aware one (with
-    in-flight counts that need no simulation), and the configurations whose LP relaxation
-    already shows a rank that cannot fit (the rank ILP would say the same: its feasible
-    set lies inside the LP's)."""
+    """The queue re-sorted by the larger of its bound and the memory-aware one, and the
+    configurations whose LP relaxation already shows a rank that cannot fit (the rank ILP
+    would say the same: its feasible set lies inside the LP's)."""
     kept, infeasible = [], []
     for optimistic, p, config, cut in ordered:
         if time.perf_counter() > deadline:
             raise TimeLimitReached(None, [])
-        bound = ctx.memory_bound(config, cut, simulated=False)
+        bound = ctx.memory_bound(config, cut)
         if math.isinf(bound):
             infeasible.append(ctx.infeasible(config, cut))
         else:
@@ -412,14 +405,11 @@ class _Context:
                    for r in range(pp)) + max(sync)
 
     def ramp_bound(self, prepared: _Prepared) -> float:
-        """A step-time lower bound that counts the pipeline's ramp, for schedules with a
-        fixed order (0 for ZBVZeroBubble, whose order is chosen while simulating): a rank's
-        first backward waits until its micro-batch has run forward through every stage
-        and backward down to it, and meanwhile the rank can only run the forwards its
-        order puts first; everything else follows that backward."""
+        """A step-time lower bound that counts the pipeline's ramp: a rank's first backward
+        waits until its micro-batch has run forward through every stage and backward down
+        to it, and meanwhile the rank can only run the forwards its order puts first;
+        everything else follows that backward."""
         config = prepared.config
-        if config.schedule == "ZBVZeroBubble":
-            return 0.0
         pp, num_stages, m = config.mesh.pp, config.num_stages, config.microbatches
         owner = stage_ranks(config.schedule, pp, num_stages)
         split_w = SCHEDULES[config.schedule].split_backward
@@ -438,55 +428,35 @@ class _Context:
         return (out + max(sync)) * (1 - STEP_BOUND_TOLERANCE)
 
     def _ramps(self, config: PipelineConfig) -> list[tuple[int, list[int], int, int]]:
-        """Per rank of a fixed-order schedule: its first forward's stage, the stages of the
-        forwards before its first backward, that backward's stage, its last one's."""
+        """Per rank: its first forward's stage, the stages of the forwards before its first
+        backward, that backward's stage, and its last backward's stage."""
         key = (config.schedule, config.mesh.pp, config.virtual_stages, config.microbatches)
         if key not in self._ramp:
             out = []
-            for order in rank_orders(*key):
+            for order in runtime_orders(*key):
                 k = next(i for i, (action, *_) in enumerate(order) if action == "B")
-                out.append((order[0][1], [s for _, s, _ in order[:k]], order[k][1],
-                            order[-1][1]))
+                last_b = next(st for action, st, _ in reversed(order) if action == "B")
+                out.append((order[0][1], [s for _, s, _ in order[:k]], order[k][1], last_b))
             self._ramp[key] = out
         return self._ramp[key]
-
-    def inflight_floor(self, config: PipelineConfig) -> tuple[int, ...]:
-        """In-flight counts never above inflight's, without simulating: exact for fixed
-        orders; InterleavedZeroBubble's fixed F/B order freeing at B (its W frees later);
-        one per stage for ZBVZeroBubble, whose order is chosen while simulating."""
-        if config.schedule == "ZBVZeroBubble":
-            return (1,) * config.num_stages
-        if config.schedule != "InterleavedZeroBubble":
-            return self.inflight(config)
-        m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
-        key = ("floor", config.schedule, config.mesh.pp, config.virtual_stages, m)
-        if key not in self._inflight:
-            self._inflight[key] = order_peaks(config.schedule, config.mesh.pp,
-                                              config.virtual_stages, m)
-        return self._inflight[key]
 
     def inflight(self, config: PipelineConfig) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations it holds at once."""
         if config.schedule == "GPipe":
             return (config.microbatches,) * config.num_stages
-        # Peaks stop growing by m = 3p (SATURATION_MICROBATCHES_PER_RANK), so a shorter
-        # unit-time run gives them.
+        # Peaks stop growing by m = 3p (SATURATION_MICROBATCHES_PER_RANK).
         m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
         key = (config.schedule, config.mesh.pp, config.virtual_stages, m)
         if key not in self._inflight:
-            self._inflight[key] = unit_peaks(config.schedule, config.mesh.pp,
-                                             config.virtual_stages, m)
+            self._inflight[key] = unit_peaks(*key)
         return self._inflight[key]
 
-    def memory_bound(self, config: PipelineConfig, stage_of: tuple[int, ...], *,
-                     simulated: bool = True) -> float:
+    def memory_bound(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> float:
         """A step-time lower bound that counts memory, with no solver: per rank, the
         forwards (and backwards) of the stages ahead, fastest per layer, plus the LP bound
         (bounds.py) of its layers' per-step time m (F + B + W) + step under its memory.
         prepare's bound is never below it (the ranks' ILP answers lie inside the LPs), so
-        skipping on it loses nothing; inf when a rank cannot fit at all. Without
-        ``simulated`` it takes in-flight counts that need no simulation and are never
-        larger (inflight_floor), so it is lower still."""
+        skipping on it loses nothing; inf when a rank cannot fit at all."""
         pp, v = config.mesh.pp, config.virtual_stages
         owner = stage_ranks(config.schedule, pp, pp * v)
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
@@ -496,8 +466,7 @@ class _Context:
             bwd[s] += least_bwd
         split_w = SCHEDULES[config.schedule].split_backward
         out = 0.0
-        inflight = self.inflight(config) if simulated else self.inflight_floor(config)
-        for rank, (_, options) in enumerate(self._ranks(config, stage_of, inflight)):
+        for rank, (_, options) in enumerate(self._ranks(config, stage_of)):
             first = owner.index(rank)
             ahead = sum(fwd[:first]) + (0.0 if split_w else sum(bwd[:first]))
             out = max(out, ahead + self._rank_bound(config, options))
@@ -612,6 +581,8 @@ class _Context:
                                     activation_bytes=sum(c.activations_bytes for c in members)))
         overlap = self.cluster.overlap
         timeline = simulate(config.schedule, pp, config.microbatches, times,
+                            orders=runtime_orders(config.schedule, pp, config.virtual_stages,
+                                                  config.microbatches),
                             p2p_s=self._p2p_s(prepared), p2p_slowdown=overlap.pp_slowdown,
                             p2p_blocking="pp" in overlap.exposed)
         sync = [0.0] * pp
@@ -649,34 +620,20 @@ def _rank_key(config: PipelineConfig, options: list[ClassOptions]) -> tuple:
 
 def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
                ) -> tuple[int, ...]:
-    """Per stage, the in-flight peak of a unit-time run. Where ranks follow a fixed order
-    and B frees the activations, the order alone gives it (a stage's count moves only
-    with its own rank's actions, which run in that order), without simulating."""
+    """Per stage, the most micro-batches whose activations it holds at once: counted along
+    the ranks' orders, without simulating, since a stage's count moves only with its own
+    rank's actions, which run in that order. F takes a micro-batch's activations; the
+    backward that frees them is W where the schedule splits it off, else B."""
+    frees = "W" if SCHEDULES[schedule].split_backward else "B"
     num_stages = pp * virtual_stages
-    if SCHEDULES[schedule].split_backward:  # W frees them, and runs whenever a rank would idle
-        unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * num_stages
-        # A stage's actions all run on its one rank, one at a time, so the order they ran
-        # in is their order in time: no Timeline (nor sort) is needed to count them.
-        peak, held = [0] * num_stages, [0] * num_stages
-        for _, stage, action, *_ in run_actions(schedule, pp, microbatches, unit):
+    peak, held = [0] * num_stages, [0] * num_stages
+    for order in runtime_orders(schedule, pp, virtual_stages, microbatches):
+        for action, stage, _ in order:
             if action == "F":
                 held[stage] += 1
                 peak[stage] = max(peak[stage], held[stage])
-            elif action == "W":
+            elif action == frees:
                 held[stage] -= 1
-        return tuple(peak)
-    return order_peaks(schedule, pp, virtual_stages, microbatches)
-
-
-def order_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
-                ) -> tuple[int, ...]:
-    """Per stage, the most micro-batches between F and B in the ranks' fixed orders."""
-    num_stages = pp * virtual_stages
-    peak, held = [0] * num_stages, [0] * num_stages
-    for order in rank_orders(schedule, pp, virtual_stages, microbatches):
-        for action, stage, _ in order:
-            held[stage] += 1 if action == "F" else -1
-            peak[stage] = max(peak[stage], held[stage])
     return tuple(peak)
 
 

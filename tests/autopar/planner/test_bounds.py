@@ -14,6 +14,7 @@ from autopar.planner.costs import LayerCost
 from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB, ClassOptions, solve_by_buffer_cap
 from autopar.planner.pipeline import stage_peaks, unit_peaks
 from cost_models.schedule import StageTimes, simulate
+from runtime.schedule_orders import runtime_orders
 
 MARGIN = 0.1
 
@@ -99,9 +100,11 @@ def test_lower_hull_drops_dominated_and_non_convex_points():
     assert lower_hull(points) == [(1.0, 10.0), (3.0, 4.0), (5.0, 3.5)]
 
 
-@pytest.mark.parametrize("schedule,v", [("1F1B", 1), ("Interleaved1F1B", 2)])
+@pytest.mark.parametrize("schedule,v", [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2),
+                                        ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)])
 @pytest.mark.parametrize("pp,m", [(2, 4), (3, 6), (4, 8), (4, 16)])
 def test_fixed_order_peaks_match_the_simulated_ones(schedule, v, pp, m):
     unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * (pp * v)
-    simulated = stage_peaks(simulate(schedule, pp, m, unit), pp * v)
+    simulated = stage_peaks(simulate(schedule, pp, m, unit,
+                                     orders=runtime_orders(schedule, pp, v, m)), pp * v)
     assert unit_peaks(schedule, pp, v, m) == simulated

@@ -16,6 +16,7 @@ from autopar.planner.ilp import GIB, ClassOptions
 from autopar.planner.liveness import pipeline_liveness
 from autopar.planner.pipeline import stage_peaks, unit_peaks
 from cost_models.schedule import StageTimes, run_actions, simulate, stage_ranks
+from runtime.schedule_orders import runtime_orders
 
 
 def plain_undominated(costs: dict, terms) -> dict:
@@ -95,11 +96,13 @@ def test_bounds_with_shared_hulls_equal_the_bounds_built_per_cap(raw, capacity_g
 
 @pytest.mark.parametrize("schedule", ["InterleavedZeroBubble", "ZBVZeroBubble"])
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
-def test_unit_peaks_from_raw_actions_equal_the_timeline_count(schedule, p):
-    unit = [StageTimes(fwd_s=1.0, bwd_s=1.0, wgrad_s=1.0)] * (2 * p)
+def test_peaks_counted_along_the_orders_equal_the_simulated_timelines(schedule, p):
+    # Unequal times, so that ranks wait on each other: the count must not depend on when.
+    times = [StageTimes(fwd_s=1.0 + s % 3, bwd_s=2.0, wgrad_s=0.5 + s % 2) for s in range(2 * p)]
     for m in (p, 2 * p, 4 * p):
-        assert unit_peaks(schedule, p, 2, m) == stage_peaks(simulate(schedule, p, m, unit),
-                                                            2 * p)
+        orders = runtime_orders(schedule, p, 2, m)
+        timeline = simulate(schedule, p, m, times, p2p_s=0.3, orders=orders)
+        assert unit_peaks(schedule, p, 2, m) == stage_peaks(timeline, 2 * p)
 
 
 def test_raw_actions_are_the_timelines_slots():
