@@ -10,6 +10,7 @@
 
 from autopar.api import compile, plan, search_plans
 from autopar.errors import AutoparError, CaptureError, ConfigError, InfeasibleError, PlanError
+from autopar.planner.estimators import ANALYTIC, CostContext, Estimators
 from autopar.report import format_plan
 from cost_models.hardware import Cluster
 from runtime.batch import Inputs
@@ -18,10 +19,13 @@ from runtime.plan import LayerPlan, Mesh, Plan
 from runtime.step_log import StepLog
 
 __all__ = [
+    "ANALYTIC",
     "AutoparError",
     "CaptureError",
     "Cluster",
     "ConfigError",
+    "CostContext",
+    "Estimators",
     "InfeasibleError",
     "Inputs",
     "LayerPlan",

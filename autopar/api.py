@@ -20,6 +20,7 @@ from autopar.errors import AutoparError, ConfigError
 from autopar.explain import attach_rationale
 from autopar.lower import make_trainer, microbatch_inputs
 from autopar.planner import SearchResult, search
+from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.search import ProgressFn
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
@@ -54,6 +55,7 @@ def search_plans(
     seq_len: int | None = None,
     time_limit_s: float = 60.0,
     progress: ProgressFn | None = None,
+    estimators: Estimators = ANALYTIC,
 ) -> SearchResult:
     """The best plan and every candidate the search considered.
 
@@ -62,7 +64,8 @@ def search_plans(
     or ``autopar.Inputs(args, kwargs)``. Its batch dimension (dim 0 of the tensors that
     carry the samples, found as ``runtime.batch`` says) is the global batch the plan is
     made for. ``progress`` is called after each candidate the search evaluates (see
-    ``autopar.progress``). The plan carries its rationale: every option's cost per layer
+    ``autopar.progress``). ``estimators`` prices every option (autopar/planner/estimators.py:
+    replace one of ``ANALYTIC``'s with a calibrated or your own). The plan carries its rationale: every option's cost per layer
     class and the best alternatives (``autopar.explain``).
 
     Whatever this returns, the runtime runs: the search asks the runtime's own validator
@@ -77,10 +80,10 @@ def search_plans(
     meta_model = to_meta(model)
     result = search(graph, cluster, precision_name=precision, mesh=mesh,
                     time_limit_s=time_limit_s, progress=progress,
-                    check=functools.partial(plan_problem, meta_model))
+                    check=functools.partial(plan_problem, meta_model), estimators=estimators)
     if result.plan.mesh.pp > 1:
         check_stage_split(meta_model, result.plan, inputs)
-    return attach_rationale(result, graph, cluster, precision)
+    return attach_rationale(result, graph, cluster, precision, estimators)
 
 
 def check_model(model: object) -> None:

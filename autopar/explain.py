@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.moe_costs import ep_problem, runtime_problem
 from autopar.planner.search import SearchResult, class_options
 from autopar.planner.ties import describe_tie, with_tied_choices
@@ -39,22 +40,24 @@ ALTERNATIVES_KEPT = 10
 # -- the rationale the planner attaches ----------------------------------------------------
 
 def attach_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
-                     precision_name: str) -> SearchResult:
-    """``result`` with ``Plan.rationale`` filled in from the search and the cost model."""
-    plan = dataclasses.replace(result.plan,
-                               rationale=build_rationale(result, graph, cluster, precision_name))
+                     precision_name: str, estimators: Estimators = ANALYTIC) -> SearchResult:
+    """``result`` with ``Plan.rationale`` filled in from the search and the cost model
+    (``estimators``: those the search priced options with)."""
+    plan = dataclasses.replace(result.plan, rationale=build_rationale(
+        result, graph, cluster, precision_name, estimators))
     return dataclasses.replace(result, plan=plan)
 
 
 def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
-                    precision_name: str) -> Rationale:
+                    precision_name: str, estimators: Estimators = ANALYTIC) -> Rationale:
     prec = precision(precision_name)
     classes = tuple(
         ClassCosts(layer_class=o.name, count=o.count,
                    options=tuple(_option(c) for c in o.costs.values()))
         for o in with_tied_choices(
-            class_options(graph, result.plan.mesh, cluster, prec, result.plan.microbatches),
-            graph, result.plan, cluster, prec)
+            class_options(graph, result.plan.mesh, cluster, prec, result.plan.microbatches,
+                          estimators),
+            graph, result.plan, cluster, prec, estimators)
     )
     return Rationale(
         model_flops_per_step=float(sum(x.fwd_flops + x.bwd_flops for x in graph.layers)),

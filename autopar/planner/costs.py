@@ -474,13 +474,15 @@ def hsdp_shard_size(cluster: Cluster, pp: int = 1) -> int | None:
 
 
 def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cluster,
-                  prec: Precision, microbatches: int = 1, *, selective: bool = True
-                  ) -> dict[str, LayerCost]:
-    """Every option of one layer with its cost, dominated options removed."""
+                  prec: Precision, microbatches: int = 1, *, selective: bool = True,
+                  estimators: Estimators = ANALYTIC) -> dict[str, LayerCost]:
+    """Every option of one layer with its cost (composed from ``estimators``), dominated
+    options removed."""
     hsdp = hsdp_shard_size(cluster, mesh.pp)
     labels = runnable(allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
                                       microbatches=microbatches, selective=selective,
                                       offload=cluster.host.offload), prec.name)
     return prune_dominated({
-        o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp)
+        o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp,
+                      estimators=estimators)
         for o in labels})

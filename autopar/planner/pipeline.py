@@ -42,6 +42,7 @@ from autopar.planner.costs import (
     layer_options,
     prune_dominated,
 )
+from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.ilp import (
     FEASIBILITY_SLACK_GIB,
     GIB,
@@ -194,6 +195,7 @@ class TimeLimitReached(Exception):  # noqa: N818 (a signal to the caller, not an
 def search_pipeline(
     graph: LayerGraph, cluster: Cluster, prec: Precision, time_limit_s: float = 10.0,
     best_known_s: float = math.inf, *, prune: bool = True, deadline: float = math.inf,
+    estimators: Estimators = ANALYTIC,
 ) -> tuple[PipelineOutcome | None, list[PipelineOutcome | Infeasible]]:
     """The fastest pipeline plan (or None), and every configuration's outcome.
 
@@ -206,7 +208,7 @@ def search_pipeline(
     simulated step, ties to the earliest position. ``prune`` adds a memory-aware bound
     (memory_bound: the rank ILPs' LP bounds) that skips configurations before their ILPs
     and evaluates the most promising first; the answer is the same without it."""
-    ctx = _Context(graph, cluster, prec, time_limit_s, prune=prune)
+    ctx = _Context(graph, cluster, prec, time_limit_s, prune=prune, estimators=estimators)
     queue = []
     for i, config in enumerate(pipeline_configs(graph, cluster)):
         if time.perf_counter() > deadline:
@@ -272,8 +274,10 @@ class _Context:
     """Caches shared across configurations: layer costs, in-flight profiles, rank ILPs."""
 
     def __init__(self, graph: LayerGraph, cluster: Cluster, prec: Precision,
-                 time_limit_s: float, *, prune: bool = True) -> None:
+                 time_limit_s: float, *, prune: bool = True,
+                 estimators: Estimators = ANALYTIC) -> None:
         self.graph, self.cluster, self.prec = graph, cluster, prec
+        self.estimators = estimators
         self.time_limit_s = time_limit_s
         self.prune = prune
         self._costs: dict[tuple, dict[str, LayerCost]] = {}
@@ -323,7 +327,8 @@ class _Context:
             if role is None:
                 self._costs[key] = layer_options(layer, self.graph.seq_len, mesh,
                                                  self.cluster, self.prec, m,
-                                                 selective=selective)
+                                                 selective=selective,
+                                                 estimators=self.estimators)
             else:
                 self._costs[key] = self._tied_costs(layer, config, role, selective)
         return self._costs[key]
@@ -362,7 +367,8 @@ class _Context:
         """One option of a tied layer, with the copy it holds and the all-reduce it joins."""
         mesh, hsdp = config.mesh, hsdp_shard_size(self.cluster, config.mesh.pp)
         cost = layer_cost(with_copy(layer, role), option, mesh, self.cluster, self.prec,
-                          config.microbatches, hsdp_shard_size=hsdp)
+                          config.microbatches, hsdp_shard_size=hsdp,
+                          estimators=self.estimators)
         return with_sync(cost, role, mesh, self.cluster, self.prec, hsdp)
 
     def cuts(self, config: PipelineConfig) -> list[tuple[int, ...]]:
@@ -724,7 +730,8 @@ def divisors(n: int) -> list[int]:
     return [int(d) for d in sympy_divisors(n)]
 
 
-def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) -> PipelineOutcome:
+def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan, *,
+                  estimators: Estimators = ANALYTIC) -> PipelineOutcome:
     """The simulated step of a given pipeline plan: its stages, strategies and schedule
     (e.g. a hand-written plan, to set its prediction next to a measurement)."""
     if plan.pipeline is None:
@@ -738,7 +745,7 @@ def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) ->
                             virtual_stages=plan.pipeline.virtual_stages,
                             microbatches=plan.pipeline.num_microbatches,
                             tie_strategy=tied[0] if tied else "")
-    ctx = _Context(graph, cluster, prec, 10.0)
+    ctx = _Context(graph, cluster, prec, 10.0, estimators=estimators)
     stage_of = tuple(by_name[layer.name].stage for layer in graph.layers)
     costs = []
     for i, layer in enumerate(graph.layers):
@@ -754,7 +761,8 @@ def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan) ->
                                  f"this mesh (options: {', '.join(options)})")
             role = ctx.role(i, config, stage_of)
             options = {option: layer_cost(layer, option, config.mesh, cluster, prec,
-                                          config.microbatches, hsdp_shard_size=hsdp)
+                                          config.microbatches, hsdp_shard_size=hsdp,
+                                          estimators=estimators)
                        if role is None else ctx.tied_cost(layer, option, config, role[1])}
         costs.append(options[option])
     prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),

@@ -21,6 +21,7 @@ from typing import Protocol
 from autopar.errors import ConfigError, InfeasibleError, TimeLimitError
 from autopar.planner.bounds import rank_bound
 from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options, on_ddp
+from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.ilp import (
     ClassOptions,
     ILPResult,
@@ -123,10 +124,11 @@ MAX_ACCUMULATION = 64
 
 
 def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision,
-                  microbatches: int = 1) -> list[ClassOptions]:
+                  microbatches: int = 1, estimators: Estimators = ANALYTIC
+                  ) -> list[ClassOptions]:
     return [ClassOptions(name=name, count=len(members),
                          costs=layer_options(members[0], graph.seq_len, mesh, cluster, prec,
-                                             microbatches))
+                                             microbatches, estimators=estimators))
             for name, members in graph.classes.items()]
 
 
@@ -155,6 +157,7 @@ def search(
     progress: ProgressFn | None = None,
     pipeline: bool = True,
     check: PlanCheck | None = None,
+    estimators: Estimators = ANALYTIC,
 ) -> SearchResult:
     """The fastest feasible plan for ``graph`` on ``cluster`` (optionally on a fixed mesh),
     with pipeline-parallel candidates unless ``pipeline`` is False.
@@ -163,7 +166,9 @@ def search(
     display; see ``autopar.progress``). ``check``, if given, is asked about the plan of
     every candidate the search finds feasible before it counts as one (``autopar.api``
     passes the runtime's ``runtime.validate.plan_problem``): a plan it refuses becomes a
-    'refused' candidate with its reason, so the search never returns such a plan."""
+    'refused' candidate with its reason, so the search never returns such a plan.
+    ``estimators``: the cost estimators every option is priced with (a calibrated or a
+    user's estimator replaces one of ``ANALYTIC``'s, autopar/planner/estimators.py)."""
     start = time.perf_counter()
     if not time_limit_s > 0 or math.isinf(time_limit_s):
         raise ConfigError(f"time limit {time_limit_s!r} s: give a positive number of seconds "
@@ -222,7 +227,7 @@ def search(
         least_need = float("inf")
         outclassed = float("inf")  # the least bound of accumulations the best plan beats
         for k in accumulation_steps(graph, m):
-            options = class_options(graph, m, cluster, prec, k)
+            options = class_options(graph, m, cluster, prec, k, estimators)
             programs = [join_ties(graph, p) for p in [options, *ddp_programs(options, prec, m)]]
             # The LP bound of the rank's knapsack (memory-aware, no solver): no plan with
             # these options is faster; inf when nothing fits.
@@ -284,6 +289,7 @@ def search(
             pipe_best, outcomes = search_pipeline(
                 graph, cluster, prec, time_limit_s,
                 best_known_s=best[0].objective_s if best else float("inf"),
+                estimators=estimators,
                 deadline=start if cut_short else deadline)
         except TimeLimitReached as stop:
             cut_short = True

@@ -41,6 +41,7 @@ from autopar.planner.costs import (
     hsdp_shard_size,
     layer_cost,
 )
+from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.ilp import ClassOptions
 from cost_models.comm import Group, all_reduce_s
 from cost_models.hardware import Cluster
@@ -235,7 +236,8 @@ def describe_tie(tie: Tie, plan: Plan) -> str:
 
 
 def with_tied_choices(options: list[ClassOptions], graph: LayerGraph, plan: Plan,
-                      cluster: Cluster, prec: Precision) -> list[ClassOptions]:
+                      cluster: Cluster, prec: Precision, estimators: Estimators = ANALYTIC
+                      ) -> list[ClassOptions]:
     """``options`` (per class, pruned as if each layer chose alone) with the option each
     tied layer of a pipeline plan was given, where it was pruned: the tie's strategy may
     be one its class alone would never take (the head owns no parameter of its own, so
@@ -251,6 +253,7 @@ def with_tied_choices(options: list[ClassOptions], graph: LayerGraph, plan: Plan
                 costs[la.option] = layer_cost(
                     info[la.module], la.option, plan.mesh, cluster, prec,
                     plan.pipeline.num_microbatches,
-                    hsdp_shard_size=hsdp_shard_size(cluster, plan.mesh.pp))
+                    hsdp_shard_size=hsdp_shard_size(cluster, plan.mesh.pp),
+                    estimators=estimators)
         out.append(dataclasses.replace(o, costs=costs))
     return out
