@@ -2,7 +2,7 @@
 
 Where the numbers come from: ``attach_rationale`` prices every strategy the planner may give
 each class of identical layers on the chosen mesh with the planner's own cost function
-(``autopar.planner.search.class_options`` → ``costs.layer_cost``), and keeps the best other
+(``autopar.planner.engine.class_options`` → ``costs.layer_cost``), and keeps the best other
 shapes the outer search tried (``SearchResult.candidates``). Both are stored in the plan
 (``Plan.rationale``, per class, not per layer), so ``explain`` works from a saved plan
 file without re-planning.
@@ -13,9 +13,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.planner.engine import class_options
 from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.moe_costs import ep_problem, runtime_problem
-from autopar.planner.search import SearchResult, class_options
+from autopar.planner.search import SearchResult
 from autopar.planner.ties import describe_tie, with_tied_choices
 from cost_models.hardware import Cluster
 from cost_models.memory import precision

@@ -14,9 +14,9 @@
 2. Plan: a small GPT (``MODEL`` with ``CONFIG``) is captured into the planner's layer graph;
    for each case every layer is forced to one option on a fixed mesh (TP where the layer
    has a TP split, else ``replicate``). The numbers are the planner's own for exactly that
-   plan: pp = 1 plans go through the search's ``_make_plan`` (step time = Σ per-layer
-   compute + communication, memory = ``plan_memory``), the pipeline plan through
-   ``evaluate_plan`` (the schedule simulator) and ``_make_pipeline_plan``.
+   plan, priced by the planner's engine (``Engine.evaluate``: at pp = 1 step time = Σ
+   per-layer compute + communication and memory by the liveness walk; the pipeline plan
+   through the schedule simulator) and built by ``Engine.plan``.
 3. Measure: one launch of ``--nproc`` ranks runs every plan in turn on a fresh seeded model
    (``autopar.lower.make_trainer``, the ``autopar run`` path). A step is timed from a
    barrier to the slowest rank's end (all_reduce MAX); the median over ``--steps`` steps
@@ -56,16 +56,15 @@ from torch.nn.parallel import DistributedDataParallel
 from autopar.calibrate import Settings, calibrate, write_profile
 from autopar.calibration_kernels import linear_op
 from autopar.lower import make_trainer
-from autopar.planner.costs import allowed_strategies, hsdp_shard_size, layer_cost
-from autopar.planner.ilp import ClassOptions
-from autopar.planner.pipeline import _assignment, balanced_bounds, evaluate_plan
-from autopar.planner.search import Candidate, _make_pipeline_plan, _make_plan
+from autopar.planner.costs import allowed_strategies, layer_cost
+from autopar.planner.engine import Engine, _assignment, balanced_bounds
 from autopar.zoo import GPT, get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.layer_graph import build_layer_graph
 from runtime.launch import spawn
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, SolverReport
+from runtime.strategies import spec
 
 MODEL = "gpt-small"
 CONFIG = dict(n_layer=4, n_head=8, n_embd=256, vocab_size=2048)
@@ -156,51 +155,39 @@ def option_for(layer, case: Case) -> str:
     return case.strategy if case.strategy in allowed else "replicate"
 
 
+def tp_styles(layer, strategy: str) -> dict[str, str]:
+    return dict(layer.tp.styles) if spec(strategy).tensor_parallel else {}
+
+
 def make_plan(graph, cluster, case: Case) -> tuple[Plan, Predicted]:
-    """The plan of ``case`` and the cost model's numbers for exactly that plan."""
+    """The plan of ``case`` and the cost model's numbers for exactly that plan: a draft
+    with every layer's option (and, for the pipeline, the planner's balanced cut on the
+    layers' times), priced by the planner's engine (``Engine.evaluate``: per-layer sums
+    at pp = 1, the schedule simulator for the pipeline) and built into a Plan."""
     prec = precision("float32")
+    stage_of = [0] * len(graph.layers)
     if case.pipeline is not None:
-        return _pipeline_plan(graph, cluster, prec, case)
-    options, choice = [], {}
-    for name, members in graph.classes.items():
-        option = option_for(members[0], case)
-        cost = layer_cost(members[0], option, case.mesh, cluster, prec, 1,
-                          hsdp_shard_size=hsdp_shard_size(cluster, case.mesh.pp))
-        options.append(ClassOptions(name=name, count=len(members), costs={option: cost}))
-        choice[name] = {option: len(members)}
-    cand = Candidate(mesh=case.mesh, status="optimal", choice=choice)
-    report = SolverReport(solver="fixed", status="optimal", objective_s=0.0, lower_bound_s=0.0,
-                          gap=0.0, solve_time_s=0.0)
-    plan = _make_plan(graph, cluster, prec, cand, options, report)
-    mem = plan.prediction.memory
-    return plan, Predicted(plan.prediction.step_time_s, mem.total_bytes - mem.margin_bytes,
-                           mem.margin_bytes)
-
-
-def _pipeline_plan(graph, cluster, prec, case: Case) -> tuple[Plan, Predicted]:
-    """Stages cut by the planner's balanced cut on the layers' times, then costed by the
-    schedule simulator."""
-    spec = case.pipeline
-    m = spec.num_microbatches
-    weights = [layer_cost(layer, option_for(layer, case), case.mesh, cluster, prec, m).time_s
-               for layer in graph.layers]
-    stages = case.mesh.pp * spec.virtual_stages
-    stage_of = _assignment(len(weights), balanced_bounds(weights, stages, graph.uncuttable))
+        m = case.pipeline.num_microbatches
+        weights = [layer_cost(layer, option_for(layer, case), case.mesh, cluster, prec,
+                              m).time_s for layer in graph.layers]
+        stages = case.mesh.pp * case.pipeline.virtual_stages
+        stage_of = list(_assignment(len(weights),
+                                    balanced_bounds(weights, stages, graph.uncuttable)))
     draft = Plan(model=MODEL, cluster=cluster.name, global_batch=BATCH, seq_len=SEQ,
-                 mesh=case.mesh, pipeline=spec,
+                 mesh=case.mesh, pipeline=case.pipeline,
                  layers=tuple(LayerPlan(module=layer.name, strategy=option_for(layer, case),
+                                        tp_styles=tp_styles(layer, option_for(layer, case)),
                                         stage=s) for layer, s in zip(graph.layers, stage_of,
                                                                      strict=True)))
-    outcome = evaluate_plan(graph, cluster, prec, draft)
+    engine = Engine(graph, cluster, prec)
+    outcome = engine.evaluate(draft)
     report = SolverReport(solver="fixed", status="optimal", objective_s=outcome.step_time_s,
                           lower_bound_s=outcome.lower_bound_s, gap=0.0, solve_time_s=0.0)
-    plan = _make_pipeline_plan(graph, cluster, prec, outcome, report)
-    fullest = max(plan.prediction.rank_memory, key=lambda r: r.total_bytes)
+    plan = engine.plan(outcome, report)
+    fullest = max(outcome.rank_memory, key=lambda r: r.total_bytes)
     return plan, Predicted(outcome.step_time_s, fullest.total_bytes - fullest.margin_bytes,
                            fullest.margin_bytes)
 
-
-# -- measurement (every rank) --------------------------------------------------------------
 
 def measure_job(plan_jsons: list[str], steps: int, warmup: int) -> list:
     """On every rank: the sustained GEMM rate, then per plan: (median step s, slowest rank per step; this rank's peak

@@ -134,7 +134,7 @@ def main() -> None:
 
 def simulator(world: int, batch: int, seq: int) -> Callable[[Plan], float]:
     """The planner's prediction of a plan's step on this machine's CPU ranks (modelled)."""
-    from autopar.planner.pipeline import evaluate_plan
+    from autopar.planner.engine import evaluate_plan
     from autopar.zoo import get_model
     from cost_models.hardware import Cluster
     from cost_models.memory import precision

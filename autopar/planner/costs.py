@@ -169,7 +169,7 @@ class LayerCost:
     fsdp_only_s: float = 0.0
     """Per step, the part of compute_s that only FSDP2 does: its host time
     (``engine_costs.engine_host_s``) and its copies into and out of its collectives' buffers
-    (``engine_costs.fsdp_copies_s``). A plan the runtime runs on DDP (search.runs_on_ddp) does neither."""
+    (``engine_costs.fsdp_copies_s``). A plan the runtime runs on DDP (engine.runs_on_ddp) does neither."""
     fsdp_wait_s: float = 0.0
     """Per step, the part of comm_s a replicated layer's gradient all-reduce waits under
     FSDP2 and would not under DDP: FSDP2 issues it per layer and blocks on it (a whole

@@ -52,7 +52,7 @@ runtime/pipeline.py):
 Every term above is one of the ILP's, alive for part of the step: parameters, gathered
 copies, gradients, optimizer states, activations of at most the in-flight micro-batches,
 one layer's buffer. So this peak never exceeds the ILP's sum, and a plan the ILP accepts
-fits by it. The plan's prediction (search.plan_memory, pipeline rank memory) is this peak.
+fits by it. The plan's prediction (engine.plan_memory, pipeline rank memory) is this peak.
 
 What the runtime also holds and LayerCost has no term for (``Uncosted``; measured in
 tests/test_liveness.py, where it closes the gap to MemTracker; off in the plan's
@@ -100,12 +100,6 @@ class Usage:
     def total_bytes(self) -> float:
         return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
                 + self.activations_bytes + self.buffers_bytes)
-
-    def as_dict(self) -> dict[str, float]:
-        """The breakdown keyed as pipeline.PipelineOutcome.rank_memory is."""
-        return dict(params=self.params_bytes, grads=self.grads_bytes,
-                    optimizer=self.optimizer_bytes, activations=self.activations_bytes,
-                    buffers=self.buffers_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)

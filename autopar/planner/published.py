@@ -18,8 +18,7 @@ from importlib import resources
 import torch
 
 from autopar.planner.costs import layer_cost
-from autopar.planner.pipeline import evaluate_plan
-from autopar.planner.search import plan_memory
+from autopar.planner.engine import evaluate_plan, plan_memory
 from autopar.zoo import GPT, GPTConfig
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
@@ -167,7 +166,7 @@ def evaluate(graph: LayerGraph, cluster: Cluster, prec: Precision, plan: Plan) -
     if plan.pipeline is not None:
         outcome = evaluate_plan(graph, cluster, prec, plan)
         return Evaluation(step_time_s=outcome.step_time_s,
-                          peak_memory_bytes=outcome.peak_bytes(cluster.memory_margin_fraction))
+                          peak_memory_bytes=outcome.peak_bytes())
     by_name = {layer.module: layer for layer in plan.layers}
     costs = [layer_cost(layer, by_name[layer.name].option, plan.mesh, cluster, prec,
                         plan.gradient_accumulation) for layer in graph.layers]

@@ -1,13 +1,15 @@
-"""The outer search: mesh shapes and gradient accumulation around the inner ILP.
+"""The search: every configuration through the engine (autopar/planner/engine.py), the
+fastest feasible plan kept.
 
-For every mesh dp × cp × tp with tp inside a node (tp divides the devices per node), dp
-dividing the global batch and cp a power of two whose 2·cp chunks divide the sequence
-(only for models that can run context-parallel, see passes/context_parallel.py), and every
-gradient accumulation m (a power of two dividing the per-replica batch), solve the option
-ILP; keep the fastest feasible plan. Before each ILP, the LP bound of its knapsack
-(autopar.planner.bounds, no solver) skips it when it cannot beat the mesh's plan (more
-accumulation only trades time for activation memory) or the best plan found. The reported lower bound is the smallest LP-relaxation value over
-all candidates, so it bounds every plan the search space holds.
+pp = 1 first: every mesh dp × cp × tp with tp inside a node (tp divides the devices per
+node), dp dividing the global batch and cp a power of two whose 2·cp chunks divide the
+sequence (only for models that can run context-parallel, see passes/context_parallel.py),
+and every gradient accumulation m (a power of two dividing the per-replica batch). Before
+each ILP, the LP bound of its knapsack (autopar.planner.bounds, no solver) skips it when it
+cannot beat the mesh's outcome (more accumulation only trades time for activation memory)
+or the best outcome found. Then the pipelines (``Engine.pipelines``), in the order of their
+bounds, which must beat the best pp = 1 outcome. The reported lower bound is the smallest
+bound over all evaluated candidates, so it bounds every plan the search space holds.
 """
 
 from __future__ import annotations
@@ -19,44 +21,24 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError, TimeLimitError
-from autopar.planner.bounds import rank_bound
-from autopar.planner.costs import LayerCost, hsdp_shard_size, layer_options, on_ddp
-from autopar.planner.estimators import ANALYTIC, Estimators
-from autopar.planner.ilp import (
-    ClassOptions,
-    ILPResult,
-    expand_counts,
-    make_solver,
-    min_memory,
-    solve_strategies,
-)
-from autopar.planner.liveness import Usage, step_liveness
-from autopar.planner.pipeline import (
+from autopar.planner.engine import (
+    Config,
+    Engine,
     Infeasible,
-    PipelineConfig,
-    PipelineOutcome,
+    Outcome,
     TimeLimitReached,
     divisors,
     pipeline_configs,
     pipeline_problem,
-    search_pipeline,
 )
-from autopar.planner.ties import join_ties, tied_costs
+from autopar.planner.estimators import ANALYTIC, Estimators
+from autopar.planner.ilp import make_solver
 from autopar.report import human_bytes
 from cost_models.hardware import Cluster
-from cost_models.memory import Precision, precision
+from cost_models.memory import precision
 from cost_models.schedule import Timeline
-from passes.records import LayerGraph, LayerInfo
-from runtime.plan import (
-    LayerPlan,
-    MemoryBreakdown,
-    Mesh,
-    PipelineSpec,
-    Plan,
-    Prediction,
-    SolverReport,
-)
-from runtime.strategies import spec
+from passes.records import LayerGraph
+from runtime.plan import Mesh, Plan, SolverReport
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,15 +103,6 @@ def context_degrees(ranks: int, seq_len: int | None) -> list[int]:
 
 MAX_ACCUMULATION = 64
 """Largest gradient accumulation searched for pp = 1 meshes."""
-
-
-def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision,
-                  microbatches: int = 1, estimators: Estimators = ANALYTIC
-                  ) -> list[ClassOptions]:
-    return [ClassOptions(name=name, count=len(members),
-                         costs=layer_options(members[0], graph.seq_len, mesh, cluster, prec,
-                                             microbatches, estimators=estimators))
-            for name, members in graph.classes.items()]
 
 
 def accumulation_steps(graph: LayerGraph, mesh: Mesh) -> list[int]:
@@ -209,8 +182,9 @@ def search(
             f"multiple of {min(dps)}"
         )
 
+    engine = Engine(graph, cluster, prec, time_limit_s, estimators=estimators)
     candidates: list[Candidate] = []
-    best: tuple[Candidate, list[ClassOptions]] | None = None
+    best: Outcome | None = None
     cut_short = False  # the deadline stopped a loop: the plan is the best found in time
     for index, (m, reason) in enumerate(meshes):
         _tell(progress, candidates, len(meshes))
@@ -222,58 +196,10 @@ def search(
         if reason:
             candidates.append(Candidate(mesh=m, status="skipped", reason=reason))
             continue
-        mesh_best = None
-        refusal = None  # what the runtime refused in this mesh's best plan, if anything
-        least_need = float("inf")
-        outclassed = float("inf")  # the least bound of accumulations the best plan beats
-        for k in accumulation_steps(graph, m):
-            options = class_options(graph, m, cluster, prec, k, estimators)
-            programs = [join_ties(graph, p) for p in [options, *ddp_programs(options, prec, m)]]
-            # The LP bound of the rank's knapsack (memory-aware, no solver): no plan with
-            # these options is faster; inf when nothing fits.
-            bound = min(rank_bound(p, cluster.device.memory_bytes,
-                                   cluster.memory_margin_fraction) for p in programs)
-            if bound == float("inf"):
-                least_need = min(least_need,
-                                 min_memory(programs[0], cluster.memory_margin_fraction)[0])
-                continue
-            if mesh_best is not None and mesh_best[0].objective_s <= bound:
-                continue  # more accumulation cannot beat this mesh's plan
-            if best is not None and best[0].objective_s < bound:
-                outclassed = min(outclassed, bound)
-                continue  # nothing here can beat the best plan found
-            result, options = _solve_programs(programs, cluster, time_limit_s)
-            solver_name = result.solver
-            if result.status != "optimal":
-                least_need = min(least_need, min_memory(options, cluster.memory_margin_fraction)[0])
-                continue
-            cand = Candidate(mesh=m, status="optimal", objective_s=result.objective_s,
-                             lower_bound_s=result.lower_bound_s, choice=result.choice,
-                             microbatches=k)
-            if check is not None:
-                refused = check(_make_plan(graph, cluster, prec, cand, options, _UNSOLVED))
-                if refused is not None:
-                    refusal = refused
-                    continue
-            if mesh_best is None or cand.objective_s < mesh_best[0].objective_s:
-                mesh_best = (cand, options)
-        if mesh_best is None and refusal is not None:
-            candidates.append(Candidate(mesh=m, status="refused",
-                                        reason=f"the runtime refuses its plan: {refusal}"))
-            continue
-        if mesh_best is None and least_need == float("inf") and outclassed < float("inf"):
-            candidates.append(Candidate(
-                mesh=m, status="skipped", lower_bound_s=outclassed,
-                reason=f"cannot beat the best plan: no plan on it takes less than "
-                       f"{outclassed:.3g} s per step (LP bound)"))
-            continue
-        if mesh_best is None:
-            candidates.append(Candidate(mesh=m, status="infeasible", min_memory_bytes=least_need,
-                                        reason=f"needs at least {human_bytes(least_need)} per rank"))
-            continue
-        candidates.append(mesh_best[0])
-        if best is None or mesh_best[0].objective_s < best[0].objective_s:
-            best = mesh_best
+        found = _one_stage(engine, m, best, check)
+        candidates.append(found.candidate)
+        if found.best is not None and (best is None or found.best.step_time_s < best.step_time_s):
+            best = found.best
     _tell(progress, candidates, len(meshes))
 
     pipe_best = None
@@ -286,87 +212,91 @@ def search(
                    "first) would see one micro-batch's statistics, not the batch's"))
     if pipeline:
         try:
-            pipe_best, outcomes = search_pipeline(
-                graph, cluster, prec, time_limit_s,
-                best_known_s=best[0].objective_s if best else float("inf"),
-                estimators=estimators,
+            pipe_best, outcomes = engine.pipelines(
+                best.step_time_s if best else float("inf"),
                 deadline=start if cut_short else deadline)
         except TimeLimitReached as stop:
             cut_short = True
             pipe_best, outcomes = stop.best, stop.results
         if check is not None:
-            pipe_best, outcomes = _check_pipelines(graph, cluster, prec, outcomes, check)
-        candidates += [_pipeline_candidate(o) for o in outcomes
-                       if mesh is None or o.config.mesh == mesh]
+            pipe_best, outcomes = _checked(engine, outcomes, check)
+        candidates += [_candidate(o) for o in outcomes if mesh is None or o.config.mesh == mesh]
         if mesh is not None and pipe_best is not None and pipe_best.config.mesh != mesh:
             pipe_best = None  # a fixed mesh was asked for
-        solver_name = make_solver(time_limit_s).name
         _tell(progress, candidates, len(candidates))
-    if best is None and pipe_best is None and cut_short:
+    if pipe_best is not None and (best is None or pipe_best.step_time_s < best.step_time_s):
+        best = pipe_best
+    if best is None and cut_short:
         raise TimeLimitError(
             f"no plan found for {graph.model_name or 'the model'} on {cluster.world_size} "
             f"devices within the time limit of {time_limit_s:g} s: allow more time "
             "(--time-limit, or time_limit_s=)")
-    if best is None and pipe_best is None:
+    if best is None:
         raise _infeasible(graph, cluster, candidates)
     # A search cut short certifies nothing about what it did not evaluate.
-    lower = 0.0 if cut_short else min(c.lower_bound_s for c in candidates
-                                      if c.status == "optimal")
-    status = "time limit" if cut_short else "optimal"
-    if pipe_best is not None and (best is None or pipe_best.step_time_s < best[0].objective_s):
-        bound = min(lower, pipe_best.step_time_s)
-        report = SolverReport(
-            solver=solver_name, status=status, objective_s=pipe_best.step_time_s,
-            lower_bound_s=bound, gap=(pipe_best.step_time_s - bound) / pipe_best.step_time_s,
-            solve_time_s=time.perf_counter() - start, candidates=len(candidates))
-        plan = _make_pipeline_plan(graph, cluster, prec, pipe_best, report)
-        return SearchResult(plan=plan, candidates=tuple(candidates),
-                            search_time_s=time.perf_counter() - start, timeline=pipe_best.timeline)
-    assert best is not None
-    cand, options = best
+    lower = 0.0 if cut_short else min([c.lower_bound_s for c in candidates
+                                       if c.status == "optimal"] + [best.step_time_s])
     report = SolverReport(
-        solver=solver_name,
-        status=status,
-        objective_s=cand.objective_s,
-        lower_bound_s=lower,
-        gap=(cand.objective_s - lower) / cand.objective_s if cand.objective_s else 0.0,
-        solve_time_s=time.perf_counter() - start,
-        candidates=len(candidates),
-    )
-    plan = _make_plan(graph, cluster, prec, cand, options, report)
-    return SearchResult(plan=plan, candidates=tuple(candidates),
-                        search_time_s=time.perf_counter() - start)
+        solver=make_solver(time_limit_s).name, status="time limit" if cut_short else "optimal",
+        objective_s=best.step_time_s, lower_bound_s=lower,
+        gap=(best.step_time_s - lower) / best.step_time_s if best.step_time_s else 0.0,
+        solve_time_s=time.perf_counter() - start, candidates=len(candidates))
+    return SearchResult(plan=engine.plan(best, report), candidates=tuple(candidates),
+                        search_time_s=time.perf_counter() - start, timeline=best.timeline)
 
 
-def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh
-                 ) -> list[list[ClassOptions]]:
-    """The rank program of a plan the runtime runs on DDP (runtime.data_parallel.uses_ddp:
-    float32, pp = 1, every layer replicate), its costs as DDP pays them (``on_ddp``);
-    none where that plan cannot be. The layer costs price a replicate layer as FSDP2 runs
-    it, in every other plan: more host time and memory, so the all-replicate plan gets its
-    own program rather than the ILP's over-priced corner."""
-    if prec.name != "float32" or mesh.pp != 1:
-        return []
-    ddp = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
-                        costs={o: on_ddp(x) for o, x in c.costs.items()
-                               if spec(x.strategy).ddp and x.expert_parallel == 1})
-           for c in options]
-    return [ddp] if all(c.costs for c in ddp) else []
+@dataclass(frozen=True)
+class _MeshResult:
+    candidate: Candidate
+    best: Outcome | None
 
 
-def _solve_programs(programs: list[list[ClassOptions]], cluster: Cluster, time_limit_s: float
-                    ) -> tuple[ILPResult, list[ClassOptions]]:
-    """The fastest answer of the rank programs (the later on a tie: DDP's), with its
-    options; the first program's answer when none is feasible."""
-    best = None
-    for options in programs:
-        result = solve_strategies(options, cluster.device.memory_bytes,
-                                  cluster.memory_margin_fraction, time_limit_s)
-        if best is None or (result.status == "optimal" and (
-                best[0].status != "optimal" or result.objective_s <= best[0].objective_s)):
-            best = (result, options)
-    assert best is not None
-    return best
+def _one_stage(engine: Engine, mesh: Mesh, best: Outcome | None, check: PlanCheck | None
+               ) -> _MeshResult:
+    """The fastest pp = 1 outcome of one mesh over its gradient accumulations, and the
+    mesh's candidate record. The LP bound of each accumulation's programs skips it when it
+    cannot beat the mesh's outcome so far (more accumulation only trades time for
+    activation memory) or ``best``, the best found on any mesh."""
+    mesh_best: Outcome | None = None
+    refusal = None  # what the runtime refused in this mesh's best plan, if anything
+    least_need = float("inf")
+    outclassed = float("inf")  # the least bound of accumulations the best plan beats
+    for k in accumulation_steps(engine.graph, mesh):
+        config = Config(mesh=mesh, microbatches=k)
+        programs = engine.programs(config)
+        bound = engine.programs_bound(programs)
+        if bound == float("inf"):
+            least_need = min(least_need, engine.least_memory(programs))
+            continue
+        if mesh_best is not None and mesh_best.step_time_s <= bound:
+            continue  # more accumulation cannot beat this mesh's plan
+        if best is not None and best.step_time_s < bound:
+            outclassed = min(outclassed, bound)
+            continue  # nothing here can beat the best plan found
+        outcome = engine.solve(config, programs)
+        if isinstance(outcome, Infeasible):
+            least_need = min(least_need, outcome.min_memory_bytes)
+            continue
+        if check is not None:
+            refused = check(engine.plan(outcome, _UNSOLVED))
+            if refused is not None:
+                refusal = refused
+                continue
+        if mesh_best is None or outcome.step_time_s < mesh_best.step_time_s:
+            mesh_best = outcome
+    if mesh_best is not None:
+        return _MeshResult(_candidate(mesh_best), mesh_best)
+    if refusal is not None:
+        return _MeshResult(Candidate(mesh=mesh, status="refused",
+                                     reason=f"the runtime refuses its plan: {refusal}"), None)
+    if least_need == float("inf") and outclassed < float("inf"):
+        return _MeshResult(Candidate(
+            mesh=mesh, status="skipped", lower_bound_s=outclassed,
+            reason=f"cannot beat the best plan: no plan on it takes less than "
+                   f"{outclassed:.3g} s per step (LP bound)"), None)
+    return _MeshResult(Candidate(mesh=mesh, status="infeasible", min_memory_bytes=least_need,
+                                 reason=f"needs at least {human_bytes(least_need)} per rank"),
+                       None)
 
 
 def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int) -> None:
@@ -375,107 +305,6 @@ def _tell(progress: ProgressFn | None, candidates: list[Candidate], total: int) 
         done = [c.objective_s for c in candidates if c.status == "optimal"]
         progress(evaluated=len(candidates), total=total,
                  best_s=min(done) if done else None, candidate=candidates[-1])
-
-
-def _make_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, cand: Candidate,
-               options: list[ClassOptions], report: SolverReport) -> Plan:
-    costs = assign_layers(graph, cand.choice, options)
-    ddp = runs_on_ddp(costs, prec, cand.mesh)
-    if ddp:  # priced as FSDP2 runs replicate layers, unless they came from ddp_programs
-        costs = [on_ddp(c) for c in costs]
-    memory = plan_memory(costs, cluster.memory_margin_fraction,
-                         names=[layer.name for layer in graph.layers], ddp=ddp)
-    assert memory.total_bytes <= cluster.device.memory_bytes, "the ILP's memory row was violated"
-    compute = sum(c.compute_s for c in costs)
-    comm = sum(c.comm_s for c in costs)
-    prediction = Prediction(step_time_s=compute + comm, compute_s=compute, comm_s=comm,
-                            memory=memory, capacity_bytes=cluster.device.memory_bytes,
-                            source=cluster.provenance)
-    return _build_plan(graph, cluster, prec, cand.mesh, costs, (0,) * len(costs), prediction,
-                       report, accumulation=cand.microbatches)
-
-
-def _build_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, mesh: Mesh,
-                costs: list[LayerCost] | tuple[LayerCost, ...], stages: tuple[int, ...],
-                prediction: Prediction, report: SolverReport,
-                pipeline: PipelineSpec | None = None, accumulation: int = 1) -> Plan:
-    """The Plan document: one LayerPlan per layer with its chosen option and stage."""
-    layers = []
-    for layer, cost, stage in zip(graph.layers, costs, stages, strict=True):
-        layers.append(LayerPlan(
-            module=layer.name, strategy=cost.strategy, tp_styles=_tp_styles(layer, cost),
-            stage=stage, layer_class=layer.layer_class, memory_bytes=int(cost.resident_bytes),
-            time_s=cost.time_s, recompute=cost.recompute, offload=cost.offload,
-            sequence_parallel=cost.sequence_parallel, expert_parallel=cost.expert_parallel))
-    uses_hsdp = any(spec(cost.strategy).hybrid for cost in costs)
-    return Plan(model=graph.model_name, cluster=f"{cluster.name} ({cluster.nodes} node(s) × "
-                f"{cluster.devices_per_node})", global_batch=graph.batch_size,
-                seq_len=graph.seq_len, mesh=mesh, layers=tuple(layers), param_dtype=prec.name,
-                reduce_dtype="float32" if prec.grad_bytes == 4 else prec.name,
-                loss_scaling="dynamic" if prec.name == "float16" else "none",
-                gradient_accumulation=accumulation,
-                hsdp_shard_size=hsdp_shard_size(cluster, mesh.pp) if uses_hsdp else None,
-                prediction=prediction, solver=report, pipeline=pipeline)
-
-
-def _tp_styles(layer: LayerInfo, cost: LayerCost) -> dict[str, str]:
-    if not spec(cost.strategy).tensor_parallel or layer.tp is None:
-        return {}
-    sp_styles = layer.tp.sp_styles
-    if cost.sequence_parallel and sp_styles:
-        return dict(sp_styles)
-    return dict(layer.tp.styles)
-
-
-def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
-                  options: list[ClassOptions]) -> list[LayerCost]:
-    """Per layer, in execution order, the cost of the strategy the ILP gave it.
-
-    Within a class the layers are interchangeable; earlier layers take strategies in the
-    order of STRATEGIES (replicate, fsdp, tp, tp_fsdp). Tied layers take their tie's
-    option (``options`` joined by planner/ties.py).
-    """
-    by_class = {o.name: o for o in options}
-    tied = tied_costs(choice, options)
-    queues = {name: expand_counts(counts) for name, counts in choice.items()}
-    out = []
-    for layer in graph.layers:
-        if layer.name in tied:
-            out.append(tied[layer.name])
-            continue
-        strategy = queues[layer.layer_class].pop(0)
-        out.append(by_class[layer.layer_class].costs[strategy])
-    return out
-
-
-def plan_memory(costs: list[LayerCost], margin_fraction: float, *,
-                names: list[str] | None = None, ddp: bool = False) -> MemoryBreakdown:
-    """Per-rank memory of a pp = 1 plan (layers in execution order): the peak over the
-    step by liveness (autopar.planner.liveness: forward, backward in reverse per micro-batch
-    of ``LayerCost.microbatches``, optimizer step), with the allocator margin on top.
-    Never above the ILP's sum of resident states, activations and the largest buffer.
-    ``ddp``: the plan runs on DDP, whose gradient buckets live throughout (runs_on_ddp)."""
-    names = names or [f"layer {i}" for i in range(len(costs))]
-    m = costs[0].microbatches if costs else 1
-    return memory_breakdown(step_liveness(costs, names, microbatches=m, ddp=ddp).peak,
-                            margin_fraction)
-
-
-def memory_breakdown(peak: Usage, margin_fraction: float) -> MemoryBreakdown:
-    """A liveness peak as the plan's MemoryBreakdown, allocator margin added."""
-    return MemoryBreakdown(params_bytes=int(peak.params_bytes), grads_bytes=int(peak.grads_bytes),
-                           optimizer_bytes=int(peak.optimizer_bytes),
-                           activations_bytes=int(peak.activations_bytes),
-                           buffers_bytes=int(peak.buffers_bytes),
-                           margin_bytes=int(margin_fraction * peak.total_bytes),
-                           peak_at=peak.event)
-
-
-def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
-    """Whether the runtime wraps this plan in DDP (runtime.data_parallel.uses_ddp): pp = 1,
-    float32, every layer replicate, no layer expert-parallel."""
-    return (mesh.pp == 1 and prec.name == "float32"
-            and all(spec(c.strategy).ddp and c.expert_parallel == 1 for c in costs))
 
 
 PlanCheck = Callable[[Plan], "str | None"]
@@ -490,26 +319,27 @@ _UNSOLVED = SolverReport(solver="", status="optimal", objective_s=0.0, lower_bou
 
 @dataclass(frozen=True)
 class Refused:
-    """A pipeline configuration whose best plan the runtime refuses."""
+    """A configuration whose best plan the runtime refuses."""
 
-    config: PipelineConfig
+    config: Config
     reason: str
 
 
-def _check_pipelines(graph: LayerGraph, cluster: Cluster, prec: Precision,
-                     outcomes: list, check: PlanCheck) -> tuple[PipelineOutcome | None, list]:
-    """Every feasible pipeline outcome's plan checked; the fastest one the runtime runs."""
+def _checked(engine: Engine, outcomes: list, check: PlanCheck
+             ) -> tuple[Outcome | None, list]:
+    """Every feasible outcome's plan checked; the fastest one the runtime runs."""
     checked: list = []
     for o in outcomes:
-        if isinstance(o, PipelineOutcome):
-            problem = check(_make_pipeline_plan(graph, cluster, prec, o, _UNSOLVED))
+        if isinstance(o, Outcome):
+            problem = check(engine.plan(o, _UNSOLVED))
             o = o if problem is None else Refused(o.config, problem)
         checked.append(o)
-    runs = [o for o in checked if isinstance(o, PipelineOutcome)]
+    runs = [o for o in checked if isinstance(o, Outcome)]
     return min(runs, key=lambda o: o.step_time_s, default=None), checked
 
 
-def _pipeline_candidate(outcome: PipelineOutcome | Infeasible | Refused) -> Candidate:
+def _candidate(outcome: Outcome | Infeasible | Refused) -> Candidate:
+    """An outcome as the search reports it."""
     c = outcome.config
     common = dict(mesh=c.mesh, schedule=c.schedule, virtual_stages=c.virtual_stages,
                   microbatches=c.microbatches)
@@ -521,38 +351,7 @@ def _pipeline_candidate(outcome: PipelineOutcome | Infeasible | Refused) -> Cand
                          reason=f"needs at least {human_bytes(outcome.min_memory_bytes)} per rank",
                          **common)
     return Candidate(status="optimal", objective_s=outcome.step_time_s,
-                     lower_bound_s=outcome.lower_bound_s, **common)
-
-
-def _make_pipeline_plan(graph: LayerGraph, cluster: Cluster, prec: Precision,
-                        outcome: PipelineOutcome, report: SolverReport) -> Plan:
-    c = outcome.config
-    peaks = outcome.rank_peak_at or ("",) * len(outcome.rank_memory)
-    ranks = tuple(
-        MemoryBreakdown(
-            params_bytes=int(mem["params"]), grads_bytes=int(mem["grads"]),
-            optimizer_bytes=int(mem["optimizer"]), activations_bytes=int(mem["activations"]),
-            buffers_bytes=int(mem["buffers"]),
-            margin_bytes=int(cluster.memory_margin_fraction * sum(mem.values())), peak_at=at)
-        for mem, at in zip(outcome.rank_memory, peaks, strict=True))
-    memory = max(ranks, key=lambda m: m.total_bytes)
-    assert memory.total_bytes <= cluster.device.memory_bytes, "a pipeline rank overflows"
-    owner = {s.stage: s.rank for s in outcome.timeline.slots}
-    busiest = max(range(c.mesh.pp), key=lambda r: sum(
-        s.end_s - s.start_s for s in outcome.timeline.slots if s.rank == r))
-    mine = [cost for cost, st in zip(outcome.costs, outcome.stage_of_layer, strict=True)
-            if owner[st] == busiest]
-    compute = sum(cost.compute_s for cost in mine)
-    comm = sum(cost.comm_s for cost in mine)
-    bubble = max(0.0, outcome.step_time_s - compute - comm)
-    prediction = Prediction(
-        step_time_s=outcome.step_time_s, compute_s=compute, comm_s=comm, memory=memory,
-        capacity_bytes=cluster.device.memory_bytes, source=cluster.provenance,
-        bubble_s=bubble, bubble_fraction=outcome.timeline.bubble_fraction, rank_memory=ranks)
-    pipeline = PipelineSpec(schedule=c.schedule, num_microbatches=c.microbatches,
-                            virtual_stages=c.virtual_stages)
-    return _build_plan(graph, cluster, prec, c.mesh, outcome.costs, outcome.stage_of_layer,
-                       prediction, report, pipeline)
+                     lower_bound_s=outcome.lower_bound_s, choice=outcome.choice, **common)
 
 
 def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]

@@ -19,7 +19,7 @@ Tied layers take no tensor parallelism (it would split the parameter in one modu
 untie it; passes/tensor_parallel.py offers none, ``autopar explain`` says why), and a layer
 tied to a parameter of the root is 'replicate', as the root is.
 
-Under pipeline parallelism (planner/pipeline.py) a tie cut by a stage boundary runs as
+Under pipeline parallelism (planner/engine.py) a tie cut by a stage boundary runs as
 Megatron's embedding group: every stage holding a tied layer holds a copy of the shared
 parameters, and the copies' gradients are all-reduced over their pipeline ranks at the
 end of the step (runtime/tied.py ``TiedGradSync``). ``pipeline_roles`` says, per tied

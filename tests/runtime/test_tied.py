@@ -349,7 +349,7 @@ def test_explain_says_why_tied_layers_have_no_tensor_parallelism():
 def test_planner_pipelines_tied_models_with_one_strategy_per_tie():
     """Each pipeline configuration of a tied model names the tie's strategy; a fixed
     pp = 2 mesh gets a plan whose tied modules take it, on the first and last stage."""
-    from autopar.planner.pipeline import pipeline_configs, pipeline_problem
+    from autopar.planner.engine import pipeline_configs, pipeline_problem
     from autopar.planner.search import search
     from cost_models.hardware import Cluster
     from passes.layer_graph import build_layer_graph

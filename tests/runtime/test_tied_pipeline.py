@@ -3,7 +3,7 @@
 A tie cut by a stage boundary (the embedding on the first stage, the LM head tied to it on
 the last) leaves a copy of the shared weight on each stage; the copies' gradients are
 all-reduced over their pipeline ranks once a step (runtime/tied.py). The planner
-(autopar/planner/pipeline.py, ties.py) gives the copies one strategy, keeps them on
+(autopar/planner/engine.py, ties.py) gives the copies one strategy, keeps them on
 distinct pipeline ranks, and costs the copy's states and the all-reduce.
 
 Checked here: the planner's pp=2 plans of the zoo's tied models (tests/real_models.py) on
@@ -22,7 +22,7 @@ from real_models import MODELS
 from test_real_models import pipeline_inputs, reference, train_job, variant_plan
 from test_tied import TiedGPT
 
-from autopar.planner.pipeline import PipelineConfig, PipelineOutcome, search_pipeline
+from autopar.planner.engine import Config, Engine, Outcome
 from autopar.planner.search import search
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
@@ -105,16 +105,15 @@ def test_the_heads_copy_and_the_all_reduce_cost_what_hand_arithmetic_says():
     pipeline rank, over the network (ranks 8 apart, 8 a node): a 2-rank ring,
     S/B + 2α with S = 4096 B, B = 25 GB/s, α = 10 µs."""
     from autopar.planner.costs import layer_cost
-    from autopar.planner.pipeline import _Context
     from autopar.planner.ties import with_copy
 
     graph = _nanogpt_graph()
     cluster = Cluster.preset("dgx-a100-80g", nodes=2)
     prec = precision("float32")
     mesh = Mesh(pp=2, dp=8)
-    config = PipelineConfig(mesh=mesh, schedule="1F1B", virtual_stages=1, microbatches=2,
+    config = Config(mesh=mesh, schedule="1F1B", virtual_stages=1, microbatches=2,
                             tie_strategy="zero2")
-    ctx = _Context(graph, cluster, prec, 10.0)
+    ctx = Engine(graph, cluster, prec, 10.0)
     names = [layer.name for layer in graph.layers]
     wte, head = names.index("transformer.wte"), names.index("lm_head")
     stage_of = tuple(0 if i <= names.index("transformer.h.0") else 1 for i in range(len(names)))
@@ -144,14 +143,13 @@ def test_the_heads_copy_and_the_all_reduce_cost_what_hand_arithmetic_says():
 def test_v_schedules_get_no_cut_that_folds_both_copies_onto_one_rank():
     """ZBVZeroBubble at pp=2 runs stages 0 and 3 on rank 0: the embedding's stage and the
     head's, so no cut is offered; interleaved 1F1B puts them on ranks 0 and 1."""
-    from autopar.planner.pipeline import _Context
 
     graph = _nanogpt_graph()
-    ctx = _Context(graph, Cluster.local(2), precision("float32"), 10.0)
+    ctx = Engine(graph, Cluster.local(2), precision("float32"), 10.0)
     common = dict(mesh=Mesh(pp=2, dp=1), virtual_stages=2, microbatches=2,
                   tie_strategy="replicate")
-    assert ctx.cuts(PipelineConfig(schedule="ZBVZeroBubble", **common)) == []
-    cuts = ctx.cuts(PipelineConfig(schedule="Interleaved1F1B", **common))
+    assert ctx.cuts(Config(schedule="ZBVZeroBubble", **common)) == []
+    cuts = ctx.cuts(Config(schedule="Interleaved1F1B", **common))
     assert cuts and all(c[0] % 2 != c[-1] % 2 for c in cuts)
 
 
@@ -170,7 +168,7 @@ def _gpt2_xl(batch: int):
     return build_layer_graph(*_gpt2_xl_model(batch))
 
 
-def _outcome_keeps_the_tie(graph, outcome: PipelineOutcome) -> None:
+def _outcome_keeps_the_tie(graph, outcome: Outcome) -> None:
     c = outcome.config
     owner = [stage_rank(s, c.mesh.pp, _spec(c)) for s in range(c.num_stages)]
     index = {layer.name: i for i, layer in enumerate(graph.layers)}
@@ -182,7 +180,7 @@ def _outcome_keeps_the_tie(graph, outcome: PipelineOutcome) -> None:
         assert len({owner[s] for s in stages}) == len(stages), (c, stages)
 
 
-def _spec(config: PipelineConfig):
+def _spec(config: Config):
     from runtime.plan import PipelineSpec
 
     return PipelineSpec(schedule=config.schedule, num_microbatches=config.microbatches,
@@ -204,8 +202,8 @@ def test_gpt2_xl_sized_tied_model_on_dgx_pipelines_with_one_strategy_per_tie(bat
     by_name = {la.module: la for la in plan.layers}
     assert by_name["wte"].stage == 0 and by_name["lm_head"].stage == plan.num_stages - 1
 
-    _, outcomes = search_pipeline(graph, cluster, precision("float32"), prune=False)
-    evaluated = [o for o in outcomes if isinstance(o, PipelineOutcome)]
+    _, outcomes = Engine(graph, cluster, precision("float32"), prune=False).pipelines()
+    evaluated = [o for o in outcomes if isinstance(o, Outcome)]
     assert evaluated
     for outcome in evaluated:
         _outcome_keeps_the_tie(graph, outcome)
@@ -228,11 +226,11 @@ def test_explain_names_the_stages_holding_copies():
 
 
 def test_every_cut_offered_keeps_the_copies_on_distinct_ranks():
-    from autopar.planner.pipeline import _Context, pipeline_configs
+    from autopar.planner.engine import pipeline_configs
 
     graph = _gpt2_xl(2)
     cluster = Cluster.preset("dgx-a100-80g", nodes=4)
-    ctx = _Context(graph, cluster, precision("float32"), 10.0)
+    ctx = Engine(graph, cluster, precision("float32"), 10.0)
     configs = pipeline_configs(graph, cluster)
     # A tie across stages is split from the exported graph, whose stages take no TP: tp = 1,
     # so batch 2 on 32 GPUs leaves pp >= 16 and dp <= 2 (no hybrid sharding, one micro-batch

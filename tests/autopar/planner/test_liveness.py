@@ -45,6 +45,7 @@ import torch.distributed as dist
 from planner_cases import graph_of, make_cluster, make_layer
 
 from autopar.planner.costs import LayerCost, layer_cost, layer_options
+from autopar.planner.engine import Engine, _assignment, _Prepared, pipeline_configs, runs_on_ddp
 from autopar.planner.liveness import (
     OPTIMIZER_EVENT,
     Uncosted,
@@ -52,12 +53,12 @@ from autopar.planner.liveness import (
     step_liveness,
     uncosted_terms,
 )
-from autopar.planner.pipeline import _assignment, _Context, _Prepared, pipeline_configs
-from autopar.planner.search import accumulation_steps, runs_on_ddp, search
+from autopar.planner.search import accumulation_steps, search
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from cost_models.schedule import StageTimes, simulate, stage_ranks
 from runtime.plan import MemoryBreakdown, Mesh, Plan, option_label
+from runtime.strategies import spec
 
 FP32 = precision("float32")
 NAMES = ("a", "b", "c")
@@ -264,7 +265,7 @@ def test_liveness_peak_never_exceeds_the_ilp_sum_without_pipelining(seed):
 def test_liveness_peak_never_exceeds_the_rank_ilp_sum_with_pipelining(seed):
     graph, cluster = random_graph(seed)
     rng = random.Random(seed)
-    ctx = _Context(graph, cluster, FP32, 10.0)
+    ctx = Engine(graph, cluster, FP32, 10.0)
     n, checked = len(graph.layers), 0
     for config in pipeline_configs(graph, cluster):
         owner = stage_ranks(config.schedule, config.mesh.pp, config.num_stages)
@@ -277,7 +278,7 @@ def test_liveness_peak_never_exceeds_the_rank_ilp_sum_with_pipelining(seed):
         for r, mem in enumerate(outcome.rank_memory):
             mine = [i for i in range(n) if owner[stage_of[i]] == r]
             bound = ilp_sum([costs[i] for i in mine], [inflight[stage_of[i]] for i in mine])
-            assert sum(mem.values()) <= bound * (1 + 1e-12), (config, r, outcome.rank_peak_at)
+            assert mem.total_bytes - mem.margin_bytes <= bound * (1 + 1e-12), (config, r, mem)
             checked += 1
     assert checked >= 4
 
@@ -460,36 +461,30 @@ through a block's backward) and the output a non-last stage keeps for its backwa
 def forced_plan(graph, cluster: Cluster, mesh: Mesh, strategy_of, pipeline=None):
     """(plan, pipeline outcome or None): every layer forced to ``strategy_of(layer)`` (a TP
     strategy only where the layer has a TP split, else replicate), with the planner's own
-    prediction: ``search._make_plan`` at pp = 1, ``pipeline.evaluate_plan`` and
-    ``search._make_pipeline_plan`` for a pipeline (the two stages cut in the middle), as
-    bench/cost_fidelity.py does."""
+    prediction (``Engine.evaluate`` and ``Engine.plan``; a pipeline's two stages cut in
+    the middle), as bench/cost_fidelity.py does."""
     from autopar.planner.costs import allowed_strategies
-    from autopar.planner.ilp import ClassOptions
-    from autopar.planner.pipeline import evaluate_plan
-    from autopar.planner.search import Candidate, _make_pipeline_plan, _make_plan
+    from autopar.planner.engine import Engine
     from runtime.plan import LayerPlan, SolverReport
 
     def option(layer) -> str:
         wanted = strategy_of(layer.name)
         return wanted if wanted in allowed_strategies(layer, mesh) else "replicate"
 
+    def styles(layer, strategy: str) -> dict[str, str]:
+        return dict(layer.tp.styles) if spec(strategy).tensor_parallel else {}
+
     report = SolverReport(solver="fixed", status="optimal", objective_s=0.0, lower_bound_s=0.0,
                           gap=0.0, solve_time_s=0.0)
-    if pipeline is None:
-        options = [ClassOptions(name=name, count=len(members), costs={
-            option(members[0]): layer_cost(members[0], option(members[0]), mesh, cluster, FP32)})
-            for name, members in graph.classes.items()]
-        choice = {name: {option(members[0]): len(members)}
-                  for name, members in graph.classes.items()}
-        cand = Candidate(mesh=mesh, status="optimal", choice=choice)
-        return _make_plan(graph, cluster, FP32, cand, options, report), None
-    half = len(graph.layers) // 2
+    half = len(graph.layers) // 2 if pipeline is not None else len(graph.layers)
     draft = Plan(model="gpt-small", global_batch=graph.batch_size, seq_len=graph.seq_len,
                  mesh=mesh, pipeline=pipeline,
-                 layers=tuple(LayerPlan(module=la.name, strategy=option(la), stage=int(i >= half))
+                 layers=tuple(LayerPlan(module=la.name, strategy=option(la), stage=int(i >= half),
+                                        tp_styles=styles(la, option(la)))
                               for i, la in enumerate(graph.layers)))
-    outcome = evaluate_plan(graph, cluster, FP32, draft)
-    return _make_pipeline_plan(graph, cluster, FP32, outcome, report), outcome
+    engine = Engine(graph, cluster, FP32)
+    outcome = engine.evaluate(draft)
+    return engine.plan(outcome, report), outcome if pipeline is not None else None
 
 
 def _measured_on_rank(plan_json: str) -> float:

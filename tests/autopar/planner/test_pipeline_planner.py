@@ -12,15 +12,14 @@ from hypothesis import strategies as st
 from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 from autopar.planner import search
-from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB
-from autopar.planner.pipeline import (
+from autopar.planner.engine import (
+    Engine,
     _assignment,
-    _Context,
     _Prepared,
     balanced_bounds,
     pipeline_configs,
-    search_pipeline,
 )
+from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB
 from autopar.planner.published import MegatronRow, megatron_rows
 from autopar.zoo import GPTConfig, ModelSpec, get_model
 from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Overlap
@@ -47,7 +46,7 @@ def tiny_instance(seed: int):
     return graph_of(layers, batch=8), cluster
 
 
-def fits(ctx: _Context, config, stage_of, costs) -> bool:
+def fits(ctx: Engine, config, stage_of, costs) -> bool:
     pp, v = config.mesh.pp, config.virtual_stages
     owner = stage_ranks(config.schedule, pp, pp * v)
     inflight = ctx.inflight(config)
@@ -63,7 +62,7 @@ def fits(ctx: _Context, config, stage_of, costs) -> bool:
 
 def brute_force_pipeline(graph, cluster) -> float:
     """Every configuration × every contiguous cut × every per-layer strategy, simulated."""
-    ctx = _Context(graph, cluster, FP32, 10.0)
+    ctx = Engine(graph, cluster, FP32, 10.0)
     best = float("inf")
     n = len(graph.layers)
     for config in pipeline_configs(graph, cluster):
@@ -83,7 +82,7 @@ def brute_force_pipeline(graph, cluster) -> float:
 def test_pipeline_search_equals_brute_force_on_tiny_instances(seed):
     graph, cluster = tiny_instance(seed)
     expected = brute_force_pipeline(graph, cluster)
-    best, _ = search_pipeline(graph, cluster, FP32)
+    best, _ = Engine(graph, cluster, FP32).pipelines()
     if expected == float("inf"):
         assert best is None
     else:
@@ -94,7 +93,7 @@ def test_pipeline_search_equals_brute_force_on_tiny_instances(seed):
 @pytest.mark.parametrize("seed", range(6))
 def test_bounds_never_exceed_the_simulated_step_and_pruning_loses_nothing(seed):
     graph, cluster = tiny_instance(seed)
-    ctx = _Context(graph, cluster, FP32, 10.0)
+    ctx = Engine(graph, cluster, FP32, 10.0)
     unpruned = float("inf")
     for config in pipeline_configs(graph, cluster):
         for cut in ctx.cuts(config):
@@ -108,15 +107,15 @@ def test_bounds_never_exceed_the_simulated_step_and_pruning_loses_nothing(seed):
             assert prepared.lower_bound_s <= step * (1 + 1e-9)
             assert ctx.ramp_bound(prepared) <= step
             unpruned = min(unpruned, step)
-    best, _ = search_pipeline(graph, cluster, FP32)
+    best, _ = Engine(graph, cluster, FP32).pipelines()
     assert (best.step_time_s if best else float("inf")) == pytest.approx(unpruned, rel=1e-12)
 
 
 @pytest.mark.parametrize("seed", range(8))
 def test_pruning_by_memory_and_ramp_bounds_returns_the_same_plan(seed):
     graph, cluster = tiny_instance(seed)
-    pruned, _ = search_pipeline(graph, cluster, FP32)
-    every, _ = search_pipeline(graph, cluster, FP32, prune=False)
+    pruned, _ = Engine(graph, cluster, FP32).pipelines()
+    every, _ = Engine(graph, cluster, FP32, prune=False).pipelines()
     assert (pruned is None) == (every is None)
     if pruned is not None:
         assert (pruned.config, pruned.stage_of_layer, pruned.costs, pruned.step_time_s) == (
@@ -126,8 +125,8 @@ def test_pruning_by_memory_and_ramp_bounds_returns_the_same_plan(seed):
 def test_infeasible_configurations_are_reported_with_or_without_pruning():
     graph, cluster = tiny_instance(0)
     cluster = make_cluster(per_node=2, nodes=1, memory_bytes=int(0.05 * GiB))
-    pruned = search_pipeline(graph, cluster, FP32)
-    every = search_pipeline(graph, cluster, FP32, prune=False)
+    pruned = Engine(graph, cluster, FP32).pipelines()
+    every = Engine(graph, cluster, FP32, prune=False).pipelines()
     assert pruned[0] is None and every[0] is None
     assert {(o.config, o.min_memory_bytes) for o in pruned[1]} == {
         (o.config, o.min_memory_bytes) for o in every[1]}
@@ -158,7 +157,7 @@ def test_no_stage_starts_where_a_non_floating_value_would_cross():
     graph = build_layer_graph(spec.build("meta"), spec.example_inputs(8, device="meta"))
     assert [layer.name for layer in graph.layers][:2] == ["wte", "wpe"]
     assert graph.uncuttable == frozenset({1})
-    ctx = _Context(graph, Cluster.local(4), FP32, 10.0)
+    ctx = Engine(graph, Cluster.local(4), FP32, 10.0)
     for config in pipeline_configs(graph, Cluster.local(4)):
         cuts = ctx.cuts(config)
         assert cuts, config

@@ -19,8 +19,9 @@ from autopar.planner.costs import (
     layer_options,
     on_ddp,
 )
+from autopar.planner.engine import class_options
 from autopar.planner.ilp import min_memory
-from autopar.planner.search import accumulation_steps, candidate_meshes, class_options
+from autopar.planner.search import accumulation_steps, candidate_meshes
 from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Host, Link, Overlap
 from cost_models.memory import precision
 from passes.records import Collective, LayerGraph

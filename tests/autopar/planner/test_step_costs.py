@@ -15,16 +15,15 @@ from torch.utils._pytree import tree_leaves
 
 from autopar.planner import search
 from autopar.planner.costs import layer_cost, on_ddp
+from autopar.planner.engine import Engine
 from autopar.planner.engine_costs import all_reduce_wait_s, back_to_back_skew_s
-from autopar.planner.ilp import ClassOptions
 from autopar.planner.loss_costs import LOSS_BWD_PASSES, LOSS_FWD_PASSES, LOSS_KERNELS
-from autopar.planner.search import Candidate, _make_plan
 from cost_models.comm import Group, all_gather_s, reduce_scatter_s
 from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster, Host, Link, Overlap
 from cost_models.memory import precision
 from cost_models.optimizer import ADAM_KERNELS, optimizer_step_s
-from runtime.plan import Mesh, SolverReport, option_label
+from runtime.plan import LayerPlan, Mesh, Plan, SolverReport, option_label
 from runtime.strategies import spec
 
 FP32, BF16 = precision("float32"), precision("bfloat16")
@@ -352,9 +351,10 @@ def test_a_plan_that_runs_on_ddp_does_not_pay_fsdp2s_host_time_and_waits():
 
     def predicted(strategy: str, prec) -> tuple[float, float]:
         cost = layer_cost(layers[0], strategy, Mesh(dp=4), cpu, prec)
-        options = [ClassOptions(name="B", count=2, costs={strategy: cost})]
-        cand = Candidate(mesh=Mesh(dp=4), status="optimal", choice={"B": {strategy: 2}})
-        plan = _make_plan(graph, cpu, prec, cand, options, report)
+        draft = Plan(model="two-layers", global_batch=8, mesh=Mesh(dp=4), layers=tuple(
+            LayerPlan(module=layer.name, strategy=strategy) for layer in layers))
+        engine = Engine(graph, cpu, prec)
+        plan = engine.plan(engine.evaluate(draft), report)
         return plan.prediction.step_time_s, 2 * cost.time_s
 
     ddp, layer_sum = predicted("replicate", FP32)  # float32, all replicate: DDP

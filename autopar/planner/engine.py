@@ -1,6 +1,19 @@
-"""Pipeline-parallel candidates: stage cuts, micro-batches and schedules around per-rank ILPs.
+"""The planner's engine: one candidate configuration in, one outcome out, one plan built.
 
-For every configuration (tp, pp, dp, schedule, virtual stages v, micro-batches m):
+A configuration (``Config``) is a mesh, micro-batches per step, and for pp > 1 a schedule
+with its virtual stages and the strategy of tied layers. pp = 1 is the one-stage case:
+its micro-batches are gradient accumulation and it has no schedule. ``Engine`` holds
+what configurations share (layer costs, in-flight counts, rank ILPs and their bounds),
+evaluates each configuration into an ``Outcome`` (the chosen option of every layer, its
+stage, the step time, the memory of every rank), and builds the Plan of an outcome
+(``Engine.plan``); autopar/planner/search.py drives it over every configuration.
+
+One stage (pp = 1): the rank program is every layer class, tied layers joined into one
+option (planner/ties.py), plus the program of the plan the runtime would run on DDP;
+the ILP picks the fastest that fits; the step is the sum of the layers' times and the
+memory the liveness walk's peak.
+
+Pipelines (pp > 1), for every (tp, pp, dp, schedule, virtual stages v, micro-batches m):
 
 1. cut the layers into pp·v contiguous stages — every cut when there are few (small
    models), else the cut that minimises the slowest stage (binary search on the bound);
@@ -20,9 +33,9 @@ costs under each cut (``ties.pipeline_roles``). The tie's one strategy is a dime
 the configuration (every tied layer takes it, so the ranks' ILPs agree), and cuts that
 put two copies on one rank (V and looped schedules) are not offered.
 
-Configurations are evaluated in order of a lower bound (the busiest rank's work plus the
-slowest rank's sync) and skipped once the bound reaches the best simulated step, so the
-search is exact with respect to steps 1-3 while simulating few configurations.
+Pipeline configurations are evaluated in order of a lower bound (the busiest rank's work
+plus the slowest rank's sync) and skipped once the bound reaches the best step found, so
+the search is exact with respect to steps 1-3 while simulating few configurations.
 """
 
 from __future__ import annotations
@@ -31,7 +44,7 @@ import itertools
 import math
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from autopar.planner.bounds import rank_bound
 from autopar.planner.costs import (
@@ -40,6 +53,7 @@ from autopar.planner.costs import (
     hsdp_shard_size,
     layer_cost,
     layer_options,
+    on_ddp,
     prune_dominated,
 )
 from autopar.planner.estimators import ANALYTIC, Estimators
@@ -47,16 +61,20 @@ from autopar.planner.ilp import (
     FEASIBILITY_SLACK_GIB,
     GIB,
     ClassOptions,
+    ILPResult,
     expand_counts,
     min_memory,
     solve_by_buffer_cap,
+    solve_strategies,
 )
-from autopar.planner.liveness import pipeline_liveness
+from autopar.planner.liveness import Usage, pipeline_liveness, step_liveness
 from autopar.planner.ties import (
     TieRole,
     copies_share_a_rank,
+    join_ties,
     pipeline_roles,
     tie_strategies,
+    tied_costs,
     with_copy,
     with_sync,
 )
@@ -71,8 +89,19 @@ from cost_models.schedule import (
     stage_ranks,
 )
 from passes.records import LayerGraph, LayerInfo
-from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Mesh, schedule_microbatch_problem
+from runtime.plan import (
+    SPLIT_BACKWARD_SCHEDULES,
+    LayerPlan,
+    MemoryBreakdown,
+    Mesh,
+    PipelineSpec,
+    Plan,
+    Prediction,
+    SolverReport,
+    schedule_microbatch_problem,
+)
 from runtime.schedule_orders import runtime_orders
+from runtime.strategies import spec
 
 PIPELINE_SCHEDULES = tuple((name, v) for name, spec in SCHEDULES.items() for v in spec.searched)
 """(schedule, virtual stages per rank) searched: the schedule table's ``searched``."""
@@ -94,13 +123,18 @@ different order, and skipping must not hinge on the last bit."""
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipelineConfig:
+class Config:
+    """One candidate: a mesh and how a step runs on it."""
+
     mesh: Mesh
-    schedule: str
-    virtual_stages: int
-    microbatches: int
+    schedule: str | None = None
+    """The pipeline schedule (cost_models.schedule.SCHEDULES); None at pp = 1."""
+    virtual_stages: int = 1
+    microbatches: int = 1
+    """Micro-batches per step: the pipeline's, or gradient accumulation at pp = 1."""
     tie_strategy: str = ""
-    """The data-parallel strategy every tied layer takes ('' for a model without ties)."""
+    """Pipelines: the data-parallel strategy every tied layer takes ('' for a model
+    without ties, and at pp = 1, where tied layers are joined into one option)."""
 
     @property
     def num_stages(self) -> int:
@@ -108,34 +142,41 @@ class PipelineConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
-class PipelineOutcome:
-    config: PipelineConfig
+class Outcome:
+    """What one configuration achieves: every layer's chosen option and stage, the step
+    time, and the memory of every pipeline rank."""
+
+    config: Config
     step_time_s: float
     lower_bound_s: float
+    """No plan of this configuration is faster (an LP bound at pp = 1)."""
     stage_of_layer: tuple[int, ...]
     costs: tuple[LayerCost, ...]
-    """Per layer, the cost of the strategy chosen for it."""
-    timeline: Timeline
-    rank_memory: tuple[dict[str, float], ...]
-    """Per pipeline rank: params, grads, optimizer, activations, buffers (bytes) at its
-    peak by liveness over the simulated schedule (autopar.planner.liveness)."""
-    rank_peak_at: tuple[str, ...] = ()
-    """Per pipeline rank: the event its peak is at (e.g. 'backward of h.3, micro-batch 0')."""
-    sync_s: float
-    """Data-parallel gradient reduction and optimizer step after the flush (slowest rank)."""
+    """Per layer, the cost of the option chosen for it (as DDP pays it, on DDP)."""
+    compute_s: float
+    comm_s: float
+    """The busiest rank's compute and exposed communication (the whole step's at pp = 1)."""
+    rank_memory: tuple[MemoryBreakdown, ...]
+    """Per pipeline rank (one at pp = 1): the peak by liveness, allocator margin added."""
+    timeline: Timeline | None = None
+    """The simulated schedule (pipelines)."""
+    sync_s: float = 0.0
+    """Pipelines: gradient reduction and optimizer step after the flush (slowest rank)."""
+    choice: dict[str, dict[str, int]] = field(default_factory=dict)
+    """pp = 1: layer class -> {option: number of its layers}."""
 
-    def peak_bytes(self, margin_fraction: float) -> float:
+    def peak_bytes(self) -> float:
         """The fullest rank's memory, allocator margin included."""
-        return max((1 + margin_fraction) * sum(mem.values()) for mem in self.rank_memory)
+        return max(m.total_bytes for m in self.rank_memory)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Infeasible:
-    config: PipelineConfig
+    config: Config
     min_memory_bytes: float
 
 
-def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig]:
+def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[Config]:
     """Every configuration to try (for a model with tied layers, one per strategy the tie
     can take); none when ``pipeline_problem`` says why."""
     world, batch, layers = cluster.world_size, graph.batch_size, len(graph.layers)
@@ -160,7 +201,7 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[PipelineConfig
                     mesh = Mesh(pp=pp, dp=dp, tp=tp)
                     ties = tie_strategies(graph, mesh, m, hsdp_shard_size(cluster, pp)) \
                         if graph.ties else ("",)
-                    out += [PipelineConfig(mesh=mesh, schedule=schedule, virtual_stages=v,
+                    out += [Config(mesh=mesh, schedule=schedule, virtual_stages=v,
                                            microbatches=m, tie_strategy=t) for t in ties]
     return out
 
@@ -183,98 +224,33 @@ def pipeline_problem(graph: LayerGraph) -> str | None:
 
 
 class TimeLimitReached(Exception):  # noqa: N818 (a signal to the caller, not an error)
-    """``search_pipeline`` passed its deadline: the best plan found so far (or None) and
-    the outcomes so far."""
+    """``Engine.pipelines`` passed its deadline: the best outcome found so far (or None)
+    and the outcomes so far."""
 
-    def __init__(self, best: PipelineOutcome | None,
-                 results: list[PipelineOutcome | Infeasible]) -> None:
+    def __init__(self, best: Outcome | None,
+                 results: list[Outcome | Infeasible]) -> None:
         super().__init__("the pipeline search reached its time limit")
         self.best, self.results = best, results
 
 
-def search_pipeline(
-    graph: LayerGraph, cluster: Cluster, prec: Precision, time_limit_s: float = 10.0,
-    best_known_s: float = math.inf, *, prune: bool = True, deadline: float = math.inf,
-    estimators: Estimators = ANALYTIC,
-) -> tuple[PipelineOutcome | None, list[PipelineOutcome | Infeasible]]:
-    """The fastest pipeline plan (or None), and every configuration's outcome.
-
-    ``deadline`` (a ``time.perf_counter()`` value): every loop stops once it has passed and
-    raises TimeLimitReached with what it has (each step between checks is one
-    configuration, its ILPs each bounded by ``time_limit_s``).
-
-    Every (configuration, cut) has a position in the order of a bound that needs no ILP
-    (each layer on its fastest strategy, memory ignored), and the answer is the fastest
-    simulated step, ties to the earliest position. ``prune`` adds a memory-aware bound
-    (memory_bound: the rank ILPs' LP bounds) that skips configurations before their ILPs
-    and evaluates the most promising first; the answer is the same without it."""
-    ctx = _Context(graph, cluster, prec, time_limit_s, prune=prune, estimators=estimators)
-    queue = []
-    for i, config in enumerate(pipeline_configs(graph, cluster)):
-        if time.perf_counter() > deadline:
-            raise TimeLimitReached(None, [])
-        queue += [(ctx.bound(config, cut, ctx.fastest(config, cut)), i, config, cut)
-                  for cut in ctx.cuts(config)]
-    queue.sort(key=lambda item: item[:2])
-    ordered = [(optimistic, p, config, cut)
-               for p, (optimistic, _, config, cut) in enumerate(queue)
-               if optimistic < best_known_s]  # memory can only slow a plan down
-    results: list[PipelineOutcome | Infeasible] = []
-    if prune:
-        ordered, results = _by_memory_bound(ctx, ordered, deadline)
-    best: PipelineOutcome | None = None
-    best_key = (best_known_s, -1)  # a tie with the plan without pipelining does not win
-    for bound, p, config, cut in ordered:
-        if (bound, p) >= best_key:
-            break  # sorted by (bound, position): nothing later can win
-        if time.perf_counter() > deadline:
-            raise TimeLimitReached(best, results)
-        prepared = ctx.prepare(config, cut)
-        if isinstance(prepared, Infeasible):
-            results.append(prepared)
-            continue
-        if (prepared.lower_bound_s, p) >= best_key:
-            continue
-        if prune and (ctx.ramp_bound(prepared), p) >= best_key:
-            continue  # simulating it cannot win either
-        outcome = ctx.finish(prepared)
-        results.append(outcome)
-        if (outcome.step_time_s, p) < best_key:
-            best, best_key = outcome, (outcome.step_time_s, p)
-    return best, results
-
-
-def _by_memory_bound(ctx: _Context, ordered: list[tuple[float, int, PipelineConfig, tuple]],
-                     deadline: float = math.inf
-                     ) -> tuple[list[tuple[float, int, PipelineConfig, tuple]], list[Infeasible]]:
-    """The queue re-sorted by the larger of its bound and the memory-aware one, and the
-    configurations whose LP relaxation already shows a rank that cannot fit (the rank ILP
-    would say the same: its feasible set lies inside the LP's)."""
-    kept, infeasible = [], []
-    for optimistic, p, config, cut in ordered:
-        if time.perf_counter() > deadline:
-            raise TimeLimitReached(None, [])
-        bound = ctx.memory_bound(config, cut)
-        if math.isinf(bound):
-            infeasible.append(ctx.infeasible(config, cut))
-        else:
-            kept.append((max(optimistic, bound), p, config, cut))
-    return sorted(kept, key=lambda item: item[:2]), infeasible
-
-
 @dataclass(frozen=True, kw_only=True)
 class _Prepared:
-    config: PipelineConfig
+    config: Config
     stage_of_layer: tuple[int, ...]
     costs: tuple[LayerCost, ...]
     lower_bound_s: float
 
 
-class _Context:
-    """Caches shared across configurations: layer costs, in-flight profiles, rank ILPs."""
+class Engine:
+    """Evaluates configurations of one model on one cluster, with what they share cached:
+    layer costs, in-flight counts, rank ILPs and their bounds.
+
+    ``time_limit_s`` bounds each ILP; ``prune`` (pipelines) skips configurations by a
+    memory-aware bound before their ILPs (the answer is the same without it);
+    ``estimators`` price every option (autopar/planner/estimators.py)."""
 
     def __init__(self, graph: LayerGraph, cluster: Cluster, prec: Precision,
-                 time_limit_s: float, *, prune: bool = True,
+                 time_limit_s: float = 10.0, *, prune: bool = True,
                  estimators: Estimators = ANALYTIC) -> None:
         self.graph, self.cluster, self.prec = graph, cluster, prec
         self.estimators = estimators
@@ -289,7 +265,220 @@ class _Context:
         self._layer_costs: dict[tuple, list[dict[str, LayerCost]]] = {}
         self._summaries: dict[int, tuple[LayerCost, float, float, float]] = {}
 
-    def layer_costs(self, config: PipelineConfig, stage_of: tuple[int, ...] | None = None
+    # -- one stage (pp = 1) ---------------------------------------------------------------
+
+    def programs(self, config: Config) -> list[list[ClassOptions]]:
+        """The one rank's programs: every layer class's options, tied layers joined into
+        one option, and the program of the plan the runtime would run on DDP (where one
+        can be, ``ddp_programs``)."""
+        options = class_options(self.graph, config.mesh, self.cluster, self.prec,
+                                config.microbatches, self.estimators)
+        return [join_ties(self.graph, p)
+                for p in [options, *ddp_programs(options, self.prec, config.mesh)]]
+
+    def programs_bound(self, programs: list[list[ClassOptions]]) -> float:
+        """The LP bound of the rank's knapsack (memory-aware, no solver): no plan with these
+        programs is faster; inf when nothing fits."""
+        return min(rank_bound(p, self.cluster.device.memory_bytes,
+                              self.cluster.memory_margin_fraction) for p in programs)
+
+    def least_memory(self, programs: list[list[ClassOptions]]) -> float:
+        """The least per-rank memory (margin included) any plan of these programs needs."""
+        return min_memory(programs[0], self.cluster.memory_margin_fraction)[0]
+
+    def solve(self, config: Config, programs: list[list[ClassOptions]]) -> Outcome | Infeasible:
+        """The fastest answer of the programs (the later on a tie: DDP's), as an outcome."""
+        best: tuple[ILPResult, list[ClassOptions]] | None = None
+        for options in programs:
+            result = solve_strategies(options, self.cluster.device.memory_bytes,
+                                      self.cluster.memory_margin_fraction, self.time_limit_s)
+            if best is None or (result.status == "optimal" and (
+                    best[0].status != "optimal" or result.objective_s <= best[0].objective_s)):
+                best = (result, options)
+        assert best is not None
+        result, options = best
+        margin = self.cluster.memory_margin_fraction
+        if result.status != "optimal":
+            return Infeasible(config=config, min_memory_bytes=min_memory(options, margin)[0])
+        costs = assign_layers(self.graph, result.choice, options)
+        ddp = runs_on_ddp(costs, self.prec, config.mesh)
+        return self._one_stage(config, costs, ddp, result.lower_bound_s, result.choice)
+
+    def _one_stage(self, config: Config, costs: list[LayerCost], ddp: bool,
+                   lower_bound_s: float, choice: dict[str, dict[str, int]]) -> Outcome:
+        """The outcome of one stage running ``costs`` (in layer order); ``ddp``: the
+        runtime runs it on DDP."""
+        if ddp:  # priced as FSDP2 runs replicate layers, unless they came from ddp_programs
+            costs = [on_ddp(c) for c in costs]
+        memory = plan_memory(costs, self.cluster.memory_margin_fraction,
+                             names=[layer.name for layer in self.graph.layers], ddp=ddp)
+        compute, comm = sum(c.compute_s for c in costs), sum(c.comm_s for c in costs)
+        return Outcome(config=config, step_time_s=compute + comm, lower_bound_s=lower_bound_s,
+                       stage_of_layer=(0,) * len(costs), costs=tuple(costs), compute_s=compute,
+                       comm_s=comm, rank_memory=(memory,), choice=choice)
+
+    def evaluate(self, plan: Plan) -> Outcome:
+        """The outcome of a given plan (a hand-written, published or imported one): its
+        layers' options, stages and schedule, priced as the search prices them."""
+        by_name = {layer.module: layer for layer in plan.layers}
+        missing = [layer.name for layer in self.graph.layers if layer.name not in by_name]
+        if missing:
+            raise ValueError(f"the plan does not place layer(s) {missing}")
+        if plan.pipeline is None:
+            config = Config(mesh=plan.mesh, microbatches=plan.gradient_accumulation)
+            stage_of = (0,) * len(self.graph.layers)
+        else:
+            tied = [by_name[m].strategy for tie in self.graph.ties for m in tie.modules if m]
+            config = Config(mesh=plan.mesh, schedule=plan.pipeline.schedule,
+                            virtual_stages=plan.pipeline.virtual_stages,
+                            microbatches=plan.pipeline.num_microbatches,
+                            tie_strategy=tied[0] if tied else "")
+            stage_of = tuple(by_name[layer.name].stage for layer in self.graph.layers)
+        costs = [self._given(i, by_name[layer.name].option, config, stage_of)
+                 for i, layer in enumerate(self.graph.layers)]
+        if plan.pipeline is None:
+            choice: dict[str, dict[str, int]] = {}
+            for layer, cost in zip(self.graph.layers, costs, strict=True):
+                counts = choice.setdefault(layer.layer_class, {})
+                counts[cost.option] = counts.get(cost.option, 0) + 1
+            return self._one_stage(config, costs, runs_on_ddp(costs, self.prec, config.mesh),
+                                   0.0, choice)
+        prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
+                             lower_bound_s=self.bound(config, stage_of, costs))
+        return self.finish(prepared)
+
+    def _given(self, index: int, option: str, config: Config, stage_of: tuple[int, ...]
+               ) -> LayerCost:
+        """One layer's cost under an option a plan gave it (one the search would have
+        pruned as dominated included), refused when this mesh cannot run it."""
+        layer = self.graph.layers[index]
+        options = self.costs(index, config, stage_of if config.schedule else None)
+        if option in options:
+            return options[option]
+        hsdp = hsdp_shard_size(self.cluster, config.mesh.pp)
+        if option not in allowed_options(layer, config.mesh, seq_len=self.graph.seq_len,
+                                         hsdp_shard_size=hsdp,
+                                         microbatches=config.microbatches,
+                                         offload=self.cluster.host.offload):
+            raise ValueError(f"layer {layer.name!r}: option {option!r} is not possible on "
+                             f"this mesh (options: {', '.join(options)})")
+        role = self.role(index, config, stage_of) if config.schedule else None
+        if role is None:
+            return layer_cost(layer, option, config.mesh, self.cluster, self.prec,
+                              config.microbatches, hsdp_shard_size=hsdp,
+                              estimators=self.estimators)
+        return self.tied_cost(layer, option, config, role[1])
+
+    # -- the plan -------------------------------------------------------------------------
+
+    def plan(self, outcome: Outcome, report: SolverReport) -> Plan:
+        """The Plan document of an outcome: one LayerPlan per layer with its option and
+        stage, the mesh, the schedule, the prediction."""
+        config, cluster, prec = outcome.config, self.cluster, self.prec
+        memory = max(outcome.rank_memory, key=lambda m: m.total_bytes)
+        assert memory.total_bytes <= cluster.device.memory_bytes, "a rank overflows"
+        pipelined = outcome.timeline is not None
+        extra = {}
+        if outcome.timeline is not None:
+            extra = dict(bubble_s=max(0.0, outcome.step_time_s - outcome.compute_s
+                                      - outcome.comm_s),
+                         bubble_fraction=outcome.timeline.bubble_fraction,
+                         rank_memory=outcome.rank_memory)
+        prediction = Prediction(step_time_s=outcome.step_time_s, compute_s=outcome.compute_s,
+                                comm_s=outcome.comm_s, memory=memory,
+                                capacity_bytes=cluster.device.memory_bytes,
+                                source=cluster.provenance, **extra)
+        layers = tuple(
+            LayerPlan(module=layer.name, strategy=cost.strategy, tp_styles=_tp_styles(layer, cost),
+                      stage=stage, layer_class=layer.layer_class,
+                      memory_bytes=int(cost.resident_bytes), time_s=cost.time_s,
+                      recompute=cost.recompute, offload=cost.offload,
+                      sequence_parallel=cost.sequence_parallel,
+                      expert_parallel=cost.expert_parallel)
+            for layer, cost, stage in zip(self.graph.layers, outcome.costs,
+                                          outcome.stage_of_layer, strict=True))
+        uses_hsdp = any(spec(cost.strategy).hybrid for cost in outcome.costs)
+        return Plan(
+            model=self.graph.model_name,
+            cluster=f"{cluster.name} ({cluster.nodes} node(s) × {cluster.devices_per_node})",
+            global_batch=self.graph.batch_size, seq_len=self.graph.seq_len, mesh=config.mesh,
+            layers=layers, param_dtype=prec.name,
+            reduce_dtype="float32" if prec.grad_bytes == 4 else prec.name,
+            loss_scaling="dynamic" if prec.name == "float16" else "none",
+            gradient_accumulation=1 if pipelined else config.microbatches,
+            hsdp_shard_size=hsdp_shard_size(cluster, config.mesh.pp) if uses_hsdp else None,
+            prediction=prediction, solver=report,
+            pipeline=PipelineSpec(schedule=config.schedule, num_microbatches=config.microbatches,
+                                  virtual_stages=config.virtual_stages)
+            if pipelined and config.schedule is not None else None)
+
+    # -- pipelines (pp > 1) ---------------------------------------------------------------
+
+    def pipelines(self, best_known_s: float = math.inf, *, deadline: float = math.inf
+                  ) -> tuple[Outcome | None, list[Outcome | Infeasible]]:
+        """The fastest pipeline outcome (or None), and every configuration's outcome.
+
+        ``deadline`` (a ``time.perf_counter()`` value): every loop stops once it has passed
+        and raises TimeLimitReached with what it has (each step between checks is one
+        configuration, its ILPs each bounded by ``time_limit_s``).
+
+        Every (configuration, cut) has a position in the order of a bound that needs no
+        ILP (each layer on its fastest strategy, memory ignored), and the answer is the
+        fastest simulated step, ties to the earliest position. ``prune`` adds a
+        memory-aware bound (memory_bound: the rank ILPs' LP bounds) that skips
+        configurations before their ILPs and evaluates the most promising first."""
+        queue = []
+        for i, config in enumerate(pipeline_configs(self.graph, self.cluster)):
+            if time.perf_counter() > deadline:
+                raise TimeLimitReached(None, [])
+            queue += [(self.bound(config, cut, self.fastest(config, cut)), i, config, cut)
+                      for cut in self.cuts(config)]
+        queue.sort(key=lambda item: item[:2])
+        ordered = [(optimistic, p, config, cut)
+                   for p, (optimistic, _, config, cut) in enumerate(queue)
+                   if optimistic < best_known_s]  # memory can only slow a plan down
+        results: list[Outcome | Infeasible] = []
+        if self.prune:
+            ordered, results = self._by_memory_bound(ordered, deadline)
+        best: Outcome | None = None
+        best_key = (best_known_s, -1)  # a tie with the plan without pipelining does not win
+        for bound, p, config, cut in ordered:
+            if (bound, p) >= best_key:
+                break  # sorted by (bound, position): nothing later can win
+            if time.perf_counter() > deadline:
+                raise TimeLimitReached(best, results)
+            prepared = self.prepare(config, cut)
+            if isinstance(prepared, Infeasible):
+                results.append(prepared)
+                continue
+            if (prepared.lower_bound_s, p) >= best_key:
+                continue
+            if self.prune and (self.ramp_bound(prepared), p) >= best_key:
+                continue  # simulating it cannot win either
+            outcome = self.finish(prepared)
+            results.append(outcome)
+            if (outcome.step_time_s, p) < best_key:
+                best, best_key = outcome, (outcome.step_time_s, p)
+        return best, results
+
+    def _by_memory_bound(self, ordered: list[tuple[float, int, Config, tuple]],
+                         deadline: float = math.inf
+                         ) -> tuple[list[tuple[float, int, Config, tuple]], list[Infeasible]]:
+        """The queue re-sorted by the larger of its bound and the memory-aware one, and
+        the configurations whose LP relaxation already shows a rank that cannot fit (the
+        rank ILP would say the same: its feasible set lies inside the LP's)."""
+        kept, infeasible = [], []
+        for optimistic, p, config, cut in ordered:
+            if time.perf_counter() > deadline:
+                raise TimeLimitReached(None, [])
+            bound = self.memory_bound(config, cut)
+            if math.isinf(bound):
+                infeasible.append(self.infeasible(config, cut))
+            else:
+                kept.append((max(optimistic, bound), p, config, cut))
+        return sorted(kept, key=lambda item: item[:2]), infeasible
+
+    def layer_costs(self, config: Config, stage_of: tuple[int, ...] | None = None
                     ) -> list[dict[str, LayerCost]]:
         """Every layer's ``costs``; for a model without ties one list per (dp, tp, m,
         recomputation modes), whatever the cut, so the bounds of hundreds of
@@ -297,7 +486,8 @@ class _Context:
         n = len(self.graph.layers)
         if config.tie_strategy:
             return [self.costs(i, config, stage_of) for i in range(n)]
-        key = (config.mesh.dp, config.mesh.tp, config.microbatches,
+        key = (config.mesh.pp > 1, config.mesh.dp, config.mesh.cp, config.mesh.tp,
+               config.microbatches,
                config.schedule not in SPLIT_BACKWARD_SCHEDULES)
         if key not in self._layer_costs:
             self._layer_costs[key] = [self.costs(i, config) for i in range(n)]
@@ -314,7 +504,7 @@ class _Context:
                                     min(c.fwd_s for c in values), min(c.bwd_s for c in values))
         return self._summaries[key]
 
-    def costs(self, layer_index: int, config: PipelineConfig,
+    def costs(self, layer_index: int, config: Config,
               stage_of: tuple[int, ...] | None = None) -> dict[str, LayerCost]:
         """The layer's options and their costs; a tied layer's on the tie's strategy, with
         its role under the cut ``stage_of`` (none without one: the least it can cost)."""
@@ -322,7 +512,7 @@ class _Context:
         mesh, m = config.mesh, config.microbatches
         selective = config.schedule not in SPLIT_BACKWARD_SCHEDULES
         role = self.role(layer_index, config, stage_of)
-        key = (layer.layer_class, mesh.dp, mesh.tp, m, selective, role)
+        key = (layer.layer_class, mesh.pp > 1, mesh.dp, mesh.cp, mesh.tp, m, selective, role)
         if key not in self._costs:
             if role is None:
                 self._costs[key] = layer_options(layer, self.graph.seq_len, mesh,
@@ -333,7 +523,7 @@ class _Context:
                 self._costs[key] = self._tied_costs(layer, config, role, selective)
         return self._costs[key]
 
-    def role(self, layer_index: int, config: PipelineConfig,
+    def role(self, layer_index: int, config: Config,
              stage_of: tuple[int, ...] | None) -> tuple[str, TieRole] | None:
         """A tied layer's strategy and role under the cut (None for untied layers)."""
         if not config.tie_strategy or self.graph.tie_of(self.graph.layers[layer_index].name) \
@@ -349,7 +539,7 @@ class _Context:
                                               config.mesh.dp * config.mesh.tp)
         return config.tie_strategy, self._roles[key][layer_index]
 
-    def _tied_costs(self, layer: LayerInfo, config: PipelineConfig, role: tuple[str, TieRole],
+    def _tied_costs(self, layer: LayerInfo, config: Config, role: tuple[str, TieRole],
                     selective: bool) -> dict[str, LayerCost]:
         """A tied layer's options on its tie's strategy, with the copy it holds and the
         all-reduce it joins. Pruned among themselves only: the layer's options on other
@@ -362,7 +552,7 @@ class _Context:
             if o.split("+")[0] == strategy]
         return prune_dominated({o: self.tied_cost(layer, o, config, tie_role) for o in labels})
 
-    def tied_cost(self, layer: LayerInfo, option: str, config: PipelineConfig,
+    def tied_cost(self, layer: LayerInfo, option: str, config: Config,
                   role: TieRole) -> LayerCost:
         """One option of a tied layer, with the copy it holds and the all-reduce it joins."""
         mesh, hsdp = config.mesh, hsdp_shard_size(self.cluster, config.mesh.pp)
@@ -371,7 +561,7 @@ class _Context:
                           estimators=self.estimators)
         return with_sync(cost, role, mesh, self.cluster, self.prec, hsdp)
 
-    def cuts(self, config: PipelineConfig) -> list[tuple[int, ...]]:
+    def cuts(self, config: Config) -> list[tuple[int, ...]]:
         """Candidate stage-of-layer assignments (contiguous, every stage non-empty, no stage
         starting at a layer of ``LayerGraph.uncuttable``)."""
         n, stages = len(self.graph.layers), config.num_stages
@@ -387,10 +577,10 @@ class _Context:
         owner = stage_ranks(config.schedule, config.mesh.pp, stages)
         return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
 
-    def fastest(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> list[LayerCost]:
+    def fastest(self, config: Config, stage_of: tuple[int, ...]) -> list[LayerCost]:
         return [self.summary(options)[0] for options in self.layer_costs(config, stage_of)]
 
-    def bound(self, config: PipelineConfig, stage_of: tuple[int, ...],
+    def bound(self, config: Config, stage_of: tuple[int, ...],
               costs: list[LayerCost]) -> float:
         """A step-time lower bound for these per-layer costs on this schedule: a rank
         cannot start before micro-batch 0 has run the forwards of the stages ahead of its
@@ -433,7 +623,7 @@ class _Context:
             out = max(out, start + busy[rank] - work + tail)
         return (out + max(sync)) * (1 - STEP_BOUND_TOLERANCE)
 
-    def _ramps(self, config: PipelineConfig) -> list[tuple[int, list[int], int, int]]:
+    def _ramps(self, config: Config) -> list[tuple[int, list[int], int, int]]:
         """Per rank: its first forward's stage, the stages of the forwards before its first
         backward, that backward's stage, and its last backward's stage."""
         key = (config.schedule, config.mesh.pp, config.virtual_stages, config.microbatches)
@@ -446,7 +636,7 @@ class _Context:
             self._ramp[key] = out
         return self._ramp[key]
 
-    def inflight(self, config: PipelineConfig) -> tuple[int, ...]:
+    def inflight(self, config: Config) -> tuple[int, ...]:
         """Per stage, the most micro-batches whose activations it holds at once."""
         if config.schedule == "GPipe":
             return (config.microbatches,) * config.num_stages
@@ -457,7 +647,7 @@ class _Context:
             self._inflight[key] = unit_peaks(*key)
         return self._inflight[key]
 
-    def memory_bound(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> float:
+    def memory_bound(self, config: Config, stage_of: tuple[int, ...]) -> float:
         """A step-time lower bound that counts memory, with no solver: per rank, the
         forwards (and backwards) of the stages ahead, fastest per layer, plus the LP bound
         (bounds.py) of its layers' per-step time m (F + B + W) + step under its memory.
@@ -478,13 +668,13 @@ class _Context:
             out = max(out, ahead + self._rank_bound(config, options))
         return out * (1 - STEP_BOUND_TOLERANCE)
 
-    def infeasible(self, config: PipelineConfig, stage_of: tuple[int, ...]) -> Infeasible:
+    def infeasible(self, config: Config, stage_of: tuple[int, ...]) -> Infeasible:
         """The configuration needs what its fullest rank needs at the least."""
         need = max(min_memory(options, self.cluster.memory_margin_fraction)[0]
                    for _, options in self._ranks(config, stage_of))
         return Infeasible(config=config, min_memory_bytes=need)
 
-    def prepare(self, config: PipelineConfig, stage_of: tuple[int, ...]
+    def prepare(self, config: Config, stage_of: tuple[int, ...]
                 ) -> _Prepared | Infeasible:
         """Per rank, the fastest strategies that fit (the rank ILP), or why none fit."""
         per_rank = [(members, options, self._solve(config, options))
@@ -502,7 +692,7 @@ class _Context:
         return _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
                          lower_bound_s=self.bound(config, stage_of, costs))
 
-    def _ranks(self, config: PipelineConfig, stage_of: tuple[int, ...],
+    def _ranks(self, config: Config, stage_of: tuple[int, ...],
                inflight: tuple[int, ...] | None = None
                ) -> list[tuple[list[int], list[ClassOptions]]]:
         """Per pipeline rank, its layers and their classes' options."""
@@ -514,7 +704,7 @@ class _Context:
             members[owner[s]].append(i)
         return [(mine, self._rank_options(config, mine, stage_of, inflight)) for mine in members]
 
-    def _rank_options(self, config: PipelineConfig, members: list[int],
+    def _rank_options(self, config: Config, members: list[int],
                       stage_of: tuple[int, ...], inflight: tuple[int, ...]) -> list[ClassOptions]:
         counts: dict[str, int] = {}
         first: dict[str, int] = {}
@@ -527,7 +717,7 @@ class _Context:
                              inflight=inflight[stage_of[first[name]]])
                 for name in counts]
 
-    def _class_key(self, layer_index: int, config: PipelineConfig,
+    def _class_key(self, layer_index: int, config: Config,
                    stage_of: tuple[int, ...]) -> str:
         """Layers of one class on one stage share ILP variables, unless their tie roles
         (and so their costs) differ."""
@@ -535,7 +725,7 @@ class _Context:
         role = self.role(layer_index, config, stage_of)
         return key if role is None else f"{key}|tie {role[0]} {role[1]}"
 
-    def _solve(self, config: PipelineConfig, options: list[ClassOptions]
+    def _solve(self, config: Config, options: list[ClassOptions]
                ) -> dict[str, dict[str, int]] | None:
         """One rank's strategies (class -> {strategy: count}), or None if nothing fits."""
         key = _rank_key(config, options)
@@ -545,7 +735,7 @@ class _Context:
         return None if counts is None else {
             o.name: c for o, c in zip(options, counts, strict=True)}
 
-    def _rank_bound(self, config: PipelineConfig, options: list[ClassOptions]) -> float:
+    def _rank_bound(self, config: Config, options: list[ClassOptions]) -> float:
         key = _rank_key(config, options)
         if key not in self._bounds:
             m = config.microbatches
@@ -573,7 +763,7 @@ class _Context:
             return None
         return [result.choice[o.name] for o in options]
 
-    def finish(self, prepared: _Prepared) -> PipelineOutcome:
+    def finish(self, prepared: _Prepared) -> Outcome:
         config = prepared.config
         pp, stages = config.mesh.pp, config.num_stages
         owner = stage_ranks(config.schedule, pp, stages)
@@ -599,11 +789,18 @@ class _Context:
         peaks = [r.peak for r in pipeline_liveness(
             prepared.costs, [layer.name for layer in self.graph.layers],
             prepared.stage_of_layer, owner, timeline.slots, pp, peak_only=True)]
-        return PipelineOutcome(config=config, step_time_s=timeline.step_time_s + max(sync),
-                               lower_bound_s=prepared.lower_bound_s,
-                               stage_of_layer=prepared.stage_of_layer, costs=prepared.costs,
-                               timeline=timeline, rank_memory=tuple(p.as_dict() for p in peaks),
-                               rank_peak_at=tuple(p.event for p in peaks), sync_s=max(sync))
+        busiest = max(range(pp), key=lambda r: sum(
+            slot.end_s - slot.start_s for slot in timeline.slots if slot.rank == r))
+        mine = [c for c, st in zip(prepared.costs, prepared.stage_of_layer, strict=True)
+                if owner[st] == busiest]
+        margin = self.cluster.memory_margin_fraction
+        return Outcome(config=config, step_time_s=timeline.step_time_s + max(sync),
+                       lower_bound_s=prepared.lower_bound_s,
+                       stage_of_layer=prepared.stage_of_layer, costs=prepared.costs,
+                       compute_s=sum(c.compute_s for c in mine),
+                       comm_s=sum(c.comm_s for c in mine),
+                       rank_memory=tuple(memory_breakdown(p, margin) for p in peaks),
+                       timeline=timeline, sync_s=max(sync))
 
     def _p2p_s(self, prepared: _Prepared) -> float:
         """The slowest stage-boundary transfer: neighbouring pipeline ranks are dp·tp apart."""
@@ -615,7 +812,92 @@ class _Context:
         return p2p_s(max(boundary, default=0.0), link)
 
 
-def _rank_key(config: PipelineConfig, options: list[ClassOptions]) -> tuple:
+def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision,
+                  microbatches: int = 1, estimators: Estimators = ANALYTIC
+                  ) -> list[ClassOptions]:
+    return [ClassOptions(name=name, count=len(members),
+                         costs=layer_options(members[0], graph.seq_len, mesh, cluster, prec,
+                                             microbatches, estimators=estimators))
+            for name, members in graph.classes.items()]
+
+
+def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh
+                 ) -> list[list[ClassOptions]]:
+    """The rank program of a plan the runtime runs on DDP (runtime.data_parallel.uses_ddp:
+    float32, pp = 1, every layer replicate), its costs as DDP pays them (``on_ddp``);
+    none where that plan cannot be. The layer costs price a replicate layer as FSDP2 runs
+    it, in every other plan: more host time and memory, so the all-replicate plan gets its
+    own program rather than the ILP's over-priced corner."""
+    if prec.name != "float32" or mesh.pp != 1:
+        return []
+    ddp = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
+                        costs={o: on_ddp(x) for o, x in c.costs.items()
+                               if spec(x.strategy).ddp and x.expert_parallel == 1})
+           for c in options]
+    return [ddp] if all(c.costs for c in ddp) else []
+
+
+def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
+                  options: list[ClassOptions]) -> list[LayerCost]:
+    """Per layer, in execution order, the cost of the strategy the ILP gave it.
+
+    Within a class the layers are interchangeable; earlier layers take strategies in the
+    order of STRATEGIES (replicate, fsdp, tp, tp_fsdp). Tied layers take their tie's
+    option (``options`` joined by planner/ties.py).
+    """
+    by_class = {o.name: o for o in options}
+    tied = tied_costs(choice, options)
+    queues = {name: expand_counts(counts) for name, counts in choice.items()}
+    out = []
+    for layer in graph.layers:
+        if layer.name in tied:
+            out.append(tied[layer.name])
+            continue
+        strategy = queues[layer.layer_class].pop(0)
+        out.append(by_class[layer.layer_class].costs[strategy])
+    return out
+
+
+def plan_memory(costs: list[LayerCost], margin_fraction: float, *,
+                names: list[str] | None = None, ddp: bool = False) -> MemoryBreakdown:
+    """Per-rank memory of a pp = 1 plan (layers in execution order): the peak over the
+    step by liveness (autopar.planner.liveness: forward, backward in reverse per micro-batch
+    of ``LayerCost.microbatches``, optimizer step), with the allocator margin on top.
+    Never above the ILP's sum of resident states, activations and the largest buffer.
+    ``ddp``: the plan runs on DDP, whose gradient buckets live throughout (runs_on_ddp)."""
+    names = names or [f"layer {i}" for i in range(len(costs))]
+    m = costs[0].microbatches if costs else 1
+    return memory_breakdown(step_liveness(costs, names, microbatches=m, ddp=ddp).peak,
+                            margin_fraction)
+
+
+def memory_breakdown(peak: Usage, margin_fraction: float) -> MemoryBreakdown:
+    """A liveness peak as the plan's MemoryBreakdown, allocator margin added."""
+    return MemoryBreakdown(params_bytes=int(peak.params_bytes), grads_bytes=int(peak.grads_bytes),
+                           optimizer_bytes=int(peak.optimizer_bytes),
+                           activations_bytes=int(peak.activations_bytes),
+                           buffers_bytes=int(peak.buffers_bytes),
+                           margin_bytes=int(margin_fraction * peak.total_bytes),
+                           peak_at=peak.event)
+
+
+def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
+    """Whether the runtime wraps this plan in DDP (runtime.data_parallel.uses_ddp): pp = 1,
+    float32, every layer replicate, no layer expert-parallel."""
+    return (mesh.pp == 1 and prec.name == "float32"
+            and all(spec(c.strategy).ddp and c.expert_parallel == 1 for c in costs))
+
+
+def _tp_styles(layer: LayerInfo, cost: LayerCost) -> dict[str, str]:
+    if not spec(cost.strategy).tensor_parallel or layer.tp is None:
+        return {}
+    sp_styles = layer.tp.sp_styles
+    if cost.sequence_parallel and sp_styles:
+        return dict(sp_styles)
+    return dict(layer.tp.styles)
+
+
+def _rank_key(config: Config, options: list[ClassOptions]) -> tuple:
     """Ranks holding the same classes in the same stage positions share ILPs and bounds."""
     stages = sorted({o.name.split(":", 1)[0] for o in options}, key=int)
     shape = tuple((stages.index(o.name.split(":", 1)[0]), o.name.split(":", 1)[1],
@@ -730,41 +1012,7 @@ def divisors(n: int) -> list[int]:
     return [int(d) for d in sympy_divisors(n)]
 
 
-def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan, *,
-                  estimators: Estimators = ANALYTIC) -> PipelineOutcome:
-    """The simulated step of a given pipeline plan: its stages, strategies and schedule
-    (e.g. a hand-written plan, to set its prediction next to a measurement)."""
-    if plan.pipeline is None:
-        raise ValueError("evaluate_plan takes a pipeline plan (mesh.pp > 1)")
-    by_name = {layer.module: layer for layer in plan.layers}
-    missing = [layer.name for layer in graph.layers if layer.name not in by_name]
-    if missing:
-        raise ValueError(f"the plan does not place layer(s) {missing}")
-    tied = [by_name[m].strategy for tie in graph.ties for m in tie.modules if m]
-    config = PipelineConfig(mesh=plan.mesh, schedule=plan.pipeline.schedule,
-                            virtual_stages=plan.pipeline.virtual_stages,
-                            microbatches=plan.pipeline.num_microbatches,
-                            tie_strategy=tied[0] if tied else "")
-    ctx = _Context(graph, cluster, prec, 10.0, estimators=estimators)
-    stage_of = tuple(by_name[layer.name].stage for layer in graph.layers)
-    costs = []
-    for i, layer in enumerate(graph.layers):
-        options = ctx.costs(i, config, stage_of)
-        option = by_name[layer.name].option
-        if option not in options:  # a dominated option, or one this mesh cannot run
-            hsdp = hsdp_shard_size(cluster, config.mesh.pp)
-            if option not in allowed_options(layer, config.mesh, seq_len=graph.seq_len,
-                                             hsdp_shard_size=hsdp,
-                                             microbatches=config.microbatches,
-                                             offload=cluster.host.offload):
-                raise ValueError(f"layer {layer.name!r}: option {option!r} is not possible on "
-                                 f"this mesh (options: {', '.join(options)})")
-            role = ctx.role(i, config, stage_of)
-            options = {option: layer_cost(layer, option, config.mesh, cluster, prec,
-                                          config.microbatches, hsdp_shard_size=hsdp,
-                                          estimators=estimators)
-                       if role is None else ctx.tied_cost(layer, option, config, role[1])}
-        costs.append(options[option])
-    prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
-                         lower_bound_s=ctx.bound(config, stage_of, costs))
-    return ctx.finish(prepared)
+def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan: Plan, *,
+                  estimators: Estimators = ANALYTIC) -> Outcome:
+    """The outcome of a given plan (``Engine.evaluate``)."""
+    return Engine(graph, cluster, prec, estimators=estimators).evaluate(plan)
