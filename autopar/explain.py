@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from autopar.planner.engine import class_options
 from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.moe_costs import ep_problem, runtime_problem
+from autopar.planner.one_stage import class_options
 from autopar.planner.search import SearchResult
 from autopar.planner.ties import describe_tie, with_tied_choices
 from cost_models.hardware import Cluster

@@ -57,7 +57,8 @@ from autopar.calibrate import Settings, calibrate, write_profile
 from autopar.calibration_kernels import linear_op
 from autopar.lower import make_trainer
 from autopar.planner.costs import allowed_strategies, layer_cost
-from autopar.planner.engine import Engine, _assignment, balanced_bounds
+from autopar.planner.engine import Engine
+from autopar.planner.stages import balanced_bounds, stage_assignment
 from autopar.zoo import GPT, get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
@@ -171,7 +172,7 @@ def make_plan(graph, cluster, case: Case) -> tuple[Plan, Predicted]:
         weights = [layer_cost(layer, option_for(layer, case), case.mesh, cluster, prec,
                               m).time_s for layer in graph.layers]
         stages = case.mesh.pp * case.pipeline.virtual_stages
-        stage_of = list(_assignment(len(weights),
+        stage_of = list(stage_assignment(len(weights),
                                     balanced_bounds(weights, stages, graph.uncuttable)))
     draft = Plan(model=MODEL, cluster=cluster.name, global_batch=BATCH, seq_len=SEQ,
                  mesh=case.mesh, pipeline=case.pipeline,

@@ -43,10 +43,10 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from autopar.planner.bounds import rank_bound
+from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.costs import (
     LayerCost,
     allowed_options,
@@ -67,14 +67,26 @@ from autopar.planner.ilp import (
     solve_by_buffer_cap,
     solve_strategies,
 )
-from autopar.planner.liveness import Usage, pipeline_liveness, step_liveness
+from autopar.planner.liveness import pipeline_liveness
+from autopar.planner.one_stage import (
+    assign_layers,
+    class_options,
+    ddp_programs,
+    memory_breakdown,
+    plan_memory,
+    runs_on_ddp,
+)
+from autopar.planner.stages import (
+    SATURATION_MICROBATCHES_PER_RANK,
+    balanced_bounds,
+    stage_assignment,
+    unit_peaks,
+)
 from autopar.planner.ties import (
     TieRole,
     copies_share_a_rank,
     join_ties,
     pipeline_roles,
-    tie_strategies,
-    tied_costs,
     with_copy,
     with_sync,
 )
@@ -93,26 +105,14 @@ from runtime.plan import (
     SPLIT_BACKWARD_SCHEDULES,
     LayerPlan,
     MemoryBreakdown,
-    Mesh,
     PipelineSpec,
     Plan,
     Prediction,
     SolverReport,
-    schedule_microbatch_problem,
 )
 from runtime.schedule_orders import runtime_orders
 from runtime.strategies import spec
 
-PIPELINE_SCHEDULES = tuple((name, v) for name, spec in SCHEDULES.items() for v in spec.searched)
-"""(schedule, virtual stages per rank) searched: the schedule table's ``searched``."""
-MAX_MICROBATCHES_PER_STAGE = 8
-"""m is searched among divisors of the per-replica batch in [pp, 8·pp]: beyond 8·pp the
-bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
-SATURATION_MICROBATCHES_PER_RANK = 3
-"""In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, the interleaved
-and zero-bubble tables by 2p to 3p; tests/autopar/planner/test_fast_paths.py checks p up
-to 16 on the runtime's orders): peaks are counted on m = min(m, 3p), whose tables are
-shorter and shared by every larger m."""
 EXHAUSTIVE_CUTS = 64
 """Enumerate every contiguous cut of models with at most EXHAUSTIVE_LAYERS layers when
 there are at most this many cuts; larger models take the balanced cut."""
@@ -120,25 +120,6 @@ EXHAUSTIVE_LAYERS = 8
 STEP_BOUND_TOLERANCE = 1e-9
 """memory_bound is shrunk by this much: it and prepare's bound sum the same seconds in a
 different order, and skipping must not hinge on the last bit."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Config:
-    """One candidate: a mesh and how a step runs on it."""
-
-    mesh: Mesh
-    schedule: str | None = None
-    """The pipeline schedule (cost_models.schedule.SCHEDULES); None at pp = 1."""
-    virtual_stages: int = 1
-    microbatches: int = 1
-    """Micro-batches per step: the pipeline's, or gradient accumulation at pp = 1."""
-    tie_strategy: str = ""
-    """Pipelines: the data-parallel strategy every tied layer takes ('' for a model
-    without ties, and at pp = 1, where tied layers are joined into one option)."""
-
-    @property
-    def num_stages(self) -> int:
-        return self.mesh.pp * self.virtual_stages
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,53 +155,6 @@ class Outcome:
 class Infeasible:
     config: Config
     min_memory_bytes: float
-
-
-def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[Config]:
-    """Every configuration to try (for a model with tied layers, one per strategy the tie
-    can take); none when ``pipeline_problem`` says why."""
-    world, batch, layers = cluster.world_size, graph.batch_size, len(graph.layers)
-    if pipeline_problem(graph) is not None:
-        return []
-    out = []
-    # Stages cut from an exported graph run no tensor parallelism (passes/split_export.py).
-    tps = [1] if graph.exported_stages else divisors(math.gcd(cluster.devices_per_node, world))
-    for tp in tps:
-        for pp in divisors(world // tp):
-            dp = world // (tp * pp)
-            if pp < 2 or pp > layers or batch % dp:
-                continue
-            per_replica = batch // dp
-            ms = [d for d in divisors(per_replica) if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
-            for m in ms or [per_replica]:
-                for schedule, v in PIPELINE_SCHEDULES:
-                    if pp * v > layers or (v > 1 and m % pp):
-                        continue  # interleaving advances micro-batches in groups of pp
-                    if schedule_microbatch_problem(schedule, pp, m):
-                        continue  # torch's schedule would refuse it
-                    mesh = Mesh(pp=pp, dp=dp, tp=tp)
-                    ties = tie_strategies(graph, mesh, m, hsdp_shard_size(cluster, pp)) \
-                        if graph.ties else ("",)
-                    out += [Config(mesh=mesh, schedule=schedule, virtual_stages=v,
-                                           microbatches=m, tie_strategy=t) for t in ties]
-    return out
-
-
-def pipeline_problem(graph: LayerGraph) -> str | None:
-    """Why the planner offers no pipeline for this model, or None.
-
-    A model that computes its own loss: a pipeline's loss is its last stage's loss_fn. A
-    layer tied to a parameter of the root (no planned module): the root's parameters are on
-    no stage of the plan, so no stage can be said to hold that copy."""
-    if graph.returns_loss:
-        return ("the model computes its own loss (labels=), and a pipeline computes the loss "
-                "on its last stage from the stage's output: plan with inputs without labels "
-                "and train with a loss_fn")
-    for tie in graph.ties:
-        if "" in tie.modules:
-            return (f"tied weights ({tie.describe()}): a parameter the root uses is on no "
-                    "planned stage; add the module using it to the plan")
-    return None
 
 
 class TimeLimitReached(Exception):  # noqa: N818 (a signal to the caller, not an error)
@@ -569,11 +503,11 @@ class Engine:
         if len(allowed) < stages - 1:
             return []
         if n <= EXHAUSTIVE_LAYERS and math.comb(len(allowed), stages - 1) <= EXHAUSTIVE_CUTS:
-            cuts = [_assignment(n, bounds)
+            cuts = [stage_assignment(n, bounds)
                     for bounds in itertools.combinations(allowed, stages - 1)]
         else:
             weights = [self.summary(options)[1] for options in self.layer_costs(config)]
-            cuts = [_assignment(n, balanced_bounds(weights, stages, self.graph.uncuttable))]
+            cuts = [stage_assignment(n, balanced_bounds(weights, stages, self.graph.uncuttable))]
         owner = stage_ranks(config.schedule, config.mesh.pp, stages)
         return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
 
@@ -812,91 +746,6 @@ class Engine:
         return p2p_s(max(boundary, default=0.0), link)
 
 
-def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision,
-                  microbatches: int = 1, estimators: Estimators = ANALYTIC
-                  ) -> list[ClassOptions]:
-    return [ClassOptions(name=name, count=len(members),
-                         costs=layer_options(members[0], graph.seq_len, mesh, cluster, prec,
-                                             microbatches, estimators=estimators))
-            for name, members in graph.classes.items()]
-
-
-def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh
-                 ) -> list[list[ClassOptions]]:
-    """The rank program of a plan the runtime runs on DDP (runtime.data_parallel.uses_ddp:
-    float32, pp = 1, every layer replicate), its costs as DDP pays them (``on_ddp``);
-    none where that plan cannot be. The layer costs price a replicate layer as FSDP2 runs
-    it, in every other plan: more host time and memory, so the all-replicate plan gets its
-    own program rather than the ILP's over-priced corner."""
-    if prec.name != "float32" or mesh.pp != 1:
-        return []
-    ddp = [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
-                        costs={o: on_ddp(x) for o, x in c.costs.items()
-                               if spec(x.strategy).ddp and x.expert_parallel == 1})
-           for c in options]
-    return [ddp] if all(c.costs for c in ddp) else []
-
-
-def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
-                  options: list[ClassOptions]) -> list[LayerCost]:
-    """Per layer, in execution order, the cost of the strategy the ILP gave it.
-
-    Within a class the layers are interchangeable; earlier layers take strategies in the
-    order of STRATEGIES (replicate, fsdp, tp, tp_fsdp). Tied layers take their tie's
-    option (``options`` joined by planner/ties.py).
-    """
-    by_class = {o.name: o for o in options}
-    tied = tied_costs(choice, options)
-    queues = {name: expand_counts(counts) for name, counts in choice.items()}
-    out = []
-    for layer in graph.layers:
-        if layer.name in tied:
-            out.append(tied[layer.name])
-            continue
-        strategy = queues[layer.layer_class].pop(0)
-        out.append(by_class[layer.layer_class].costs[strategy])
-    return out
-
-
-def plan_memory(costs: list[LayerCost], margin_fraction: float, *,
-                names: list[str] | None = None, ddp: bool = False) -> MemoryBreakdown:
-    """Per-rank memory of a pp = 1 plan (layers in execution order): the peak over the
-    step by liveness (autopar.planner.liveness: forward, backward in reverse per micro-batch
-    of ``LayerCost.microbatches``, optimizer step), with the allocator margin on top.
-    Never above the ILP's sum of resident states, activations and the largest buffer.
-    ``ddp``: the plan runs on DDP, whose gradient buckets live throughout (runs_on_ddp)."""
-    names = names or [f"layer {i}" for i in range(len(costs))]
-    m = costs[0].microbatches if costs else 1
-    return memory_breakdown(step_liveness(costs, names, microbatches=m, ddp=ddp).peak,
-                            margin_fraction)
-
-
-def memory_breakdown(peak: Usage, margin_fraction: float) -> MemoryBreakdown:
-    """A liveness peak as the plan's MemoryBreakdown, allocator margin added."""
-    return MemoryBreakdown(params_bytes=int(peak.params_bytes), grads_bytes=int(peak.grads_bytes),
-                           optimizer_bytes=int(peak.optimizer_bytes),
-                           activations_bytes=int(peak.activations_bytes),
-                           buffers_bytes=int(peak.buffers_bytes),
-                           margin_bytes=int(margin_fraction * peak.total_bytes),
-                           peak_at=peak.event)
-
-
-def runs_on_ddp(costs: list[LayerCost], prec: Precision, mesh: Mesh) -> bool:
-    """Whether the runtime wraps this plan in DDP (runtime.data_parallel.uses_ddp): pp = 1,
-    float32, every layer replicate, no layer expert-parallel."""
-    return (mesh.pp == 1 and prec.name == "float32"
-            and all(spec(c.strategy).ddp and c.expert_parallel == 1 for c in costs))
-
-
-def _tp_styles(layer: LayerInfo, cost: LayerCost) -> dict[str, str]:
-    if not spec(cost.strategy).tensor_parallel or layer.tp is None:
-        return {}
-    sp_styles = layer.tp.sp_styles
-    if cost.sequence_parallel and sp_styles:
-        return dict(sp_styles)
-    return dict(layer.tp.styles)
-
-
 def _rank_key(config: Config, options: list[ClassOptions]) -> tuple:
     """Ranks holding the same classes in the same stage positions share ILPs and bounds."""
     stages = sorted({o.name.split(":", 1)[0] for o in options}, key=int)
@@ -906,113 +755,20 @@ def _rank_key(config: Config, options: list[ClassOptions]) -> tuple:
     return (config.mesh.dp, config.mesh.tp, config.microbatches, selective, shape)
 
 
-def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
-               ) -> tuple[int, ...]:
-    """Per stage, the most micro-batches whose activations it holds at once: counted along
-    the ranks' orders, without simulating, since a stage's count moves only with its own
-    rank's actions, which run in that order. F takes a micro-batch's activations; the
-    backward that frees them is W where the schedule splits it off, else B."""
-    frees = "W" if SCHEDULES[schedule].split_backward else "B"
-    num_stages = pp * virtual_stages
-    peak, held = [0] * num_stages, [0] * num_stages
-    for order in runtime_orders(schedule, pp, virtual_stages, microbatches):
-        for action, stage, _ in order:
-            if action == "F":
-                held[stage] += 1
-                peak[stage] = max(peak[stage], held[stage])
-            elif action == frees:
-                held[stage] -= 1
-    return tuple(peak)
-
-
-def stage_peaks(timeline: Timeline, num_stages: int) -> tuple[int, ...]:
-    """Per stage, the most micro-batches held between F and the backward that frees them."""
-    releases = "W" if any(s.action == "W" for s in timeline.slots) else "B"
-    peak = [0] * num_stages
-    held = [0] * num_stages
-    for slot in sorted(timeline.slots, key=lambda s: (s.start_s, s.action != releases)):
-        if slot.action == "F":
-            held[slot.stage] += 1
-            peak[slot.stage] = max(peak[slot.stage], held[slot.stage])
-        elif slot.action == releases:
-            held[slot.stage] -= 1
-    return tuple(peak)
-
-
-def balanced_bounds(weights: list[float], stages: int, uncuttable: Iterable[int] = ()
-                    ) -> tuple[int, ...]:
-    """Cut points splitting ``weights`` into ``stages`` contiguous non-empty runs so that
-    the heaviest run is as light as possible (binary search on that bound, greedy fill),
-    with no cut at an index of ``uncuttable``: the layers across such an index are cut as
-    one unit."""
-    starts = [k for k in range(len(weights)) if k == 0 or k not in set(uncuttable)]
-    if len(starts) == len(weights):
-        return _balanced(weights, stages)
-    units = [sum(weights[a:b]) for a, b in itertools.pairwise([*starts, len(weights)])]
-    return tuple(starts[c] for c in _balanced(units, stages))
-
-
-def _balanced(weights: list[float], stages: int) -> tuple[int, ...]:
-    n = len(weights)
-    lo, hi = max(weights), sum(weights)
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        if len(_greedy_cuts(weights, mid)) + 1 <= stages:
-            hi = mid
-        else:
-            lo = mid
-    cuts = _greedy_cuts(weights, hi)
-    # Fewer runs than stages: split the heaviest runs further (never raises the maximum).
-    while len(cuts) + 1 < stages:
-        bounds = [0, *cuts, n]
-        runs = [(sum(weights[a:b]), a, b) for a, b in itertools.pairwise(bounds) if b - a > 1]
-        _, a, b = max(runs)
-        half, acc, split = sum(weights[a:b]) / 2, 0.0, a + 1
-        for i in range(a, b - 1):
-            acc += weights[i]
-            split = i + 1
-            if acc >= half:
-                break
-        cuts = sorted([*cuts, split])
-    return tuple(cuts)
-
-
-def _greedy_cuts(weights: list[float], limit: float) -> list[int]:
-    cuts, acc = [], 0.0
-    for i, w in enumerate(weights):
-        if acc + w > limit * (1 + 1e-12) and acc > 0:
-            cuts.append(i)
-            acc = 0.0
-        acc += w
-    return cuts
-
-
-def _assignment(n: int, bounds: tuple[int, ...]) -> tuple[int, ...]:
-    out, stage = [], 0
-    cuts = set(bounds)
-    for i in range(n):
-        if i in cuts:
-            stage += 1
-        out.append(stage)
-    return tuple(out)
-
-
 def _class_key(stage: int, layer_class: str) -> str:
     return f"{stage}:{layer_class}"
-
-
-def divisors(n: int) -> list[int]:
-    """The divisors of ``n`` in increasing order, from its prime factorisation (sympy's:
-    trial division, then Pollard's rho), so a cluster of 10^9 nodes takes milliseconds
-    where counting to n took hours."""
-    from sympy import divisors as sympy_divisors  # loaded with torch.fx; lazy otherwise
-
-    if n < 1:
-        raise ValueError(f"divisors of {n}: a positive integer is needed")
-    return [int(d) for d in sympy_divisors(n)]
 
 
 def evaluate_plan(graph: LayerGraph, cluster: Cluster, prec: Precision, plan: Plan, *,
                   estimators: Estimators = ANALYTIC) -> Outcome:
     """The outcome of a given plan (``Engine.evaluate``)."""
     return Engine(graph, cluster, prec, estimators=estimators).evaluate(plan)
+
+
+def _tp_styles(layer: LayerInfo, cost: LayerCost) -> dict[str, str]:
+    if not spec(cost.strategy).tensor_parallel or layer.tp is None:
+        return {}
+    sp_styles = layer.tp.sp_styles
+    if cost.sequence_parallel and sp_styles:
+        return dict(sp_styles)
+    return dict(layer.tp.styles)

@@ -18,7 +18,8 @@ from importlib import resources
 import torch
 
 from autopar.planner.costs import layer_cost
-from autopar.planner.engine import evaluate_plan, plan_memory
+from autopar.planner.engine import evaluate_plan
+from autopar.planner.one_stage import plan_memory
 from autopar.zoo import GPT, GPTConfig
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision

@@ -21,16 +21,15 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from autopar.errors import ConfigError, InfeasibleError, TimeLimitError
-from autopar.planner.engine import (
+from autopar.planner.configs import (
     Config,
-    Engine,
-    Infeasible,
-    Outcome,
-    TimeLimitReached,
-    divisors,
+    accumulation_steps,
+    batch_norm_layers,
+    candidate_meshes,
     pipeline_configs,
     pipeline_problem,
 )
+from autopar.planner.engine import Engine, Infeasible, Outcome, TimeLimitReached
 from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.ilp import make_solver
 from autopar.report import human_bytes
@@ -75,49 +74,6 @@ class SearchResult:
     search_time_s: float
     timeline: Timeline | None = None
     """The simulated schedule of a pipeline plan."""
-
-
-def candidate_meshes(cluster: Cluster, global_batch: int, *, seq_len: int | None = None,
-                     context_parallel: bool = False) -> list[tuple[Mesh, str]]:
-    """Every (dp, cp, tp) mesh of the cluster, with a reason when it cannot be used;
-    cp > 1 only when ``context_parallel`` and the sequence splits into 2·cp chunks."""
-    world = cluster.world_size
-    out = []
-    for tp in divisors(math.gcd(cluster.devices_per_node, world)):  # tp inside a node
-        for cp in context_degrees(world // tp, seq_len if context_parallel else None):
-            mesh = Mesh(dp=world // (tp * cp), cp=cp, tp=tp)
-            reason = ""
-            if global_batch % mesh.dp:
-                reason = f"global batch {global_batch} is not divisible by dp={mesh.dp}"
-            out.append((mesh, reason))
-    return out
-
-
-def context_degrees(ranks: int, seq_len: int | None) -> list[int]:
-    """cp = 1, and the powers of two dividing ``ranks`` whose 2·cp chunks divide seq_len."""
-    if seq_len is None:
-        return [1]
-    return [cp for cp in (2**i for i in range(ranks.bit_length()))
-            if cp == 1 or (ranks % cp == 0 and seq_len % (2 * cp) == 0)]
-
-
-MAX_ACCUMULATION = 64
-"""Largest gradient accumulation searched for pp = 1 meshes."""
-
-
-def accumulation_steps(graph: LayerGraph, mesh: Mesh) -> list[int]:
-    """Gradient accumulation candidates: powers of two dividing the per-replica batch; none
-    for models whose BatchNorm uses batch statistics (a micro-batch's would differ)."""
-    if batch_norm_layers(graph):
-        return [1]
-    local = graph.batch_size // mesh.dp
-    return [m for m in (2**i for i in range(7)) if m <= min(local, MAX_ACCUMULATION)
-            and local % m == 0]
-
-
-def batch_norm_layers(graph: LayerGraph) -> list[str]:
-    """Layers with BatchNorm in training mode (``LayerInfo.batch_norm_channels``)."""
-    return [layer.name for layer in graph.layers if layer.batch_norm_channels]
 
 
 def search(

@@ -88,7 +88,7 @@ def test_timeline_labels_follow_torch_notation_and_cover_every_action():
 @pytest.mark.parametrize("p", [2, 4, 8])
 def test_in_flight_peaks_stop_growing_by_4p_micro_batches(schedule, v, p):
     # The planner simulates in-flight profiles at min(m, 4p) micro-batches.
-    from autopar.planner.engine import stage_peaks
+    from autopar.planner.stages import stage_peaks
 
     peaks = [stage_peaks(simulate(schedule, p, m, uniform(p * v)), p * v) for m in (4 * p, 8 * p)]
     assert peaks[0] == peaks[1]

@@ -349,7 +349,7 @@ def test_explain_says_why_tied_layers_have_no_tensor_parallelism():
 def test_planner_pipelines_tied_models_with_one_strategy_per_tie():
     """Each pipeline configuration of a tied model names the tie's strategy; a fixed
     pp = 2 mesh gets a plan whose tied modules take it, on the first and last stage."""
-    from autopar.planner.engine import pipeline_configs, pipeline_problem
+    from autopar.planner.configs import pipeline_configs, pipeline_problem
     from autopar.planner.search import search
     from cost_models.hardware import Cluster
     from passes.layer_graph import build_layer_graph
@@ -390,8 +390,8 @@ def _brute_force_tied(graph, cluster) -> float:
 
     from test_planner import every_option
 
+    from autopar.planner.configs import accumulation_steps, candidate_meshes
     from autopar.planner.costs import HOST_MEMORY_BYTES, on_ddp
-    from autopar.planner.search import accumulation_steps, candidate_meshes
     from cost_models.memory import precision
 
     prec, best = precision("float32"), float("inf")

@@ -22,7 +22,8 @@ from real_models import MODELS
 from test_real_models import pipeline_inputs, reference, train_job, variant_plan
 from test_tied import TiedGPT
 
-from autopar.planner.engine import Config, Engine, Outcome
+from autopar.planner.configs import Config
+from autopar.planner.engine import Engine, Outcome
 from autopar.planner.search import search
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
@@ -226,7 +227,7 @@ def test_explain_names_the_stages_holding_copies():
 
 
 def test_every_cut_offered_keeps_the_copies_on_distinct_ranks():
-    from autopar.planner.engine import pipeline_configs
+    from autopar.planner.configs import pipeline_configs
 
     graph = _gpt2_xl(2)
     cluster = Cluster.preset("dgx-a100-80g", nodes=4)

@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 from autopar.planner.bounds import bounds_at_cap, knapsack_lp, lower_hull, rank_bound
 from autopar.planner.costs import LayerCost
-from autopar.planner.engine import stage_peaks, unit_peaks
 from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB, ClassOptions, solve_by_buffer_cap
+from autopar.planner.stages import stage_peaks, unit_peaks
 from cost_models.schedule import StageTimes, simulate
 from runtime.schedule_orders import runtime_orders
 

@@ -7,9 +7,10 @@ import torch
 from torch import nn
 
 from autopar.errors import ConfigError
+from autopar.planner.configs import candidate_meshes, context_degrees
 from autopar.planner.costs import layer_cost
 from autopar.planner.estimators import RING_MERGE_KERNELS
-from autopar.planner.search import candidate_meshes, context_degrees, search
+from autopar.planner.search import search
 from autopar.zoo import GPT, GPTConfig
 from cost_models.comm import p2p_s
 from cost_models.compute import roofline_s

@@ -12,8 +12,9 @@ import torch
 import autopar
 from autopar.planner import search
 from autopar.planner.costs import layer_cost, on_ddp
-from autopar.planner.engine import evaluate_plan, runs_on_ddp
+from autopar.planner.engine import evaluate_plan
 from autopar.planner.estimators import ANALYTIC, ComputeTimes, compute_s
+from autopar.planner.one_stage import runs_on_ddp
 from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import precision

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 from autopar.planner.bounds import bounds_at_cap, greedy, lower_hull, rank_bound
 from autopar.planner.costs import HOST_MEMORY_BYTES, LayerCost, undominated
-from autopar.planner.engine import stage_peaks, unit_peaks
 from autopar.planner.ilp import GIB, ClassOptions
 from autopar.planner.liveness import pipeline_liveness
+from autopar.planner.stages import stage_peaks, unit_peaks
 from cost_models.schedule import StageTimes, run_actions, simulate, stage_ranks
 from runtime.schedule_orders import runtime_orders
 
@@ -138,7 +138,7 @@ def test_peak_only_liveness_finds_the_full_walks_peak(schedule, v):
 def test_in_flight_peaks_stop_growing_by_3p_micro_batches(schedule, v, p):
     # The planner runs unit-time schedules at min(m, 3p) micro-batches (interleaved
     # schedules take m in multiples of p).
-    from autopar.planner.engine import SATURATION_MICROBATCHES_PER_RANK
+    from autopar.planner.stages import SATURATION_MICROBATCHES_PER_RANK
 
     saturated = SATURATION_MICROBATCHES_PER_RANK * p
     peaks = {m: unit_peaks(schedule, p, v, m) for m in (saturated, saturated + p, 6 * p)}

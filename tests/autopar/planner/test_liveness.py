@@ -44,8 +44,9 @@ import torch
 import torch.distributed as dist
 from planner_cases import graph_of, make_cluster, make_layer
 
+from autopar.planner.configs import accumulation_steps, pipeline_configs
 from autopar.planner.costs import LayerCost, layer_cost, layer_options
-from autopar.planner.engine import Engine, _assignment, _Prepared, pipeline_configs, runs_on_ddp
+from autopar.planner.engine import Engine, _Prepared
 from autopar.planner.liveness import (
     OPTIMIZER_EVENT,
     Uncosted,
@@ -53,7 +54,9 @@ from autopar.planner.liveness import (
     step_liveness,
     uncosted_terms,
 )
-from autopar.planner.search import accumulation_steps, search
+from autopar.planner.one_stage import runs_on_ddp
+from autopar.planner.search import search
+from autopar.planner.stages import stage_assignment
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from cost_models.schedule import StageTimes, simulate, stage_ranks
@@ -271,7 +274,7 @@ def test_liveness_peak_never_exceeds_the_rank_ilp_sum_with_pipelining(seed):
         owner = stage_ranks(config.schedule, config.mesh.pp, config.num_stages)
         inflight = ctx.inflight(config)
         bounds = rng.choice(list(itertools.combinations(range(1, n), config.num_stages - 1)))
-        stage_of = _assignment(n, bounds)
+        stage_of = stage_assignment(n, bounds)
         costs = tuple(rng.choice(list(ctx.costs(i, config).values())) for i in range(n))
         outcome = ctx.finish(_Prepared(config=config, stage_of_layer=stage_of, costs=costs,
                                        lower_bound_s=0.0))

@@ -18,10 +18,10 @@ import torch.nn as nn
 from planner_cases import make_cluster
 from test_liveness import ilp_sum
 
+from autopar.planner.configs import accumulation_steps
 from autopar.planner.costs import hsdp_shard_size, layer_cost, layer_options
-from autopar.planner.engine import runs_on_ddp
 from autopar.planner.liveness import step_liveness, uncosted_terms, uses_foreach
-from autopar.planner.search import accumulation_steps
+from autopar.planner.one_stage import runs_on_ddp
 from autopar.zoo import get_model
 from cost_models.memory import precision
 from passes.layer_graph import build_layer_graph

@@ -18,9 +18,9 @@ from planner_cases import graph_of, make_cluster, make_layer
 
 from autopar.planner import moe_costs
 from autopar.planner.costs import allowed_options, layer_cost, layer_options
-from autopar.planner.engine import ddp_programs, runs_on_ddp
 from autopar.planner.estimators import ANALYTIC
 from autopar.planner.ilp import ClassOptions
+from autopar.planner.one_stage import ddp_programs, runs_on_ddp
 from autopar.planner.search import search
 from cost_models.hardware import GiB, Link
 from cost_models.memory import precision

@@ -12,15 +12,11 @@ from hypothesis import strategies as st
 from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 from autopar.planner import search
-from autopar.planner.engine import (
-    Engine,
-    _assignment,
-    _Prepared,
-    balanced_bounds,
-    pipeline_configs,
-)
+from autopar.planner.configs import pipeline_configs
+from autopar.planner.engine import Engine, _Prepared
 from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB
 from autopar.planner.published import MegatronRow, megatron_rows
+from autopar.planner.stages import balanced_bounds, stage_assignment
 from autopar.zoo import GPTConfig, ModelSpec, get_model
 from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Overlap
 from cost_models.memory import precision
@@ -67,7 +63,7 @@ def brute_force_pipeline(graph, cluster) -> float:
     n = len(graph.layers)
     for config in pipeline_configs(graph, cluster):
         for bounds in itertools.combinations(range(1, n), config.num_stages - 1):
-            stage_of = _assignment(n, bounds)
+            stage_of = stage_assignment(n, bounds)
             options = [list(ctx.costs(i, config).values()) for i in range(n)]
             for combo in itertools.product(*options):
                 if not fits(ctx, config, stage_of, combo):

@@ -11,6 +11,7 @@ from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner import search
+from autopar.planner.configs import accumulation_steps, candidate_meshes
 from autopar.planner.costs import (
     HOST_MEMORY_BYTES,
     allowed_options,
@@ -19,9 +20,8 @@ from autopar.planner.costs import (
     layer_options,
     on_ddp,
 )
-from autopar.planner.engine import class_options
 from autopar.planner.ilp import min_memory
-from autopar.planner.search import accumulation_steps, candidate_meshes
+from autopar.planner.one_stage import class_options
 from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Host, Link, Overlap
 from cost_models.memory import precision
 from passes.records import Collective, LayerGraph

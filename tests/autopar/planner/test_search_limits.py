@@ -14,7 +14,7 @@ import pytest
 
 from autopar.errors import ConfigError, TimeLimitError
 from autopar.planner import search
-from autopar.planner.engine import divisors, pipeline_configs
+from autopar.planner.configs import divisors, pipeline_configs
 from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
