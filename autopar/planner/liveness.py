@@ -79,27 +79,18 @@ from dataclasses import dataclass
 
 from autopar.planner.costs import LayerCost
 from cost_models.hardware import Cluster
+from cost_models.memory import MemoryTerms
 
 OPTIMIZER_EVENT = "optimizer step"
 FP32_BYTES = 4
 
 
 @dataclass(frozen=True, kw_only=True)
-class Usage:
-    """Bytes one rank holds at one event of the step."""
+class Usage(MemoryTerms):
+    """Bytes one rank holds at one event of the step (cost_models.memory.MemoryTerms)."""
 
     event: str
     """E.g. 'forward of h.3', 'backward of lm_head, micro-batch 1', 'optimizer step'."""
-    params_bytes: float
-    grads_bytes: float
-    optimizer_bytes: float
-    activations_bytes: float
-    buffers_bytes: float
-
-    @property
-    def total_bytes(self) -> float:
-        return (self.params_bytes + self.grads_bytes + self.optimizer_bytes
-                + self.activations_bytes + self.buffers_bytes)
 
 
 @dataclass(frozen=True, kw_only=True)
