@@ -24,8 +24,9 @@ class ScheduleSpec:
     """Runs a stage's backward in two passes (input gradients, then weight gradients).
     torch's selective activation checkpointing allows one backward through a region, so
     selective recomputation cannot run under it (full recomputation can)."""
-    searched: tuple[int, ...] = (1,)
-    """The virtual stages per rank the planner tries."""
+    searched: tuple[int, ...] | None = (1,)
+    """The virtual stages per rank the planner tries; None: every v from 2 up to the
+    layers per rank (each virtual stage holds at least one layer)."""
 
     def accepts(self, v: int) -> bool:
         return v >= 2 if self.virtual_stages is None else v in self.virtual_stages
@@ -39,9 +40,9 @@ class ScheduleSpec:
 SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
     ScheduleSpec(name="GPipe", virtual_stages=(1,)),
     ScheduleSpec(name="1F1B", virtual_stages=(1,)),
-    ScheduleSpec(name="Interleaved1F1B", virtual_stages=None, searched=(2,)),
+    ScheduleSpec(name="Interleaved1F1B", virtual_stages=None, searched=None),
     ScheduleSpec(name="InterleavedZeroBubble", virtual_stages=None, split_backward=True,
-                 searched=(2,)),
+                 searched=None),
     ScheduleSpec(name="ZBVZeroBubble", virtual_stages=(2,), placement="v",
                  split_backward=True, searched=(2,)),
 )}

@@ -19,8 +19,6 @@ from cost_models.schedule import SCHEDULES
 from passes.records import LayerGraph
 from runtime.plan import Mesh, schedule_microbatch_problem
 
-PIPELINE_SCHEDULES = tuple((name, v) for name, spec in SCHEDULES.items() for v in spec.searched)
-"""(schedule, virtual stages per rank) searched: the schedule table's ``searched``."""
 MAX_MICROBATCHES_PER_STAGE = 8
 """m is searched among divisors of the per-replica batch in [pp, 8·pp]: beyond 8·pp the
 bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
@@ -94,7 +92,8 @@ def batch_norm_layers(graph: LayerGraph) -> list[str]:
 def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[Config]:
     """Every configuration to try (for a model with tied layers, one per strategy the tie
     can take); none when ``pipeline_problem`` says why."""
-    world, batch, layers = cluster.world_size, graph.batch_size, len(graph.layers)
+    world, batch = cluster.world_size, graph.batch_size
+    layers = len(graph.layers) - len(graph.uncuttable)  # where a stage may start
     if pipeline_problem(graph) is not None:
         return []
     out = []
@@ -108,8 +107,8 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[Config]:
             per_replica = batch // dp
             ms = [d for d in divisors(per_replica) if pp <= d <= MAX_MICROBATCHES_PER_STAGE * pp]
             for m in ms or [per_replica]:
-                for schedule, v in PIPELINE_SCHEDULES:
-                    if pp * v > layers or (v > 1 and m % pp):
+                for schedule, v in searched_schedules(pp, layers):
+                    if v > 1 and m % pp:
                         continue  # interleaving advances micro-batches in groups of pp
                     if schedule_microbatch_problem(schedule, pp, m):
                         continue  # torch's schedule would refuse it
@@ -119,6 +118,13 @@ def pipeline_configs(graph: LayerGraph, cluster: Cluster) -> list[Config]:
                     out += [Config(mesh=mesh, schedule=schedule, virtual_stages=v,
                                            microbatches=m, tie_strategy=t) for t in ties]
     return out
+
+
+def searched_schedules(pp: int, layers: int) -> list[tuple[str, int]]:
+    """(schedule, virtual stages per rank) the planner tries on pp ranks: the schedule
+    table's ``searched``, or every v from 2 while each virtual stage keeps a layer."""
+    return [(name, v) for name, spec in SCHEDULES.items()
+            for v in (spec.searched or range(2, layers // pp + 1)) if pp * v <= layers]
 
 
 def pipeline_problem(graph: LayerGraph) -> str | None:

@@ -40,6 +40,7 @@ the search is exact with respect to steps 1-3 while simulating few configuration
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 import time
@@ -105,6 +106,7 @@ from runtime.plan import (
     SPLIT_BACKWARD_SCHEDULES,
     LayerPlan,
     MemoryBreakdown,
+    Mesh,
     PipelineSpec,
     Plan,
     Prediction,
@@ -155,6 +157,8 @@ class Outcome:
 class Infeasible:
     config: Config
     min_memory_bytes: float
+    exact: bool = True
+    """False: ``min_memory_bytes`` is a floor (the least is at least that)."""
 
 
 class TimeLimitReached(Exception):  # noqa: N818 (a signal to the caller, not an error)
@@ -198,6 +202,7 @@ class Engine:
         self._roles: dict[tuple, dict[int, TieRole]] = {}
         self._layer_costs: dict[tuple, list[dict[str, LayerCost]]] = {}
         self._summaries: dict[int, tuple[LayerCost, float, float, float]] = {}
+        self._balanced: dict[tuple, tuple[int, ...]] = {}
 
     # -- one stage (pp = 1) ---------------------------------------------------------------
 
@@ -362,25 +367,45 @@ class Engine:
         memory-aware bound (memory_bound: the rank ILPs' LP bounds) that skips
         configurations before their ILPs and evaluates the most promising first."""
         queue = []
+        results: list[Outcome | Infeasible] = []
+        too_big: set[tuple[Mesh, int]] = set()  # (mesh, micro-batches) no rank can hold
         for i, config in enumerate(pipeline_configs(self.graph, self.cluster)):
             if time.perf_counter() > deadline:
                 raise TimeLimitReached(None, [])
+            shape = (config.mesh, config.microbatches)
+            if shape in too_big:
+                continue
+            floor = self._fullest_rank_floor(config)
+            if floor > self.cluster.device.memory_bytes:
+                too_big.add(shape)  # whatever the schedule, stages and tie: said once
+                results.append(Infeasible(config=config, min_memory_bytes=floor, exact=False))
+                continue
             queue += [(self.bound(config, cut, self.fastest(config, cut)), i, config, cut)
                       for cut in self.cuts(config)]
         queue.sort(key=lambda item: item[:2])
-        ordered = [(optimistic, p, config, cut)
-                   for p, (optimistic, _, config, cut) in enumerate(queue)
-                   if optimistic < best_known_s]  # memory can only slow a plan down
-        results: list[Outcome | Infeasible] = []
-        if self.prune:
-            ordered, results = self._by_memory_bound(ordered, deadline)
+        # A heap of (bound, position, refined, configuration, cut). ``prune`` refines an
+        # entry's bound by memory (memory_bound) only when it reaches the top, and pushes
+        # it back: what is evaluated, and in which order, is what sorting every entry by
+        # its refined bound would give (a refined bound is never below the unrefined one),
+        # while entries the best step outruns are never refined at all.
+        heap = [(optimistic, p, not self.prune, config, cut)
+                for p, (optimistic, _, config, cut) in enumerate(queue)
+                if optimistic < best_known_s]  # memory can only slow a plan down
         best: Outcome | None = None
         best_key = (best_known_s, -1)  # a tie with the plan without pipelining does not win
-        for bound, p, config, cut in ordered:
+        while heap:
+            bound, p, refined, config, cut = heapq.heappop(heap)
             if (bound, p) >= best_key:
-                break  # sorted by (bound, position): nothing later can win
+                break  # the heap's least (bound, position): nothing left can win
             if time.perf_counter() > deadline:
                 raise TimeLimitReached(best, results)
+            if not refined:
+                memory = self.memory_bound(config, cut)
+                if math.isinf(memory):  # the LP already shows a rank that cannot fit
+                    results.append(self.infeasible(config, cut))
+                else:
+                    heapq.heappush(heap, (max(bound, memory), p, True, config, cut))
+                continue
             prepared = self.prepare(config, cut)
             if isinstance(prepared, Infeasible):
                 results.append(prepared)
@@ -394,23 +419,6 @@ class Engine:
             if (outcome.step_time_s, p) < best_key:
                 best, best_key = outcome, (outcome.step_time_s, p)
         return best, results
-
-    def _by_memory_bound(self, ordered: list[tuple[float, int, Config, tuple]],
-                         deadline: float = math.inf
-                         ) -> tuple[list[tuple[float, int, Config, tuple]], list[Infeasible]]:
-        """The queue re-sorted by the larger of its bound and the memory-aware one, and
-        the configurations whose LP relaxation already shows a rank that cannot fit (the
-        rank ILP would say the same: its feasible set lies inside the LP's)."""
-        kept, infeasible = [], []
-        for optimistic, p, config, cut in ordered:
-            if time.perf_counter() > deadline:
-                raise TimeLimitReached(None, [])
-            bound = self.memory_bound(config, cut)
-            if math.isinf(bound):
-                infeasible.append(self.infeasible(config, cut))
-            else:
-                kept.append((max(optimistic, bound), p, config, cut))
-        return sorted(kept, key=lambda item: item[:2]), infeasible
 
     def layer_costs(self, config: Config, stage_of: tuple[int, ...] | None = None
                     ) -> list[dict[str, LayerCost]]:
@@ -506,8 +514,12 @@ class Engine:
             cuts = [stage_assignment(n, bounds)
                     for bounds in itertools.combinations(allowed, stages - 1)]
         else:
-            weights = [self.summary(options)[1] for options in self.layer_costs(config)]
-            cuts = [stage_assignment(n, balanced_bounds(weights, stages, self.graph.uncuttable))]
+            weights = tuple(self.summary(options)[1] for options in self.layer_costs(config))
+            key = (weights, stages)  # schedules and micro-batch counts often share both
+            if key not in self._balanced:
+                self._balanced[key] = stage_assignment(
+                    n, balanced_bounds(list(weights), stages, self.graph.uncuttable))
+            cuts = [self._balanced[key]]
         owner = stage_ranks(config.schedule, config.mesh.pp, stages)
         return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
 
@@ -596,16 +608,58 @@ class Engine:
             bwd[s] += least_bwd
         split_w = SCHEDULES[config.schedule].split_backward
         out = 0.0
+        if self._floor_exceeds_the_device(config, stage_of):
+            return math.inf  # no need to ask the LP: a rank cannot fit at all
         for rank, (_, options) in enumerate(self._ranks(config, stage_of)):
             first = owner.index(rank)
             ahead = sum(fwd[:first]) + (0.0 if split_w else sum(bwd[:first]))
             out = max(out, ahead + self._rank_bound(config, options))
         return out * (1 - STEP_BOUND_TOLERANCE)
 
+    def _fullest_rank_floor(self, config: Config) -> float:
+        """Memory the fullest pipeline rank needs at least, for any schedule, cut and tie
+        strategy on this mesh and micro-batch count: some rank holds ceil(n / pp) of the n
+        layers, each at no less than its least resident option with one micro-batch in
+        flight (a tied layer's options hold a copy more and are fewer, a split-backward
+        schedule's lack selective recomputation: never less), so at least the sum of the
+        ceil(n / pp) smallest such layers, margin included."""
+        any_schedule = Config(mesh=config.mesh, schedule="1F1B", microbatches=config.microbatches)
+        least = sorted(min(c.resident_with(1) for c in options.values())
+                       for options in self.layer_costs(any_schedule))
+        held = -(-len(least) // config.mesh.pp)
+        return (1 + self.cluster.memory_margin_fraction) * sum(least[:held])
+
+    def _memory_floor(self, options: list[ClassOptions]) -> float:
+        """Memory no assignment of these options goes below, margin included: each class
+        at its least resident option, and the largest of the classes' least buffers
+        (min_memory, without the search over buffer caps that makes it exact)."""
+        resident = sum(o.count * min(c.resident_with(o.inflight) for c in o.costs.values())
+                       for o in options)
+        buffer = max(min(c.buffer_bytes for c in o.costs.values()) for o in options)
+        return (1 + self.cluster.memory_margin_fraction) * (resident + buffer)
+
+    def _floor_exceeds_the_device(self, config: Config, stage_of: tuple[int, ...]) -> bool:
+        """Whether some rank needs more than the device even at one micro-batch in flight
+        per stage (no schedule's in-flight counts needed): the floor of its memory."""
+        ones = (1,) * config.num_stages
+        capacity = self.cluster.device.memory_bytes
+        return max(self._memory_floor(options)
+                   for _, options in self._ranks(config, stage_of, ones)) > capacity
+
     def infeasible(self, config: Config, stage_of: tuple[int, ...]) -> Infeasible:
-        """The configuration needs what its fullest rank needs at the least."""
-        need = max(min_memory(options, self.cluster.memory_margin_fraction)[0]
-                   for _, options in self._ranks(config, stage_of))
+        """The configuration needs what its fullest rank needs at the least: exactly
+        (min_memory), or a floor already above the device, which is cheaper to know."""
+        ones = (1,) * config.num_stages
+        floor = max(self._memory_floor(options)
+                    for _, options in self._ranks(config, stage_of, ones))
+        if floor > self.cluster.device.memory_bytes:
+            return Infeasible(config=config, min_memory_bytes=floor, exact=False)
+        need = 0.0
+        for _, options in self._ranks(config, stage_of):
+            key = ("min memory", *_rank_key(config, options))
+            if key not in self._bounds:
+                self._bounds[key] = min_memory(options, self.cluster.memory_margin_fraction)[0]
+            need = max(need, self._bounds[key])
         return Infeasible(config=config, min_memory_bytes=need)
 
     def prepare(self, config: Config, stage_of: tuple[int, ...]

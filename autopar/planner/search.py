@@ -55,6 +55,8 @@ class Candidate:
     """Layer class -> {strategy: number of its layers}."""
     min_memory_bytes: float | None = None
     """For infeasible meshes: the least per-rank memory any plan on this mesh needs."""
+    min_memory_exact: bool = True
+    """False: ``min_memory_bytes`` is a floor of that least memory."""
     schedule: str | None = None
     """Pipeline candidates: the schedule, virtual stages per rank and micro-batches."""
     virtual_stages: int = 1
@@ -304,6 +306,7 @@ def _candidate(outcome: Outcome | Infeasible | Refused) -> Candidate:
                          f"{outcome.reason}", **common)
     if isinstance(outcome, Infeasible):
         return Candidate(status="infeasible", min_memory_bytes=outcome.min_memory_bytes,
+                         min_memory_exact=outcome.exact,
                          reason=f"needs at least {human_bytes(outcome.min_memory_bytes)} per rank",
                          **common)
     return Candidate(status="optimal", objective_s=outcome.step_time_s,
@@ -325,7 +328,8 @@ def _infeasible(graph: LayerGraph, cluster: Cluster, candidates: list[Candidate]
     return InfeasibleError(
         f"no plan fits {graph.model_name or 'the model'} (batch {graph.batch_size}) on "
         f"{cluster.world_size} × {cluster.device.name} ({human_bytes(cap)} each): the smallest "
-        f"per-rank memory any plan needs is {human_bytes(least.min_memory_bytes)} "
+        f"per-rank memory any plan needs is {'' if least.min_memory_exact else 'at least '}"
+        f"{human_bytes(least.min_memory_bytes)} "
         f"(mesh {least.mesh.describe()}, allocator margin "
         "included). "
         "Try more devices or nodes, a smaller batch, or a lower precision (--dtype bfloat16)."
