@@ -10,10 +10,11 @@ from autopar.exports.accelerate import export_accelerate
 from autopar.exports.common import Export, ExportFile
 from autopar.exports.deepspeed import export_deepspeed
 from autopar.exports.megatron import export_megatron
+from autopar.exports.torchtitan import export_torchtitan
 
 EXPORTERS = {"megatron": export_megatron, "deepspeed": export_deepspeed,
-             "accelerate": export_accelerate}
+             "accelerate": export_accelerate, "torchtitan": export_torchtitan}
 """Engine name -> its export function (``plan, plan_path, **launch`` -> ``Export``)."""
 
 __all__ = ["EXPORTERS", "Export", "ExportFile", "export_accelerate", "export_deepspeed",
-           "export_megatron"]
+           "export_megatron", "export_torchtitan"]
