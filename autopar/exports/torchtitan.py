@@ -64,6 +64,7 @@ Setting = tuple[str, ...]
 def torchtitan_settings(plan: Plan) -> tuple[list[Setting], list[str]]:
     """The plan's settings, the checkpointing subcommand last, and what they cannot express."""
     warnings: list[str] = []
+    block_span(plan)  # first: a plan without one run of identical blocks is refused
     dp = data_parallel(plan)
     warnings += dp.warnings
     shard = _shard_degree(plan, dp, warnings)
@@ -142,7 +143,7 @@ def _tensor_parallel_warnings(plan: Plan, warnings: list[str]) -> None:
 def _expert_degree(plan: Plan, shard: int, warnings: list[str]) -> int:
     """torchtitan takes the expert-parallel ranks from dp_shard × cp × tp (innermost)."""
     degrees = Counter(la.expert_parallel for la in plan.layers)
-    ep = max(degrees)
+    ep = max(degrees, default=1)
     if ep == 1:
         return 1
     if len(set(degrees) - {1}) > 1:
