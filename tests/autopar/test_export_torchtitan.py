@@ -279,3 +279,18 @@ def test_the_planners_own_plan_exports():
     p = c.parallelism
     assert p.data_parallel_replicate_degree * p.data_parallel_shard_degree == plan.mesh.dp
     assert c.training.local_batch_size * plan.mesh.dp * accumulation(c) == BATCH
+
+
+def test_the_command_writes_the_script_and_prints_the_warnings(tmp_path, capsys):
+    from autopar.cli import main
+
+    plan_path = tmp_path / "plan.json"
+    plan_of(mesh=Mesh(dp=2), strategy="zero2", param_dtype="float16", reduce_dtype="float16",
+            loss_scaling="dynamic").save(plan_path)
+    assert main(["export", str(plan_path), "--format", "torchtitan", "--nodes", "1",
+                 "--nproc-per-node", "2", "--out", str(tmp_path / "job")]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"wrote {tmp_path}/job/torchtitan.sh\n"
+    assert "autopar export: warning: float16 compute" in err
+    text = (tmp_path / "job" / "torchtitan.sh").read_text()
+    assert f"from plan {plan_path}" in text and "--training.mixed-precision-param bfloat16" in text
