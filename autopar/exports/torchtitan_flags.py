@@ -13,6 +13,7 @@ misspelt field of those sections is refused; the other sections of ``Trainer.Con
 from __future__ import annotations
 
 import re
+import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -83,8 +84,6 @@ class TorchtitanArgs:
 
 def read_args(argv: str | Sequence[str]) -> TorchtitanArgs:
     """``argv`` (a list, or one shell-quoted string split by ``shlex``), read strictly."""
-    import shlex
-
     words = shlex.split(argv) if isinstance(argv, str) else list(argv)
     out = TorchtitanArgs()
     i = 0

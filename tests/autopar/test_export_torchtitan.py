@@ -294,3 +294,23 @@ def test_the_command_writes_the_script_and_prints_the_warnings(tmp_path, capsys)
     assert "autopar export: warning: float16 compute" in err
     text = (tmp_path / "job" / "torchtitan.sh").read_text()
     assert f"from plan {plan_path}" in text and "--training.mixed-precision-param bfloat16" in text
+
+
+def _with_experts(plan: Plan, ep: int) -> Plan:
+    """The blocks' experts split over ``ep`` data-parallel ranks."""
+    return dataclasses.replace(plan, layers=tuple(
+        dataclasses.replace(la, expert_parallel=ep) if la.module.startswith("h.") else la
+        for la in plan.layers))
+
+
+def test_expert_parallelism_takes_ranks_torchtitan_can_give():
+    """torchtitan borrows the expert-parallel ranks from dp_shard × cp × tp: under FSDP they
+    are there; under plain replication (dp_shard 1) there are none to borrow."""
+    sharded = _with_experts(plan_of(mesh=Mesh(dp=4), strategy="fsdp"), 2)
+    assert parsed(sharded).parallelism.expert_parallel_degree == 2
+    assert not export_torchtitan(sharded, "plan.json").warnings
+    replicated = _with_experts(plan_of(mesh=Mesh(dp=4)), 2)
+    assert parsed(replicated).parallelism.expert_parallel_degree == 1
+    assert export_torchtitan(replicated, "plan.json").warnings == (
+        "expert parallelism (ep = 2) left out: torchtitan takes its ranks from dp_shard × cp "
+        "× tp = 1, which ep does not divide",)
