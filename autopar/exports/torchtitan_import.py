@@ -56,8 +56,9 @@ class TorchtitanJob:
         d = {"dp_replicate": p["data_parallel_replicate_degree"],
              "dp_shard": p["data_parallel_shard_degree"], "cp": p["context_parallel_degree"],
              "tp": p["tensor_parallel_degree"], "pp": p["pipeline_parallel_degree"]}
-        if d["dp_shard"] == -1:  # torchtitan: the ranks the other degrees leave
-            d["dp_shard"] = self.world_size // math.prod(v for k, v in d.items() if k != "dp_shard")
+        others = math.prod(v for k, v in d.items() if k != "dp_shard")
+        if d["dp_shard"] == -1 and others >= 1:  # torchtitan: the ranks the others leave
+            d["dp_shard"] = self.world_size // others
         return d
 
     @property
@@ -67,7 +68,7 @@ class TorchtitanJob:
     @property
     def global_batch(self) -> int:
         g = self.training["global_batch_size"]
-        return g if g > 0 else self.training["local_batch_size"] * self.dp
+        return g if g >= 0 else self.training["local_batch_size"] * self.dp
 
     @property
     def seq_len(self) -> int:
@@ -82,8 +83,8 @@ def read_torchtitan_args(argv: str | Sequence[str], world_size: int) -> Torchtit
     values = _registry(args.module, args.config, notes)
     for section, overrides in args.overrides.items():
         values[section].update(overrides)
-    policy = args.activation_checkpoint or values.pop("activation_checkpoint")
-    values.pop("activation_checkpoint", None)
+    registry_policy = values.pop("activation_checkpoint")
+    policy = args.activation_checkpoint or registry_policy
     job = TorchtitanJob(parallelism=values["parallelism"], training=values["training"],
                         activation_checkpoint=policy, world_size=world_size, notes=tuple(notes))
     _check(job)
@@ -155,9 +156,15 @@ def _check(job: TorchtitanJob) -> None:
                           f"{job.world_size} ranks; give degrees whose product is "
                           f"{job.world_size} (dp_shard -1 takes the ranks left)")
     local = t["local_batch_size"]
-    if local < 1 or job.global_batch % (local * job.dp):
-        raise ConfigError(f"--training.global_batch_size {job.global_batch} is not a multiple "
-                          f"of local_batch_size {local} × data-parallel degree {job.dp}")
+    if local < 1 or job.global_batch < 1 or job.global_batch % (local * job.dp):
+        raise ConfigError(f"--training.global_batch_size {job.global_batch} is not a positive "
+                          f"multiple of local_batch_size {local} × data-parallel degree "
+                          f"{job.dp}")
+    per_stage = p["pipeline_parallel_layers_per_stage"]
+    if per_stage is not None and per_stage < 1:
+        raise ConfigError("--parallelism.pipeline_parallel_layers_per_stage must be at least "
+                          f"1, got {per_stage}")
+    _schedule_class(p["pipeline_parallel_schedule"])  # a schedule torch knows
     micro = p["pipeline_parallel_microbatch_size"]
     if d["pp"] > 1 and (micro < 1 or local % micro):
         raise ConfigError(f"--training.local_batch_size {local} is not a multiple of "

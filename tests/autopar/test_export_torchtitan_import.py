@@ -5,6 +5,7 @@ job's registry is read with torchtitan's ConfigManager, and bad input is a clear
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -151,12 +152,20 @@ def test_the_default_split_is_torchtitans(stages, layers, inw, outw):
     ("--training.enable-cpu-offload True", "is a switch and takes no value"),
     ("--training.local-batch-size four", "'four' is not a number"),
     ("activation-checkpoint:op", "not a torchtitan 0.3 policy"),
-    ("--training.global-batch-size 20", "not a multiple of local_batch_size 8 × "
+    ("--training.global-batch-size 20", "not a positive multiple of local_batch_size 8 × "
                                         "data-parallel degree 8"),
+    ("--training.global-batch-size 0", "global_batch_size 0 is not a positive multiple"),
+    ("--training.local-batch-size 0", "not a positive multiple of local_batch_size 0"),
+    ("--parallelism.tensor-parallel-degree 0", "tp 0 × pp 1 do not multiply"),
+    ("--parallelism.data-parallel-shard-degree -3", "must be -1 (the ranks left) or at least"),
+    ("--parallelism.pipeline-parallel-degree 2 --parallelism.data-parallel-shard-degree 4 "
+     "--parallelism.pipeline-parallel-layers-per-stage 0", "layers_per_stage must be at least"),
+    ("--parallelism.pipeline-parallel-degree 2 --parallelism.data-parallel-shard-degree 4 "
+     "--parallelism.pipeline-parallel-schedule Zigzag", "pipeline_parallel_schedule: "),
     ("llama3", "unexpected word 'llama3'"),
 ])
 def test_bad_arguments_are_clear_errors(args, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         read_torchtitan_args(args, 8)
 
 
