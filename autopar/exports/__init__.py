@@ -2,8 +2,9 @@
 
 Each returns an ``Export`` (its files, and what of the plan the engine cannot express as
 warnings, also written in the files' header); ``Export.write(dir)`` writes the files
-atomically, scripts executable. ``plan_from_megatron`` reads an existing Megatron-LM job's
-arguments back into a plan, to be priced next to autopar's own.
+atomically, scripts executable. ``plan_from_megatron`` and ``plan_from_torchtitan`` read an
+existing Megatron-LM or torchtitan job's arguments back into a plan, to be priced next to
+autopar's own.
 """
 
 from autopar.exports.accelerate import export_accelerate
