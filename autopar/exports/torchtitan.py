@@ -20,7 +20,8 @@ What the plan sets:
   keeps the gathered parameters through the step, as autopar's runtime runs ZeRO-1/2);
 - the pipeline: schedule, micro-batch size and the exact stage layout
   (``module_fqns_per_model_part`` in the names of torchtitan's decoder: ``tok_embeddings``,
-  ``layers.<k>``, ``norm``, ``lm_head``), so no even-split rule is assumed;
+  ``layers.<k>``, ``norm``, ``lm_head``), so no even-split rule is assumed; and CUDA
+  graphs off (``Trainer.Config`` refuses them with pipelining, and they are on by default);
 - activation checkpointing of every transformer block: ``none``, ``selective`` or ``full``
   (always given: torchtitan's default is selective);
 - ``training``: ``local_batch_size`` (per data-parallel rank and accumulation step) and
@@ -170,6 +171,8 @@ def _pipeline(plan: Plan, warnings: list[str]) -> list[Setting]:
         _flag("parallelism.pipeline_parallel_microbatch_size", micro_batch_size(plan)),
         ("--parallelism.module-fqns-per-model-part",
          *(",".join(part) for part in stage_modules(plan, warnings))),
+        # Trainer.Config refuses pipelining with CUDA graph capture, its default.
+        _switch("training.disable_cuda_graphs", True),
     ]
 
 

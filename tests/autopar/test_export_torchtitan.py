@@ -24,16 +24,26 @@ import shlex
 import stat
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Annotated
 
 import pytest
+import tyro
 from export_cases import BATCH, SEQ, gpt_small, plan_of
 from torch.distributed.pipelining.schedules import get_schedule_class
-from torchtitan.config import ConfigManager, ParallelismConfig, TrainingConfig
+from torchtitan.config import (
+    CompileConfig,
+    ConfigManager,
+    DebugConfig,
+    ParallelismConfig,
+    TrainingConfig,
+)
 from torchtitan.distributed.activation_checkpoint import (
     ActivationCheckpointingConfig,
     FullAC,
+    MemoryBudgetAC,
     SelectiveAC,
 )
 from torchtitan.distributed.parallel_dims import ParallelDims
@@ -48,15 +58,43 @@ JOB_ARGS = ["--module", __name__, "--config", "job", "--training.steps", "7"]
 """What a user gives torchtitan.sh: the job (here the registry below) and its own flags."""
 
 
+TRAINER = Path(importlib.util.find_spec("torchtitan.trainer").origin)
+"""torchtitan's trainer.py, read, not imported (importing it needs triton)."""
+
+
+def trainer_config_node() -> ast.ClassDef:
+    trainer = next(n for n in ast.parse(TRAINER.read_text()).body
+                   if isinstance(n, ast.ClassDef) and n.name == "Trainer")
+    return next(n for n in trainer.body if isinstance(n, ast.ClassDef) and n.name == "Config")
+
+
+def trainer_checks() -> dict[str, Callable]:
+    """``Trainer.Config.__post_init__`` and ``_validate_cuda_graphs``, compiled from the
+    installed source: torchtitan's own checks of a whole config (the batch-invariant mode,
+    the pipeline micro-batch size, CUDA graphs with pipelining, memory-budget checkpointing
+    without compile). Their branches that read the model spec are never reached here: the
+    registry has none, as torchtitan's own registry functions leave it to the trainer."""
+    methods = [n for n in trainer_config_node().body if isinstance(n, ast.FunctionDef)
+               and n.name in ("__post_init__", "_validate_cuda_graphs")]
+    names = {"SelectiveAC": SelectiveAC, "MemoryBudgetAC": MemoryBudgetAC}
+    exec(compile(ast.Module(body=methods, type_ignores=[]), str(TRAINER), "exec"), names)
+    return {name: names[name] for name in ("__post_init__", "_validate_cuda_graphs")}
+
+
 @dataclass(kw_only=True, slots=True)
 class Config:
-    """The sections of torchtitan's ``Trainer.Config`` that the export sets."""
+    """The sections of torchtitan's ``Trainer.Config`` that the export sets or its checks
+    read, with the trainer's own checks."""
 
+    model_spec: Annotated[object | None, tyro.conf.Suppress] = None
     hf_assets_path: str = "."
     training: TrainingConfig = field(default_factory=TrainingConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     activation_checkpoint: ActivationCheckpointingConfig = field(
         default_factory=SelectiveAC.Config)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    locals().update(trainer_checks())
 
 
 def job() -> Config:
@@ -69,18 +107,18 @@ def job() -> Config:
 
 def test_the_registry_mirrors_trainer_config():
     """``Config`` declares the fields of torchtitan's ``Trainer.Config`` it holds with the same
-    names and types (read from the installed source: importing it needs triton)."""
-    path = Path(importlib.util.find_spec("torchtitan.trainer").origin)
-    trainer = next(n for n in ast.parse(path.read_text()).body
-                   if isinstance(n, ast.ClassDef) and n.name == "Trainer")
-    config = next(n for n in trainer.body if isinstance(n, ast.ClassDef) and n.name == "Config")
-    declared = {n.target.id: ast.unparse(n.annotation) for n in config.body
+    names and types, and runs its checks."""
+    declared = {n.target.id: ast.unparse(n.annotation) for n in trainer_config_node().body
                 if isinstance(n, ast.AnnAssign)}
-    mine = {f.name: f.type for f in dataclasses.fields(Config)}
+    mine = {f.name: f.type for f in dataclasses.fields(Config) if f.name != "model_spec"}
     assert {name: declared[name] for name in mine} == {
         "hf_assets_path": "str", "training": "TrainingConfig",
         "parallelism": "ParallelismConfig",
-        "activation_checkpoint": "ActivationCheckpointingConfig"} == mine
+        "activation_checkpoint": "ActivationCheckpointingConfig",
+        "compile": "CompileConfig", "debug": "DebugConfig"} == mine
+    assert "tyro.conf.Suppress" in declared["model_spec"]
+    with pytest.raises(ValueError, match="CUDA graphs do not support pipeline parallelism"):
+        Config(parallelism=ParallelismConfig(pipeline_parallel_degree=2))
 
 
 def exported_args(plan: Plan, **launch) -> list[str]:
@@ -130,7 +168,7 @@ def test_interleaved_tp_sp_plan_arrives_whole():
     assert t.local_batch_size == BATCH // 2 and accumulation(c) == 1
     assert (t.seq_len, t.dtype, t.mixed_precision_param, t.mixed_precision_reduce) == \
         (SEQ, "float32", "bfloat16", "float32")
-    assert not t.enable_cpu_offload
+    assert not t.enable_cpu_offload and t.disable_cuda_graphs  # Trainer.Config requires it
     assert isinstance(c.activation_checkpoint, FullAC.Config)
 
 
