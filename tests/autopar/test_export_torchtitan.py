@@ -6,10 +6,11 @@ The script's arguments are parsed as ``torchtitan.train`` parses them: by torcht
 overrides, strictly: an unknown flag exits) into torchtitan's own ``TrainingConfig``,
 ``ParallelismConfig`` and activation-checkpointing configs, whose ``__post_init__`` checks
 run. ``torchtitan.trainer`` itself imports triton (a GPU compiler CPU torch ships
-without), so the registry here, ``job``, returns a ``Config`` holding exactly the
-sections the export sets, under the names and types ``Trainer.Config`` gives them (checked
-against the installed trainer.py's source). torchtitan's own ``ParallelDims`` then checks
-the degrees against the world size, and its pipeline code places the stages on ranks.
+without), so the registry here, ``job``, returns a ``Config`` holding the sections the
+export sets, under the names and types ``Trainer.Config`` gives them, with
+``Trainer.Config``'s own checks compiled from the installed trainer.py. torchtitan's own
+``ParallelDims`` then checks the degrees against the world size, and its pipeline code
+places the stages on ranks.
 """
 
 from __future__ import annotations
