@@ -95,6 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--from-megatron", metavar="ARGS",
                    help="an existing Megatron-LM job's arguments (one quoted string): print "
                         "its predicted step time next to autopar's plan, with the gain")
+    p.add_argument("--from-torchtitan", metavar="ARGS",
+                   help="an existing torchtitan 0.3 job's arguments (one quoted string: "
+                        "--module M --config C and --section.field overrides): the same")
     add_plan_options(p)
     p.set_defaults(handler=cmd_plan)
     add_commands(sub)
@@ -164,6 +167,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
         print(megatron_comparison(args.from_megatron, spec.name, cluster, seq=args.seq,
                                   time_limit_s=args.time_limit))
+        return 0
+    if args.from_torchtitan:
+        from autopar.exports.torchtitan_compare import torchtitan_comparison
+
+        print(torchtitan_comparison(args.from_torchtitan, spec.name, cluster,
+                                    time_limit_s=args.time_limit))
         return 0
     batch = args.batch or spec.default_batch
     inputs = spec.example_inputs(batch, args.seq, device="meta")

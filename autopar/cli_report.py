@@ -11,28 +11,23 @@ from autopar.cli_types import node_count, nonnegative_int, positive_int, ranks_p
 from autopar.diff import diff, format_diff
 from autopar.errors import ConfigError
 from autopar.explain import explain, format_explanation
-from autopar.export import (
-    Job,
-    launch_for,
-    slurm_script,
-    torchrun_script,
-    torchtitan_toml,
-    write_script,
-)
+from autopar.export import Job, launch_for, slurm_script, torchrun_script, write_script
 from autopar.exports import EXPORTERS
 from runtime.device import DEVICE_TYPES
 from runtime.files import check_output, check_output_dir, write_atomic
 from runtime.plan import Plan
 from runtime.plan_report import alternatives_lines
 
-EXPORT_FILES = {"torchtitan": "parallelism.toml", "torchrun": "torchrun.sh", "slurm": "job.slurm"}
+EXPORT_FILES = {"torchrun": "torchrun.sh", "slurm": "job.slurm"}
+TORCHTITAN_FILE = "torchtitan.sh"
+"""``plan --export`` also writes the torchtitan launch script (``autopar.exports``)."""
 
 
 def add_plan_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", metavar="DIR",
                    help="write PNG pictures (memory, step time, schedule, scaling) into DIR")
     p.add_argument("--export", metavar="DIR",
-                   help="write parallelism.toml (torchtitan), torchrun.sh and job.slurm into DIR")
+                   help="write torchrun.sh, job.slurm and torchtitan.sh into DIR")
     p.add_argument("--top", type=nonnegative_int, default=5, help="alternatives shown in the report")
 
 
@@ -49,13 +44,14 @@ def add_commands(sub) -> None:
     d.add_argument("plan_b", metavar="B.json")
     d.set_defaults(handler=cmd_diff)
 
-    x = sub.add_parser("export", help="print a torchtitan config block, torchrun script or "
-                       "SLURM script that runs a saved plan",
+    x = sub.add_parser("export", help="print a torchrun or SLURM script that runs a saved "
+                       "plan, or an engine's settings for it (torchtitan, Megatron-LM, "
+                       "DeepSpeed, accelerate)",
                        description="autopar export PLAN.json --format slurm --script train.py "
                                    "-- ARGS: the script's own arguments follow --")
     x.add_argument("plan", metavar="PLAN.json")
     x.add_argument("--format", choices=[*EXPORT_FILES, *EXPORTERS], default="torchrun",
-                   help="megatron, deepspeed, accelerate: the engine's own settings "
+                   help="megatron, deepspeed, accelerate, torchtitan: the engine's own settings "
                         "(with --out, a directory for its files)")
     x.add_argument("--nodes", type=node_count, help="default: the cluster the plan was made for")
     x.add_argument("--nproc-per-node", type=ranks_per_node,
@@ -103,7 +99,7 @@ def cmd_export(args: argparse.Namespace) -> int:
               script_args=tuple(args.script_args), steps=args.steps, device=args.device)
     text = export_text(plan, args.format, args.plan, args.nodes, args.nproc_per_node, job)
     if args.out:
-        print(f"wrote {write_script(args.out, text, executable=args.format != 'torchtitan')}")
+        print(f"wrote {write_script(args.out, text)}")
     else:
         print(text, end="")
     return 0
@@ -131,8 +127,6 @@ def export_text(plan: Plan, fmt: str, plan_path: str, nodes: int | None = None,
                 nproc_per_node: int | None = None, job: Job | None = None) -> str:
     """The file for ``fmt``; launch files name the plan by its absolute path, so they run
     from any directory (sbatch runs a copy of the script, elsewhere)."""
-    if fmt == "torchtitan":
-        return torchtitan_toml(plan)
     launch = launch_for(plan, nodes, nproc_per_node)
     plan_path = str(Path(plan_path).resolve())
     if fmt == "torchrun":
@@ -150,7 +144,8 @@ def check_outputs(args: argparse.Namespace) -> None:
     if getattr(args, "json", None):
         check_output(args.json, force=force, what="--json")
     if getattr(args, "export", None):
-        names = [*EXPORT_FILES.values(), *([] if args.json else ["plan.json"])]
+        names = [*EXPORT_FILES.values(), TORCHTITAN_FILE,
+                 *([] if args.json else ["plan.json"])]
         check_output_dir(args.export, names, force=force, what="--export directory")
     if getattr(args, "plot", None):
         check_output_dir(args.plot, PLOT_FILES, force=force, what="--plot directory")
@@ -176,6 +171,22 @@ def write_outputs(args: argparse.Namespace, plan: Plan, scaling=None, *,
             write_atomic(plan_path, plan.to_json())
             written.append(Path(plan_path))
         for fmt, name in EXPORT_FILES.items():
-            written.append(write_script(out / name, export_text(plan, fmt, plan_path),
-                                        executable=fmt != "torchtitan"))
+            written.append(write_script(out / name, export_text(plan, fmt, plan_path)))
+        written += _write_torchtitan(plan, plan_path, out)
     return written
+
+
+def _write_torchtitan(plan: Plan, plan_path: str, out: Path) -> list[Path]:
+    """torchtitan.sh (what torchtitan cannot express of the plan on stderr), unless the
+    plan's model is not one torchtitan's decoder can name (its blocks not one run of
+    identical layers): then a line on stderr says why."""
+    from autopar.exports.torchtitan import export_torchtitan
+
+    try:
+        export = export_torchtitan(plan, str(Path(plan_path).resolve()))
+    except ConfigError as e:
+        print(f"autopar plan: {TORCHTITAN_FILE} not written: {e}", file=sys.stderr)
+        return []
+    for warning in export.warnings:
+        print(f"autopar plan: warning: {TORCHTITAN_FILE}: {warning}", file=sys.stderr)
+    return export.write(out)

@@ -1,9 +1,5 @@
-"""Take a plan elsewhere: a torchtitan parallelism block, a torchrun command, a SLURM script.
-
-The torchtitan block uses the field names of torchtitan's ``JobConfig`` (``[parallelism]``
-in ``torchtitan/config/job_config.py``). torchtitan applies one data-parallel style to the
-whole model, while an autopar plan may mix per layer; the block takes the style that holds
-most of the parameters' layers and says so in a comment.
+"""Take a plan elsewhere: a torchrun command, a SLURM script (the engines' own settings,
+torchtitan's among them, are ``autopar.exports``).
 
 The launch scripts (executable, written atomically) start ``nodes × nproc_per_node`` ranks
 with torchrun: the user's script (``autopar.launch_script``; ``autopar.compile`` takes the
@@ -16,18 +12,14 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomli_w
 
 from autopar.errors import ConfigError
 from autopar.generated import comment
 from runtime.files import write_atomic
 from runtime.launch import PLAN_ENV
 from runtime.plan import Plan
-from runtime.strategies import spec
 
 logger = logging.getLogger(__name__)
 
@@ -83,53 +75,6 @@ def check_launch(plan: Plan, launch: Launch) -> None:
     if launch.nproc_per_node % (mesh.tp * mesh.cp):
         logger.warning("context-parallel groups (cp=%d × tp=%d) span nodes: their ring "
                        "exchange crosses the network", mesh.cp, mesh.tp)
-
-
-def torchtitan_toml(plan: Plan) -> str:
-    """A ``[parallelism]`` (and ``[training]``) block for a torchtitan job config."""
-    mesh = plan.mesh
-    styles = Counter(layer.strategy for layer in plan.layers)
-    sharded = sum(n for s, n in styles.items() if spec(s).torchtitan == "shard")
-    shard = sharded * 2 >= sum(styles.values()) and mesh.dp > 1
-    micro = plan.global_batch // mesh.dp
-    schedule = plan.pipeline.schedule if plan.pipeline else "1F1B"
-    if plan.pipeline is not None:
-        micro //= plan.pipeline.num_microbatches
-    splits = [layer.module for prev, layer in zip(plan.layers, plan.layers[1:], strict=False)
-              if layer.stage != prev.stage]
-    mix = ", ".join(f"{n} {s}" for s, n in sorted(styles.items()))
-    parallelism = {
-        "data_parallel_replicate_degree": 1 if shard else mesh.dp,
-        "data_parallel_shard_degree": mesh.dp if shard else 1,
-        "context_parallel_degree": mesh.cp,
-        "tensor_parallel_degree": mesh.tp,
-        "pipeline_parallel_degree": mesh.pp,
-        "pipeline_parallel_schedule": schedule,
-        "pipeline_parallel_microbatch_size": micro,
-        "pipeline_parallel_split_points": splits,
-    }
-    training: dict[str, object] = {"global_batch_size": plan.global_batch,
-                                   "local_batch_size": plan.global_batch // mesh.dp}
-    if plan.seq_len:
-        training["seq_len"] = _integer(plan.seq_len, "seq_len")
-    if plan.param_dtype in ("bfloat16", "float32"):
-        training["mixed_precision_param"] = plan.param_dtype
-    header = [
-        f"# autopar plan for {comment(plan.model or 'the model')} on "
-        f"{comment(plan.cluster or 'the cluster')}: {plan.world_size} ranks",
-        f"# per-layer strategies in the plan: {comment(mix)}; torchtitan applies one "
-        f"data-parallel style to every layer ({'FSDP' if shard else 'DDP'} here)",
-    ]
-    # tomli_w writes every value (a module name in split points included) quoted and
-    # escaped, so no name can close a string or open a table.
-    body = tomli_w.dumps({"parallelism": parallelism, "training": training})
-    return "\n".join(header) + "\n" + body
-
-
-def _integer(value: object, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"the plan's {field} is {value!r}, not an integer; fix the plan")
-    return value
 
 
 @dataclass(frozen=True, kw_only=True)

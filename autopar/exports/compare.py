@@ -30,6 +30,8 @@ class Comparison:
     ours: Plan
     ours_step_s: float
     notes: tuple[str, ...] = ()
+    engine: str = "Megatron-LM"
+    """The engine that runs the job, as the first line names it."""
 
     @property
     def speedup(self) -> float:
@@ -62,7 +64,7 @@ def format_comparison(c: Comparison) -> str:
     gib = 2**30
     fits = "fits" if c.job_fits else "does NOT fit"
     lines = [
-        f"Megatron-LM job: mesh {c.job.mesh.describe()}, step {c.job_step_s:.3f} s "
+        f"{c.engine + ' job:':<16} mesh {c.job.mesh.describe()}, step {c.job_step_s:.3f} s "
         f"(modelled), peak {c.job_peak_bytes / gib:.1f} GiB of "
         f"{c.capacity_bytes / gib:.0f} GiB ({fits})",
         f"autopar's plan:  mesh {c.ours.mesh.describe()}, step {c.ours_step_s:.3f} s "

@@ -3,12 +3,14 @@ can inject a TOML table or a shell command (tomli-w, shlex.quote, escaped commen
 
 from __future__ import annotations
 
+import dataclasses
 import subprocess
 import tomllib
 
 import pytest
 
-from autopar.export import Job, Launch, slurm_script, torchrun_script, torchtitan_toml
+from autopar.export import Job, Launch, slurm_script, torchrun_script
+from autopar.exports import export_torchtitan
 from autopar.generated import comment, toml_value
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
 
@@ -29,24 +31,30 @@ def _plan(name: str) -> Plan:
                 layers=(LayerPlan(module="h.0", stage=0), LayerPlan(module=name, stage=1)))
 
 
-@pytest.mark.parametrize("name", HOSTILE)
-def test_torchtitan_toml_keeps_a_hostile_name_a_string(name):
-    text = torchtitan_toml(_plan(name))
-    cfg = tomllib.loads(text)
-    assert set(cfg) == {"parallelism", "training"}  # no [job] table appeared
-    assert cfg["parallelism"]["pipeline_parallel_split_points"] == [name]
-    assert cfg["training"]["seq_len"] == 64
-    comments = [line for line in text.splitlines() if line.startswith("#")]
-    assert len(comments) == 2 and all("\n" not in c for c in comments)
+def _blocks_plan(name: str) -> Plan:
+    """``_plan`` with both layers one class of blocks, as the engine exports need."""
+    plan = _plan(name)
+    return dataclasses.replace(plan, layers=tuple(
+        dataclasses.replace(la, layer_class="block") for la in plan.layers))
 
 
-def test_torchtitan_toml_refuses_a_seq_len_that_is_not_an_integer():
+@pytest.mark.parametrize("name", [*HOSTILE, "x\ntouch pwned"])
+def test_torchtitan_script_keeps_a_hostile_name_in_its_comments(tmp_path, name):
+    plan_path = f"{tmp_path}/{name.replace('/', '_')}.json"
+    text = export_torchtitan(_blocks_plan(name), plan_path).file("torchtitan.sh").text
+    argv = _run(text, tmp_path, ["--module", name])
+    assert argv[argv.index("--module") + 1] == name
+    assert argv[-1] == "activation-checkpoint:none"
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_torchtitan_export_refuses_a_seq_len_that_is_not_an_integer():
     from autopar.errors import ConfigError
 
-    plan = _plan("h.1")
+    plan = _blocks_plan("h.1")
     object.__setattr__(plan, "seq_len", "abc")  # as a hand-edited plan could carry
     with pytest.raises(ConfigError, match="seq_len is 'abc', not an integer"):
-        torchtitan_toml(plan)
+        export_torchtitan(plan, "plan.json")
 
 
 def _stub(folder, name: str, body: str) -> None:
@@ -55,9 +63,9 @@ def _stub(folder, name: str, body: str) -> None:
     path.chmod(0o755)
 
 
-def _run(text: str, tmp_path) -> list[str]:
-    """Run a generated script with stub torchrun, srun and scontrol on PATH; the
-    arguments torchrun received."""
+def _run(text: str, tmp_path, args: list[str] | None = None) -> list[str]:
+    """Run a generated script (with ``args``) with stub torchrun, srun and scontrol on
+    PATH; the arguments torchrun received."""
     import os
 
     bin_ = tmp_path / "bin"
@@ -69,7 +77,7 @@ def _run(text: str, tmp_path) -> list[str]:
     script.write_text(text)
     env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "ARGS_OUT": str(tmp_path / "args"),
            "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "node0"}
-    done = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
+    done = subprocess.run(["bash", str(script), *(args or [])], cwd=tmp_path, env=env, capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stderr
     return (tmp_path / "args").read_bytes().decode().split("\0")[:-1]

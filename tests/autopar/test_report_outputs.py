@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shlex
-import tomllib
 
 import pytest
 from report_cases import BATCH, gpt2_small_plan
@@ -16,7 +15,6 @@ from autopar.export import (
     slurm_script,
     torchrun_argv,
     torchrun_command,
-    torchtitan_toml,
 )
 from cost_models.schedule import Slot, Timeline
 from runtime.plan import Plan
@@ -61,17 +59,14 @@ def test_launch_shape_must_match_the_plan():
     assert launch_for(plan, nodes=2, nproc_per_node=4).world_size == 8
 
 
-def test_torchtitan_block_is_toml_with_torchtitans_field_names():
+def test_torchtitan_export_of_a_planned_two_node_job_parses_with_its_mesh():
+    from test_export_torchtitan import parsed  # torchtitan's own ConfigManager
+
     plan = gpt2_small_plan(nodes=2)
-    cfg = tomllib.loads(torchtitan_toml(plan))
-    par = cfg["parallelism"]
-    assert (par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"]
-            * par["tensor_parallel_degree"] * par["pipeline_parallel_degree"]) == plan.world_size
-    assert par["tensor_parallel_degree"] == plan.mesh.tp
-    assert par["pipeline_parallel_degree"] == plan.mesh.pp
-    assert isinstance(par["pipeline_parallel_schedule"], str)
-    assert par["pipeline_parallel_microbatch_size"] >= 1
-    assert cfg["training"]["global_batch_size"] == plan.global_batch
+    c = parsed(plan)  # torchtitan's ParallelDims checks the degrees against the world size
+    assert c.parallelism.tensor_parallel_degree == plan.mesh.tp
+    assert c.parallelism.pipeline_parallel_degree == plan.mesh.pp
+    assert c.training.global_batch_size == plan.global_batch
 
 
 def test_plots_are_png_files(tmp_path):
@@ -119,8 +114,9 @@ def test_cli_plan_writes_plots_and_exports_then_explains_and_diffs(tmp_path, cap
     for name in ("memory.png", "step_time.png", "scaling.png"):
         assert (tmp_path / "png" / name).read_bytes().startswith(PNG_MAGIC)
     plan = Plan.load(a)
-    world = tomllib.loads((tmp_path / "exp" / "parallelism.toml").read_text())["parallelism"]
-    assert world["tensor_parallel_degree"] == plan.mesh.tp
+    titan = (tmp_path / "exp" / "torchtitan.sh")
+    assert titan.stat().st_mode & 0o100
+    assert f"--parallelism.tensor-parallel-degree {plan.mesh.tp}\n" in titan.read_text()
     argv = shlex.split((tmp_path / "exp" / "torchrun.sh").read_text().splitlines()[-1])
     assert argv[0] == "exec" and torchrun_world(argv) == plan.world_size
     assert "#SBATCH --nodes=1" in (tmp_path / "exp" / "job.slurm").read_text()
