@@ -16,7 +16,6 @@ with dp = 2 needs pp × dp × tp = 8 ranks and starts a pool of its own.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import replace
 
 import pytest
 from dist_pool import DistPool
@@ -25,7 +24,7 @@ from test_pipeline_numerics import assert_matches_reference as pipeline_matches
 from test_real_models import BATCH, train_job
 from test_real_models import assert_matches_reference as real_matches
 from test_runtime_dims import GPT, assert_fp32_matches, dims_job
-from test_runtime_numerics import BLOCK_TP
+from test_runtime_numerics import BLOCK_TP, _spec
 from test_sequence_parallel import BLOCK_SP
 
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
@@ -88,9 +87,8 @@ def llama(block: str) -> str:
             recompute="full" if layer.layer_class and splits and ".layers." in layer.name
             else "none"))
     assert any(la.recompute == "full" for la in layers), [la.module for la in layers]
-    plan = Plan(global_batch=BATCH, mesh=Mesh(dp=2, tp=2), layers=tuple(layers),
-                gradient_accumulation=2)
-    return replace(plan).to_json()
+    return Plan(global_batch=BATCH, mesh=Mesh(dp=2, tp=2), layers=tuple(layers),
+                gradient_accumulation=2).to_json()
 
 
 # -- numerics ------------------------------------------------------------------------------
@@ -157,7 +155,6 @@ def holdings_job(plan_json: str) -> list:
     """One step of two micro-batches; before each micro-batch's forward and after the
     step's backward, (mesh dims of h.0.mlp.fc_in's weight, of its gradient)."""
     from runtime.train import Trainer
-    from test_runtime_numerics import _spec
 
     spec, (_, _, batch, seq) = _spec(GPT), GPT
     trainer = Trainer(spec.build(seed=0), Plan.from_json(plan_json), spec.loss_fn)
