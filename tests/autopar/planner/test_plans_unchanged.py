@@ -5,7 +5,15 @@ pipeline, per-layer options and stages, and predicted step time.
 Provenance: every expected value below was printed by ``plan_summary`` run on commit
 2a8e86b (a git worktree), same models, clusters and arguments. A deliberate change to the
 cost model or the search changes these plans; then re-derive the numbers on the commit
-before that change and say why they moved in its message."""
+before that change and say why they moved in its message.
+
+Moved once since, deliberately, by the distributed optimizer on tensor-parallel layers
+(``tp_zero1``, which the pipelined cases now take: the same collectives as tp's all-reduce,
+optimizer states divided by dp, so more memory for a deeper or wider shape) and by pricing
+ZeRO-1/2 as FSDP2 runs them (at pp = 1 the once-per-step gather hides in the first forward
+and ZeRO-1's reduce-scatter in the last backward; in a pipeline zero2 reduces once, as
+zero1, so they tie and the first, zero1, is kept). Values printed by ``plan_summary`` on
+that change's commit."""
 
 from __future__ import annotations
 
@@ -66,24 +74,24 @@ CASES = {
     "gpt3-175b on 1,024 A100": (
         lambda: zoo_case("gpt3-175b", 128, "bfloat16", Cluster.preset("dgx-a100-80g", nodes=128)),
         dict(mesh=(16, 8, 1, 8), pipeline=("ZBVZeroBubble", 16, 2), accumulation=1,
-             options={"replicate": 1, "tp": 2, "tp+sp": 96, "zero1": 1},
-             layout="73a0a2ff69303aaf", step_time_s=2.0981889306213115)),
+             options={"replicate": 1, "tp_zero1": 2, "tp_zero1+sp": 96, "zero1": 1},
+             layout="98ac562f8fe87d82", step_time_s=2.041015004516358)),
     "Megatron 1T row on 3,072 A100": (
         lambda: megatron_case(1008.0),
-        dict(mesh=(64, 6, 1, 8), pipeline=("1F1B", 512, 1), accumulation=1,
-             options={"replicate": 1, "tp": 1, "tp+sp": 115, "tp+sp+full": 1,
-                      "tp+sp+selective": 12, "zero1": 2},
-             layout="4bdb399f8ca1db6a", step_time_s=78.17063817760621)),
+        dict(mesh=(32, 12, 1, 8), pipeline=("Interleaved1F1B", 256, 2), accumulation=1,
+             options={"replicate": 1, "tp_zero1": 1, "tp_zero1+sp": 100,
+                      "tp_zero1+sp+full": 18, "tp_zero1+sp+selective": 10, "zero1": 2},
+             layout="2439589d4c008fc7", step_time_s=70.94007335553822)),
     "gpt2-small on 8 A100": (
         lambda: zoo_case("gpt2-small", 512, "float32", Cluster.preset("dgx-a100-80g", nodes=1)),
         dict(mesh=(1, 8, 1, 1), pipeline=None, accumulation=2,
-             options={"replicate": 2, "zero1": 1, "zero2": 13},
-             layout="3811fef808c5b79d", step_time_s=4.2196150763468605)),
+             options={"zero1": 16},
+             layout="6027442832bbaa5f", step_time_s=4.216655855739269)),
     "gpt-tiny-tied on 4 CPU ranks": (
         lambda: zoo_case("gpt-tiny-tied", 16, "float32", Cluster.local(4)),
         dict(mesh=(2, 2, 1, 1), pipeline=("InterleavedZeroBubble", 2, 2), accumulation=1,
-             options={"zero1": 4, "zero2": 2},
-             layout="a282aef8e732a22f", step_time_s=0.010014215355271725)),
+             options={"zero1": 6},
+             layout="c729b976ef643e34", step_time_s=0.01010202107768595)),
 }
 
 
