@@ -50,19 +50,21 @@ def gpt(block: str, *, dp: int = 2, tp: int = 2, recompute: str = "none", sp: bo
                 **fields).to_json()
 
 
-def pipeline(block: str, *, dp: int, schedule: str = "Interleaved1F1B") -> str:
+def pipeline(block: str, *, dp: int, sp: bool = False, schedule: str = "Interleaved1F1B") -> str:
     """The 6-block gpt-tiny on pp = 2 × dp × tp = 2, interleaved (2 virtual stages): every
-    block, the embedding and the head tensor-parallel with strategy ``block``."""
+    block (sequence-parallel when ``sp``), the embedding and the head tensor-parallel with
+    strategy ``block``."""
     pp, v = 2, 2
     per = len(UNITS) // (pp * v)
     styles = {"wte": {"": "embedding_rowwise"}, "lm_head": {"": "colwise_gather"}}
     layers = []
     for i, unit in enumerate(UNITS):
         for name in unit:
-            tp_styles = BLOCK_TP if name.startswith("h.") else styles.get(name)
+            is_block = name.startswith("h.")
+            tp_styles = (BLOCK_SP if sp else BLOCK_TP) if is_block else styles.get(name)
             layers.append(LayerPlan(module=name, stage=i // per,
                                     strategy=block if tp_styles else "replicate",
-                                    tp_styles=tp_styles or {}))
+                                    tp_styles=tp_styles or {}, sequence_parallel=sp and is_block))
     return Plan(global_batch=GPT6[2], mesh=Mesh(pp=pp, dp=dp, tp=2), layers=tuple(layers),
                 pipeline=PipelineSpec(schedule=schedule, num_microbatches=4,
                                       virtual_stages=v)).to_json()
@@ -136,9 +138,9 @@ def pool8() -> Iterator[DistPool]:
 
 
 def test_pp2_dp2_tp2_trains_like_one_process(pool8):
-    """Megatron-LM's standard layout at small scale: interleaved pipeline, tensor
-    parallelism and the distributed optimizer sharding over dp = 2."""
-    plan = pipeline("tp_zero1", dp=2)
+    """Megatron-LM's standard configuration at small scale: interleaved pipeline, tensor
+    and sequence parallelism, and the distributed optimizer sharding over dp = 2."""
+    plan = pipeline("tp_zero1", dp=2, sp=True)
     pipeline_matches(pool8.run(pipeline_job, GPT6, plan), GPT6)
 
 
