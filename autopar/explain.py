@@ -168,7 +168,14 @@ def explain(plan: Plan, module: str, graph: LayerGraph | None = None) -> Explana
         if x.layer_class == layer.layer_class:
             mix[x.option] = mix.get(x.option, 0) + 1
     present = {parse_option(o)["strategy"] for o in by_strategy}
-    unavailable = {s: _why_unavailable(s, plan, module) for s in STRATEGIES if s not in present}
+    # A layer has an exact TP split when one of its priced options is tensor-parallel (an
+    # option the planner offers only for such a split), or when the graph says so.
+    info = next((x for x in graph.layers if x.name == module), None) if graph else None
+    tp_split = any(spec(s).tensor_parallel for s in present) or (
+        info is not None and info.tp is not None
+        and all(d % plan.mesh.tp == 0 for d in info.tp.divisors))
+    unavailable = {s: _why_unavailable(s, plan, module, tp_split) for s in STRATEGIES
+                   if s not in present}
     return Explanation(module=module, layer_class=layer.layer_class, class_size=costs.count,
                        strategy=layer.option, class_mix=mix, options=verdicts,
                        unavailable=unavailable, reason=_tie_reason(plan, module, verdicts)
@@ -205,14 +212,14 @@ def _cost_of(plan: Plan, layer) -> OptionCost:
     raise AssertionError(f"no cost for {layer.module} {layer.option}")
 
 
-def _why_unavailable(strategy: str, plan: Plan, module: str) -> str:
+def _why_unavailable(strategy: str, plan: Plan, module: str, tp_split: bool) -> str:
     """The spec's reason (runtime.strategies); a strategy available on the mesh but absent
     from the rationale lost to another option on every term."""
     tie = plan.rationale.ties.get(module) if plan.rationale else None
     mesh = plan.mesh
     reason = spec(strategy).unavailable(
         replicas=mesh.replicas, tp=mesh.tp, microbatches=plan.microbatches,
-        hsdp_shard_size=plan.hsdp_shard_size, tp_split=False, tie=tie)
+        hsdp_shard_size=plan.hsdp_shard_size, tp_split=tp_split, tie=tie)
     return reason or "another option is at least as fast and needs no more memory (dominated)"
 
 

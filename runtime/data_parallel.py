@@ -27,16 +27,18 @@ and ``reduce`` set FSDP2's flags:
                                 micro-batches
     never, per_step             (replicated)              all-reduced once, last micro-batch
     per_step, per_step          kept unsharded            accumulated unsharded, reduce-
-    (zero1)                     (gathered once)           scattered once, last micro-batch
+    (zero1, tp_zero1)           (gathered once)           scattered once, last micro-batch
     per_step, per_microbatch    kept unsharded            reduce-scattered every micro-batch,
-    (zero2)                     (gathered once)           accumulated sharded
+    (zero2, tp_zero2)           (gathered once)           accumulated sharded
     per_use, per_microbatch     resharded after forward   reduce-scattered every micro-batch
     (fsdp, tp_fsdp)             and backward
     hybrid (hsdp)               as per_use in a group     reduce-scattered every micro-batch;
                                                           all-reduced across groups once
 
-zero1/zero2 reshard after the last micro-batch's backward, so the optimizer updates the
-sharded (float32) parameters and the next step's first forward gathers the new values.
+zero1/zero2 (and their tensor-parallel forms) reshard after the last micro-batch's
+backward, so the optimizer updates the sharded (float32) parameters and the next step's
+first forward gathers the new values: for a TP layer, the dp shard of its tp shard, which
+is Megatron-LM's distributed optimizer (runtime.strategies).
 With one micro-batch zero1 and zero2 are the same program: ZeRO-3 without resharding after
 forward. Under pipelining the schedule drives these flags itself (every FSDP2 module of a
 stage accumulates unsharded and reduces once, see ``runtime.pipeline``).

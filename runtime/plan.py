@@ -8,7 +8,7 @@ Layout of the device mesh: named axes, ``AXES`` below (the one place their order
 written).
 
 Per-layer strategies (``LayerPlan.strategy``): ``replicate``, ``zero1``, ``zero2``, ``fsdp``,
-``hsdp``, ``tp``, ``tp_fsdp``; each one's whole meaning (what it shards over which ranks,
+``hsdp``, ``tp``, ``tp_zero1``, ``tp_zero2``, ``tp_fsdp``; each one's whole meaning (what it shards over which ranks,
 the engine that runs it, when it communicates, when it is available) is its spec in
 ``runtime.strategies``.
 

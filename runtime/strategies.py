@@ -20,6 +20,16 @@ group is its dp × cp replicas (``Mesh.replicas``). Gradients are averaged over 
 ZeRO's vocabulary: stage 1 shards optimizer states over the group, stage 2 gradients
 too, stage 3 parameters too (Rajbhandari et al., 2020). ``gather`` and ``reduce`` say when
 the engine communicates, which is what the cost model and the micro-batch syncs need.
+
+A tensor-parallel layer takes the same stages over its dp × cp group: ``tp`` (0),
+``tp_zero1``, ``tp_zero2``, ``tp_fsdp`` (3). FSDP2 shards the local shards of TP's DTensor
+parameters over dp (torchtitan's 2-D pattern). ``tp_zero1`` is Megatron-LM's distributed
+optimizer (``--use-distributed-optimizer``): the same collectives of the same bytes, a
+reduce-scatter of the accumulated gradients at the last micro-batch and an all-gather of
+the updated parameters. Megatron-LM all-gathers right after its optimizer step (overlapped
+with the next forward under ``--overlap-param-gather``); FSDP2 keeps the updated shard and
+all-gathers it in the next step's first forward, so between steps a rank holds P/N of the
+parameters where Megatron-LM holds P.
 """
 
 from __future__ import annotations
@@ -157,6 +167,19 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
         name="tp", tensor_parallel=True, available="tp",
         summary="Megatron tensor parallelism over the tp axis using tp_styles; gradients "
                 "all-reduced over dp"),
+    StrategySpec(
+        name="tp_zero1", tensor_parallel=True, zero_stage=1, gather="per_step",
+        reduce="per_step", available="tp_shards", torchtitan="shard",
+        summary="tensor parallel over tp, optimizer states sharded over dp: gradients "
+                "accumulated unsharded across micro-batches and reduce-scattered once per "
+                "step, the updated shards all-gathered at the next step's first forward "
+                "(Megatron-LM's distributed optimizer)"),
+    StrategySpec(
+        name="tp_zero2", tensor_parallel=True, zero_stage=2, gather="per_step",
+        reduce="per_microbatch", available="tp_shards", torchtitan="shard",
+        summary="tensor parallel over tp, optimizer states and gradients sharded over dp: "
+                "gradients reduce-scattered after each micro-batch, parameters gathered once "
+                "per step and kept through every micro-batch"),
     StrategySpec(
         name="tp_fsdp", tensor_parallel=True, zero_stage=3, gather="per_use",
         reduce="per_microbatch", offloadable=True, available="tp_shards", torchtitan="shard",

@@ -12,7 +12,8 @@ from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
 from runtime.strategies import spec
 
 BATCH, SEQ = 64, 64
-TP_OF = {"replicate": "tp", "zero1": "tp", "zero2": "tp", "fsdp": "tp_fsdp", "hsdp": "tp_fsdp"}
+TP_OF = {"replicate": "tp", "zero1": "tp_zero1", "zero2": "tp_zero2", "fsdp": "tp_fsdp",
+         "hsdp": "tp_fsdp"}
 """The tensor-parallel strategy of a layer that splits, by the plan's data-parallel one."""
 
 

@@ -9,9 +9,11 @@ script's header and returned as warnings:
 - pipeline stages: ``--pipeline-model-parallel-layout``, the plan's exact cuts (``E``
   embedding, ``t`` one transformer block, ``L`` final norm, head and loss; one ``|``
   between stages, virtual stages included), so no even-split rule is assumed.
-- data parallelism: ZeRO-1 is Megatron's distributed optimizer; ZeRO-2 and ZeRO-3 are
-  Megatron-FSDP with sharding ``optim_grads`` / ``optim_grads_params``; hybrid sharding
-  keeps one distributed-optimizer instance per shard group.
+- data parallelism: the ZeRO stage of each layer's strategy spec (runtime.strategies),
+  tensor-parallel or not: ZeRO-1 (``zero1``, ``tp_zero1``) is Megatron's distributed
+  optimizer; ZeRO-2 and ZeRO-3 are Megatron-FSDP with sharding ``optim_grads`` /
+  ``optim_grads_params``; hybrid sharding keeps one distributed-optimizer instance per
+  shard group.
 - recomputation: ``full`` (per block: method ``uniform`` with 1 layer when every block
   recomputes, else ``block`` with the most blocks any stage recomputes, Megatron taking
   each stage's first ones) or ``selective`` (Megatron's default module, the attention core,

@@ -4,8 +4,8 @@ to autopar's own plan for the same model and cluster (``compare_megatron``).
 Every layer gets the strategy the arguments mean (the inverse of
 ``autopar.exports.megatron``): transformer blocks, embedding and head tensor-parallel where
 tp > 1 and the layer splits (Megatron-LM splits all three), with sequence parallelism when
-``--sequence-parallel``; the data-parallel sharding of the distributed optimizer (ZeRO-1)
-or Megatron-FSDP (``optim_grads``: ZeRO-2, ``optim_grads_params``: ZeRO-3, hybrid with
+``--sequence-parallel``; the data-parallel sharding of the distributed optimizer (ZeRO-1:
+``zero1``, ``tp_zero1`` on tensor-parallel layers) or Megatron-FSDP (``optim_grads``: ZeRO-2, ``optim_grads_params``: ZeRO-3, hybrid with
 several distributed-optimizer instances); recomputation as ``--recompute-granularity`` /
 ``--recompute-method`` / ``--recompute-num-layers`` say; stages from
 ``--pipeline-model-parallel-layout`` or Megatron-LM's even split. What autopar's strategies
@@ -186,7 +186,9 @@ class _Builder:
     def strategy(self, layer: LayerInfo) -> str:
         """The strategy Megatron-LM's flags give this layer, among those it can take:
         tensor-parallel whenever it can be (Megatron-LM splits every layer it can), with
-        the ZeRO stage of the flags, or else the nearest one."""
+        the ZeRO stage of the flags (the distributed optimizer on a TP layer: tp_zero1), or
+        else the nearest one, the more sharded of two as near: ZeRO-1 with one micro-batch
+        per step is ZeRO-2's program (runtime.strategies)."""
         j = self.job
         tie = self.graph.tie_of(layer.name)
         allowed = allowed_strategies(layer, self.mesh, hsdp_shard_size=self.hsdp_shard_size,
@@ -196,7 +198,8 @@ class _Builder:
         candidates = [name for name in allowed if spec(name).tensor_parallel == split]
         hybrid = self.hsdp_shard_size is not None and j.zero_stage == 3
         return min(candidates, key=lambda name: (abs(spec(name).zero_stage - j.zero_stage),
-                                                 spec(name).hybrid != hybrid))
+                                                 spec(name).hybrid != hybrid,
+                                                 -spec(name).zero_stage))
 
     def stages(self, blocks: list[LayerInfo]) -> list[int]:
         """Stage of each layer of the graph."""
@@ -289,7 +292,7 @@ def _notes(job: MegatronJob, layers: list[LayerPlan]) -> list[str]:
     mismatched = sorted({la.option for la in layers
                          if spec(la.strategy).zero_stage != job.zero_stage})
     if mismatched:
-        notes.append(f"ZeRO stage {job.zero_stage} is priced as {', '.join(mismatched)} where "
-                     "autopar has no strategy with that stage (a tensor-parallel layer's "
-                     "distributed optimizer, or ZeRO-1 at one micro-batch)")
+        notes.append(f"ZeRO stage {job.zero_stage} is priced as {', '.join(mismatched)}, the "
+                     "nearest these layers can take on this mesh (ZeRO-1 with one micro-batch "
+                     "per step is ZeRO-2's program; one data-parallel rank shards nothing)")
     return notes

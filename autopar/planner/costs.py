@@ -29,9 +29,16 @@ Conventions:
   window already hides. In a stack of identical layers "one layer" is the neighbour, whose
   compute equals this layer's; the stack's ends (the first gather, the last reduction) are
   not charged separately. Overlap slows the compute by σ, so hidden communication still
-  costs C·(1 − 1/σ). Not overlapped: TP collectives (the next op needs their result),
-  ZeRO-1's step-end collectives, pipelines' step-end reductions, host copies, and patterns
-  in ``Overlap.exposed``. Ring attention overlaps its own steps (``_ring_attention``).
+  costs C·(1 − 1/σ). A ZeRO-1/2 layer's (``zero1``, ``zero2``, ``tp_zero1``, ``tp_zero2``)
+  once-per-step all-gather runs in the step's first forward (FSDP2 reshards it after the
+  last backward, so the optimizer steps the shard and the next step gathers the update)
+  and hides behind one layer's forward there; ZeRO-1's once-per-step reduce-scatter runs
+  in the last micro-batch's backward and hides behind one layer's backward, as Megatron-LM's
+  distributed optimizer overlaps them (``--overlap-param-gather``, ``--overlap-grad-reduce``).
+  Not overlapped: TP collectives (the next op needs their result), pipelines' step-end
+  reductions and, under pipelining, the step's gathers (priced once per step, exposed),
+  host copies, and patterns in ``Overlap.exposed``. Ring attention overlaps its own steps
+  (``_ring_attention``).
 
 Memory per strategy, over the N ranks that shard it (P, G, K: the layer's parameter,
 gradient and optimizer bytes on one rank before sharding; m micro-batches per step). G is
@@ -433,6 +440,17 @@ def _hidden_comm_s(s: StrategySpec, mesh: Mesh, overlap: Overlap, comm: DPComm, 
         sigma = overlap.dp_slowdown if pattern == "dp" else overlap.fsdp_slowdown
         both = hidden(bwd_window, fsdp_bwd + comm.per_step, pattern, sigma)
         step = max(0.0, both - bwd)
+    # ZeRO-1/2 (the distributed optimizer among them): FSDP2 issues the once-per-step
+    # all-gather in the step's first forward, prefetched beside one layer's forward as a
+    # per-use gather is, and ZeRO-1's reduce-scatter in the last micro-batch's backward,
+    # beside one layer's backward after what that window already hides (estimators.DPComm).
+    if comm.gather_per_step > 0 or comm.reduce_per_step > 0:
+        sigma = overlap.fsdp_slowdown
+        step = (hidden(fwd_window, comm.gather_per_step + comm.gather_per_micro, "fsdp", sigma)
+                - fwd)
+        if comm.reduce_per_step > 0:
+            both = hidden(bwd_window, fsdp_bwd + comm.reduce_per_step, "fsdp", sigma)
+            step += max(0.0, both - bwd)
     return _Hidden(fwd=fwd, bwd=bwd, step=step)
 
 

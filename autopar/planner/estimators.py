@@ -113,6 +113,12 @@ class DPComm:
     """One parameter all-gather, issued before forward and again before backward."""
     reduce_per_micro: float
     per_step: float
+    gather_per_step: float = 0.0
+    """Part of ``per_step``: a ZeRO-1/2 layer's once-per-step parameter all-gather, which
+    FSDP2 issues in the step's first forward at pp = 1 (``costs._hidden_comm_s``)."""
+    reduce_per_step: float = 0.0
+    """Part of ``per_step``: a ZeRO-1 layer's once-per-step gradient reduce-scatter, which
+    FSDP2 issues in the last micro-batch's backward at pp = 1."""
 
 
 @dataclass(frozen=True)
@@ -404,9 +410,17 @@ def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
         # cannot hide behind compute).
         return DPComm(0.0, 0.0, all_reduce_s(grads, group, cluster))
     if s.gather == "per_step":  # ZeRO-1/2: gathered once, kept through the micro-batches
-        if s.reduce == "per_step":
+        if mesh.pp > 1:
+            # The schedule gathers every layer in the step's first forward and reduces it
+            # once after the last micro-batch, whatever the ZeRO stage (runtime/pipeline.py).
             return DPComm(0.0, 0.0, gather(group, True) + scatter(group, True))
-        return DPComm(0.0, scatter(group), gather(group, True))
+        # FSDP2 gathers in the step's first forward and, for ZeRO-1, reduce-scatters in the
+        # last micro-batch's backward, each between two layers' compute.
+        g = gather(group)
+        if s.reduce == "per_step":
+            r = scatter(group)
+            return DPComm(0.0, 0.0, g + r, gather_per_step=g, reduce_per_step=r)
+        return DPComm(0.0, scatter(group), g, gather_per_step=g)
     if s.hybrid:
         shard = Group(shards, 1)
         replicas = Group(dp * tp // shards, shards)

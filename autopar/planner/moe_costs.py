@@ -28,8 +28,9 @@ the runtime does not run yet can still be made.
 
 Expert strategy: the option's strategy, but the experts are not tensor-parallel (their
 3-D weights have no TP style): under ``tp`` they are replicated as under ``replicate``,
-under ``tp_fsdp`` fully sharded as under ``fsdp``; a sharded strategy on an expert mesh of
-one rank is ``replicate`` (nothing to shard).
+under ``tp_zero1``, ``tp_zero2`` and ``tp_fsdp`` sharded as under ``zero1``, ``zero2`` and
+``fsdp``; a sharded strategy on an expert mesh of one rank is ``replicate`` (nothing to
+shard).
 
 Approximations, stated: the ranks holding one expert shard are ep·cp·tp apart but their
 gradient collectives are priced as consecutive ranks (exact inside one node, optimistic
@@ -56,7 +57,8 @@ if TYPE_CHECKING:
     from autopar.planner.costs import LayerCost
 
 EXPERT_STRATEGY = {"replicate": "replicate", "zero1": "zero1", "zero2": "zero2",
-                   "fsdp": "fsdp", "tp": "replicate", "tp_fsdp": "fsdp", "hsdp": "hsdp"}
+                   "fsdp": "fsdp", "tp": "replicate", "tp_zero1": "zero1", "tp_zero2": "zero2",
+                   "tp_fsdp": "fsdp", "hsdp": "hsdp"}
 """The strategy a MoE layer's experts take under the layer's strategy (module docstring)."""
 EP_STRATEGIES = tuple(s for s in STRATEGIES if spec(s).expert_parallel
                       and not spec(s).tensor_parallel)

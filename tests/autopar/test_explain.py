@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 from report_cases import BATCH, SEQ, gpt2_small_plan
 
+from autopar.api import search_plans
 from autopar.diff import diff, format_diff
 from autopar.errors import ConfigError
 from autopar.explain import explain, format_explanation
@@ -16,7 +17,7 @@ from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.layer_graph import build_layer_graph
-from runtime.plan import Plan
+from runtime.plan import Mesh, Plan
 from runtime.plan_report import human_bytes, ms
 
 
@@ -61,6 +62,21 @@ def test_explain_lists_strategies_the_mesh_cannot_offer():
     e = explain(plan, "ln_f")
     assert "tp" in e.unavailable and "tp_fsdp" in e.unavailable
     assert "not available" in format_explanation(e)
+
+
+def test_explain_says_why_the_distributed_optimizer_was_not_offered():
+    """On dp 4 × tp 2 with one micro-batch per step the planner prices tp_zero2 for a block
+    and not tp_zero1, which is then ZeRO-2's program: explain gives the spec's reason
+    (runtime.strategies), not a missing tensor-parallel split."""
+    spec = get_model("gpt2-small")
+    plan = search_plans(spec.build("meta"), Cluster.preset("dgx-a100-80g", nodes=1),
+                        spec.example_inputs(BATCH, SEQ, device="meta"), model_name=spec.name,
+                        seq_len=SEQ, mesh=Mesh(dp=4, tp=2)).plan
+    assert plan.microbatches == 1
+    e = explain(plan, "h.3")
+    assert any(v.strategy.startswith("tp_zero2") for v in e.options)
+    assert e.unavailable["tp_zero1"].startswith("one micro-batch per step")
+    assert "no exact tensor-parallel split" not in format_explanation(e)
 
 
 def test_explain_errors_name_the_problem():

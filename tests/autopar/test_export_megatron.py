@@ -87,6 +87,20 @@ def test_interleaved_tp_sp_plan_arrives_whole():
     assert config.recompute_granularity == "full" and config.sequence_parallel
 
 
+def test_the_distributed_optimizer_is_zero1_tensor_parallel_or_not():
+    """tp_zero1 blocks and zero1 embeddings are one setting (the spec's ZeRO stage 1):
+    --use-distributed-optimizer, nothing said to differ; plain tp does not shard."""
+    plan = plan_of(**INTERLEAVED)
+    assert {la.strategy for la in plan.layers} == {"tp_zero1", "zero1"}
+    export = export_megatron(plan, "plan.json")
+    a = parsed(plan)
+    assert a.use_distributed_optimizer and not a.use_megatron_fsdp
+    assert not any("data-parallel setting" in w for w in export.warnings), export.warnings
+    plain = plan_of(**{**INTERLEAVED, "strategy": "replicate"})
+    assert {la.strategy for la in plain.layers} == {"tp", "replicate"}
+    assert not parsed(plain).use_distributed_optimizer
+
+
 @pytest.mark.parametrize("strategy,sharding", [("zero2", "optim_grads"),
                                                ("fsdp", "optim_grads_params")])
 def test_zero2_and_zero3_are_megatron_fsdp(strategy, sharding):

@@ -36,6 +36,13 @@ ROUND_TRIPS = {
         mesh=Mesh(pp=2, dp=4), strategy="hsdp", hsdp_shard_size=2,
         recompute=("full", "none", "full", "none"), stages=(0, 0, 0, 0, 1, 1, 1, 1),
         pipeline=PipelineSpec(schedule="1F1B", num_microbatches=4)),
+    "interleaved, distributed optimizer on tp+sp layers": dict(
+        mesh=Mesh(pp=2, dp=2, tp=2), strategy="zero1", stages=(0, 0, 0, 1, 2, 3, 3, 3),
+        sequence_parallel=True, param_dtype="bfloat16",
+        pipeline=PipelineSpec(schedule="Interleaved1F1B", num_microbatches=4, virtual_stages=2)),
+    "tp_zero2 with accumulation": dict(
+        mesh=Mesh(dp=4, tp=2), strategy="zero2", param_dtype="bfloat16",
+        gradient_accumulation=2),
     "selective, zero2, bf16 reduced in bf16": dict(
         mesh=Mesh(dp=8), strategy="zero2", recompute=("selective",) * 4,
         param_dtype="bfloat16", reduce_dtype="bfloat16", gradient_accumulation=2),
@@ -61,6 +68,20 @@ def test_exported_arguments_read_back_into_the_same_plan(case):
     back, notes = plan_from_megatron(job, gpt_small())
     assert essentials(back) == essentials(plan)
     assert not notes
+
+
+def test_the_distributed_optimizer_with_tp_reads_as_tp_zero1():
+    args = ("--tensor-model-parallel-size 2 --sequence-parallel --use-distributed-optimizer "
+            "--micro-batch-size 2 --global-batch-size 64 --bf16")
+    plan, notes = plan_from_megatron(read_megatron_args(args, 8), gpt_small())
+    blocks = [la for la in plan.layers if la.module.startswith("h.")]
+    assert {(la.strategy, la.sequence_parallel) for la in blocks} == {("tp_zero1", True)}
+    assert plan.gradient_accumulation == 8 and not notes
+    # One micro-batch per step: ZeRO-1 is ZeRO-2's program, and the plan says so.
+    args = args.replace("--global-batch-size 64", "--global-batch-size 8")
+    plan, notes = plan_from_megatron(read_megatron_args(args, 8), gpt_small())
+    assert {la.strategy for la in plan.layers if la.module.startswith("h.")} == {"tp_zero2"}
+    assert any("ZeRO-2's program" in n for n in notes), notes
 
 
 def test_even_split_over_virtual_stages_without_a_layout():

@@ -24,6 +24,7 @@ from runtime.plan import (
     Prediction,
     SolverReport,
 )
+from runtime.strategies import spec
 
 finite = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
 sizes = st.integers(min_value=0, max_value=2**40)
@@ -32,10 +33,10 @@ module_names = st.from_regex(r"[a-z_]{1,6}(\.[0-9]{1,2})?(\.[a-z_]{1,6})?", full
 
 @st.composite
 def layer_plans(draw, mesh: Mesh) -> LayerPlan:
-    choices = [s for s in STRATEGIES if mesh.tp > 1 or s not in ("tp", "tp_fsdp")]
+    choices = [s for s in STRATEGIES if mesh.tp > 1 or not spec(s).tensor_parallel]
     strategy = draw(st.sampled_from(choices))
     styles = {}
-    if strategy in ("tp", "tp_fsdp"):
+    if spec(strategy).tensor_parallel:
         styles = draw(st.dictionaries(st.sampled_from(["", "fc_in", "attn.q_proj", "mlp.fc_out"]),
                                       st.sampled_from(TP_STYLES), min_size=1, max_size=3))
     return LayerPlan(
@@ -46,7 +47,7 @@ def layer_plans(draw, mesh: Mesh) -> LayerPlan:
         memory_bytes=draw(st.none() | sizes),
         time_s=draw(st.none() | finite),
         recompute=draw(st.sampled_from(["none", "selective", "full"])),
-        offload=strategy in ("fsdp", "tp_fsdp") and draw(st.booleans()),
+        offload=spec(strategy).offloadable and draw(st.booleans()),
     )
 
 

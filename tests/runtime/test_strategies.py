@@ -24,7 +24,8 @@ def _layer(strategy: str) -> LayerPlan:
 
 @pytest.mark.parametrize(("strategy", "mesh"), [
     ("replicate", "world_replicate"), ("zero1", "world"), ("zero2", "world"),
-    ("fsdp", "world"), ("hsdp", "hsdp"), ("tp", "dp_replicate"), ("tp_fsdp", "dp"),
+    ("fsdp", "world"), ("hsdp", "hsdp"), ("tp", "dp_replicate"), ("tp_zero1", "dp"),
+    ("tp_zero2", "dp"), ("tp_fsdp", "dp"),
 ])
 def test_each_strategy_runs_on_its_data_parallel_mesh(strategy, mesh):
     meshes = SimpleNamespace(**{name: name for name in
@@ -52,7 +53,8 @@ class _Flags:
     ("replicate", {"gradient_sync"}), ("tp", {"gradient_sync"}),
     ("zero1", {"gradient_sync", "reshard_after_backward"}),
     ("zero2", {"reshard_after_backward"}), ("fsdp", set()), ("tp_fsdp", set()),
-    ("hsdp", {"all_reduce"}),
+    ("tp_zero1", {"gradient_sync", "reshard_after_backward"}),
+    ("tp_zero2", {"reshard_after_backward"}), ("hsdp", {"all_reduce"}),
 ])
 def test_gradient_accumulation_defers_what_each_strategy_reduces_once(strategy, flags):
     module = _Flags()
@@ -85,9 +87,14 @@ def test_availability_on_hand_chosen_meshes():
     assert _available(1, 1) == ["replicate", "fsdp"]
     assert _available(4, 1) == ["replicate", "zero2", "fsdp"]
     assert _available(4, 1, microbatches=2) == ["replicate", "zero1", "zero2", "fsdp"]
-    # tp_fsdp needs a data-parallel rank to shard over; zero2 shards over the tp group.
+    # tp_zero*/tp_fsdp need a data-parallel rank to shard over; zero2 shards over the tp
+    # group.
     assert _available(1, 4) == ["replicate", "zero2", "fsdp", "tp"]
-    assert _available(2, 8, hsdp=8) == ["replicate", "zero2", "fsdp", "hsdp", "tp", "tp_fsdp"]
+    assert _available(2, 8, hsdp=8) == ["replicate", "zero2", "fsdp", "hsdp", "tp", "tp_zero2",
+                                        "tp_fsdp"]
+    # the distributed optimizer accumulates unsharded: with one micro-batch it is tp_zero2
+    assert _available(2, 4, microbatches=2) == ["replicate", "zero1", "zero2", "fsdp", "tp",
+                                                "tp_zero1", "tp_zero2", "tp_fsdp"]
     assert _available(2, 2, tp_split=False) == ["replicate", "zero2", "fsdp"]
     assert _available(2, 2, tie="h.0 and lm_head share wte") == ["replicate", "zero2", "fsdp"]
 
@@ -95,7 +102,7 @@ def test_availability_on_hand_chosen_meshes():
 def test_shard_ranks_follow_the_data_parallel_group():
     shards = {s: spec(s).shard_ranks(4, 2, 4) for s in STRATEGIES}
     assert shards == {"replicate": 1, "zero1": 8, "zero2": 8, "fsdp": 8, "hsdp": 4,
-                      "tp": 1, "tp_fsdp": 4}
+                      "tp": 1, "tp_zero1": 4, "tp_zero2": 4, "tp_fsdp": 4}
 
 
 def test_plan_validation_reads_the_specs():

@@ -15,7 +15,14 @@ m=16 at 2.1036 s takes its place with the same layers; gpt-tiny-tied keeps its
 plan, 0.010014 → 0.010546 s. The other two cases run 1F1B or no pipeline: unchanged.
 Then deliberately again, when the interleaved schedules were searched at every number of
 virtual stages the layers per rank allow (not only 2): GPT-3 175B takes 6 per rank
-(InterleavedZeroBubble m=16), 2.1036 → 1.9471 s; the other three plans are unchanged."""
+(InterleavedZeroBubble m=16), 2.1036 → 1.9471 s; the other three plans are unchanged.
+Moved again, deliberately, by the distributed optimizer on tensor-parallel layers
+(``tp_zero1``, which the pipelined cases now take: the same collectives as tp's all-reduce,
+optimizer states divided by dp, so more memory for a deeper or wider shape) and by pricing
+ZeRO-1/2 as FSDP2 runs them (at pp = 1 the once-per-step gather hides in the first forward
+and ZeRO-1's reduce-scatter in the last backward; in a pipeline zero2 reduces once, as
+zero1, so they tie and the first, zero1, is kept). Values printed by ``plan_summary`` on
+that change's commit."""
 
 from __future__ import annotations
 
@@ -80,15 +87,15 @@ CASES = {
              layout="edb06dc0b1e9501d", step_time_s=1.9470647300158619)),
     "Megatron 1T row on 3,072 A100": (
         lambda: megatron_case(1008.0),
-        dict(mesh=(64, 6, 1, 8), pipeline=("1F1B", 512, 1), accumulation=1,
-             options={"replicate": 1, "tp": 1, "tp+sp": 115, "tp+sp+full": 1,
-                      "tp+sp+selective": 12, "zero1": 2},
-             layout="4bdb399f8ca1db6a", step_time_s=78.17063817760621)),
+        dict(mesh=(32, 12, 1, 8), pipeline=("Interleaved1F1B", 256, 2), accumulation=1,
+             options={"replicate": 1, "tp_zero1": 1, "tp_zero1+sp": 100,
+                      "tp_zero1+sp+full": 18, "tp_zero1+sp+selective": 10, "zero1": 2},
+             layout="2439589d4c008fc7", step_time_s=70.94007335553822)),
     "gpt2-small on 8 A100": (
         lambda: zoo_case("gpt2-small", 512, "float32", Cluster.preset("dgx-a100-80g", nodes=1)),
         dict(mesh=(1, 8, 1, 1), pipeline=None, accumulation=2,
-             options={"replicate": 2, "zero1": 1, "zero2": 13},
-             layout="3811fef808c5b79d", step_time_s=4.2196150763468605)),
+             options={"zero1": 16},
+             layout="6027442832bbaa5f", step_time_s=4.216655855739269)),
     "gpt-tiny-tied on 4 CPU ranks": (
         lambda: zoo_case("gpt-tiny-tied", 16, "float32", Cluster.local(4)),
         dict(mesh=(2, 2, 1, 1), pipeline=("InterleavedZeroBubble", 2, 2), accumulation=1,
