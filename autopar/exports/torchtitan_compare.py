@@ -12,9 +12,8 @@ from collections.abc import Sequence
 
 from autopar.exports.compare import Comparison, format_comparison
 from autopar.exports.torchtitan_import import plan_from_torchtitan, read_torchtitan_args
-from autopar.planner.costs import layer_cost
-from autopar.planner.pipeline import evaluate_plan
-from autopar.planner.search import plan_memory, search
+from autopar.planner.engine import evaluate_plan
+from autopar.planner.search import search
 from autopar.zoo import get_model
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision, precision
@@ -25,15 +24,10 @@ from runtime.plan import Plan
 
 def price(graph: LayerGraph, cluster: Cluster, prec: Precision, plan: Plan) -> tuple[float, float]:
     """The modelled step time (s) and fullest rank's memory (bytes, allocator margin
-    included) of ``plan`` on autopar's engines."""
-    if plan.pipeline is not None:
-        outcome = evaluate_plan(graph, cluster, prec, plan)
-        return outcome.step_time_s, outcome.peak_bytes(cluster.memory_margin_fraction)
-    by_name = {layer.module: layer for layer in plan.layers}
-    costs = [layer_cost(layer, by_name[layer.name].option, plan.mesh, cluster, prec,
-                        plan.gradient_accumulation) for layer in graph.layers]
-    return (sum(c.time_s for c in costs),
-            plan_memory(costs, cluster.memory_margin_fraction).total_bytes)
+    included) of ``plan`` on autopar's engines (``Engine.evaluate``, as the search prices
+    its own outcomes)."""
+    outcome = evaluate_plan(graph, cluster, prec, plan)
+    return outcome.step_time_s, outcome.peak_bytes()
 
 
 def compare_torchtitan(argv: str | Sequence[str], graph: LayerGraph, cluster: Cluster, *,
