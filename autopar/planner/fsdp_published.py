@@ -1,25 +1,32 @@
 """Published fully-sharded data-parallel runs (autopar/data/fsdp_scaling.csv), priced by the
 cost model as the planner prices its own plans.
 
-Rows priced: llm-foundry's MPT table (source LF-MPT): FSDP1 ``FULL_SHARD`` alone, bf16, no
-float8 and no ``torch.compile``, on A100-40GB, A100-80GB and H100-80GB. MPT is the zoo's
-GPT (multi-head attention, a 4·d GELU MLP, no biases; ALiBi's bias adds no matmul FLOPs),
-so the captured graph is the model that ran. Rows not priced here, and why:
+Rows priced: fully sharded data parallelism alone (no TP, PP or HSDP), bf16, eager (no
+float8, no ``torch.compile``), on the presets' GPUs:
 
-- torchtitan and fms-fsdp rows (TT-*, FMS-2405, PTB-FP8-2411) train Llama models
-  (grouped-query attention, SwiGLU, RoPE), which the zoo's GPT is not; several use float8
-  or ``torch.compile`` (which a bf16 cost model of eager kernels does not describe), and the
-  torchtitan H100s are 96 GB / 500 W parts, not the dgx-h100 preset's 80 GB / 700 W.
+- llm-foundry's MPT table (LF-MPT; FSDP1 ``FULL_SHARD``) on A100-40GB, A100-80GB and
+  H100-80GB. MPT is the zoo's GPT (multi-head attention, a 4·d GELU MLP, no biases;
+  ALiBi's bias adds no matmul FLOPs).
+- torchtitan's April 2024 A100 table (TT-A100-2404; FSDP2 ``fully_shard``): Llama 2 and 3,
+  captured from Hugging Face transformers' ``LlamaForCausalLM`` at the row's shape
+  (grouped-query attention, SwiGLU, RoPE, SDPA attention). torchtitan reduces gradients in
+  float32 (its ``MixedPrecisionPolicy``): the rows are priced with 4-byte gradients.
+
+Not priced, and why: the other torchtitan rows and fms-fsdp's use ``torch.compile``, float8
+or TP/PP/HSDP, which a bf16 model of eager kernels on a pure data-parallel mesh does not
+describe (torchtitan's H100s are also 96 GB / 500 W parts, not the dgx-h100 preset's 80 GB /
+700 W); PTB-FP8-2411 states no batch size.
 
 Each row's configuration becomes a plan: every layer ``fsdp`` on a pure data-parallel mesh
-of the row's GPU count, full recomputation of every block where the row says so, its
-micro-batch and gradient accumulation. Throughput is tokens per second per GPU, as the
-source reports it (cluster tokens/s ÷ GPUs).
+of the row's GPU count, the row's recomputation of every block (none, selective or full),
+its micro-batch and gradient accumulation. Throughput is tokens per second per GPU, as
+the sources report it (cluster tokens/s ÷ GPUs; the same for pure data parallelism).
 """
 
 from __future__ import annotations
 
 import csv
+import functools
 import io
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -36,7 +43,7 @@ from passes.records import LayerGraph
 from runtime.plan import Mesh
 
 FSDP_TABLE_PATH = resources.files("autopar") / "data" / "fsdp_scaling.csv"
-PRICED_SOURCES = ("LF-MPT",)
+PRICED_SOURCES = ("LF-MPT", "TT-A100-2404")
 CLUSTERS = {"H100-80GB": ("dgx-h100", 80), "A100-40GB": ("dgx-a100-80g", 40),
             "A100-80GB": ("dgx-a100-80g", 80)}
 """Hardware column prefix -> (preset, memory GiB). llm-foundry's A100 tables state 1,600
@@ -55,12 +62,21 @@ class FsdpRow:
     layers: int
     hidden: int
     heads: int
+    kv_heads: int
+    ffn: int
     vocab: int
     seq_len: int
     micro_batch: int
     grad_accum: int
-    full_recompute: bool
+    recompute: str
+    """'none', 'selective' or 'full' (runtime.plan.RECOMPUTE), every block."""
+    float32_grads: bool
+    """Gradients reduced in float32 (torchtitan), not bf16."""
     tokens_per_s_per_gpu: float
+
+    @property
+    def llama(self) -> bool:
+        return self.model.startswith("Llama")
 
     @property
     def global_batch(self) -> int:
@@ -84,24 +100,50 @@ def fsdp_rows() -> list[FsdpRow]:
         out.append(FsdpRow(
             row_id=int(cells["row_id"]), source=cells["source_id"], hardware=hardware,
             gpus=int(cells["gpus"]), model=cells["model"], layers=int(cells["layers"]),
-            hidden=int(cells["hidden"]), heads=int(cells["heads"]), vocab=int(cells["vocab"]),
+            hidden=int(cells["hidden"]), heads=int(cells["heads"]),
+            kv_heads=int(cells["kv_heads"]), ffn=int(cells["ffn_hidden"]),
+            vocab=int(cells["vocab"]),
             seq_len=int(cells["seq_len"]), micro_batch=int(cells["micro_batch_seqs"]),
             grad_accum=int(cells["grad_accum"]),
-            full_recompute=cells["act_ckpt"].startswith("full"),
+            recompute=_recompute(cells["act_ckpt"]),
+            float32_grads="fp32 grad reduce" in cells["precision"],
             tokens_per_s_per_gpu=float(cells["tokens_per_s_per_gpu"])))
     return out
+
+
+def _recompute(act_ckpt: str) -> str:
+    for mode in ("none", "selective", "full"):
+        if act_ckpt.startswith(mode):
+            return mode
+    raise ValueError(f"fsdp_scaling.csv: unknown act_ckpt {act_ckpt!r}")
 
 
 def fsdp_graph(row: FsdpRow) -> LayerGraph:
     """The row's model at its global batch: two blocks captured on the meta device, repeated
     to its depth (``whatif.repeat_blocks``; its blocks are identical)."""
-    cfg = GPTConfig(n_layer=2, n_head=row.heads, n_embd=row.hidden, vocab_size=row.vocab,
-                    block_size=row.seq_len, bias=False)
+    return _graph(row.llama, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn,
+                  row.vocab, row.seq_len, row.global_batch, row.model)
+
+
+@functools.cache
+def _graph(llama: bool, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+           vocab: int, seq_len: int, batch: int, name: str) -> LayerGraph:
     with torch.device("meta"):
-        model = GPT(cfg)
-    tokens = torch.zeros(row.global_batch, row.seq_len, dtype=torch.long, device="meta")
-    graph = build_layer_graph(model, (tokens,), model_name=row.model, seq_len=row.seq_len)
-    return repeat_blocks(graph, row.layers)
+        model = _llama(hidden, heads, kv_heads, ffn, vocab, seq_len) if llama else GPT(
+            GPTConfig(n_layer=2, n_head=heads, n_embd=hidden, vocab_size=vocab,
+                      block_size=seq_len, bias=False))
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    graph = build_layer_graph(model, (tokens,), model_name=name, seq_len=seq_len)
+    return repeat_blocks(graph, layers)
+
+
+def _llama(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq_len: int):
+    import transformers  # imported here: only the Llama rows need it
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=seq_len, use_cache=False, attn_implementation="sdpa"))
 
 
 def fsdp_cluster(row: FsdpRow) -> Cluster:
@@ -125,10 +167,12 @@ def predict(row: FsdpRow, graph: LayerGraph | None = None) -> FsdpPrediction:
     """The cost model's step of the row's published configuration (module docstring)."""
     graph = graph if graph is not None else fsdp_graph(row)
     cluster, prec = fsdp_cluster(row), precision("bfloat16")
+    if row.float32_grads:
+        prec = replace(prec, grad_bytes=4)
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
     block_class = max(graph.classes, key=lambda c: len(graph.classes[c]))
-    costs = [layer_cost(layer, "fsdp+full" if row.full_recompute
-                        and layer.layer_class == block_class
+    block = "fsdp" if row.recompute == "none" else f"fsdp+{row.recompute}"
+    costs = [layer_cost(layer, block if layer.layer_class == block_class
                         else "fsdp", mesh, cluster, prec, row.grad_accum)
              for layer in graph.layers]
     return FsdpPrediction(step_time_s=sum(c.time_s for c in costs),

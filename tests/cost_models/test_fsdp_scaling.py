@@ -3,8 +3,9 @@
 and sharded data parallelism at 1,536 GPUs at a fixed global batch.
 
 Where the model stands (python bench/published.py prints every row):
-- A100 rows (llm-foundry, 2023): 10 of 12 within 5%. Two are not, and are left out of the
-  10% check with their reason: row 43 (MPT-70b on 64 A100-40GB, micro-batch 2) is
+- A100 rows (torchtitan's Llama 2 and 3 on FSDP2, 2024; llm-foundry's MPT on FSDP1, 2023):
+  15 of 17 within 10%, 14 of them within 5%. Two are not, and are left out of the 10% check
+  with their reason: row 43 (MPT-70b on 64 A100-40GB, micro-batch 2) is
   published 27% below the same model on 128 GPUs at micro-batch 4, a fall no term of the
   model explains (the memory model fits it in 40 GB; the step's communication is 2% of
   it); row 48 (MPT-13b on 8 A100-40GB, 16 accumulation steps) is 13% below the model,
@@ -50,9 +51,9 @@ def rows_on(prefix: str) -> list[FsdpRow]:
     return [r for r in fsdp_rows() if r.hardware.startswith(prefix)]
 
 
-def test_the_priced_rows_are_llm_foundrys_bf16_fsdp_rows():
+def test_the_priced_rows_are_the_bf16_eager_pure_fsdp_rows():
     rows = fsdp_rows()
-    assert len(rows) == 29 and {r.source for r in rows} == {"LF-MPT"}
+    assert len(rows) == 34 and {r.source for r in rows} == {"LF-MPT", "TT-A100-2404"}
     assert {r.hardware for r in rows} == {"H100-80GB", "A100-40GB", "A100-80GB"}
 
 
@@ -60,19 +61,21 @@ def test_a100_rows_within_10_percent_and_the_median_within_5():
     table = [(r, predicted(r) / r.tokens_per_s_per_gpu - 1) for r in rows_on("A100")]
     report = "\n".join(f"{r.row_id:3} {r.label:28} {e:+.1%}" for r, e in table)
     checked = [abs(e) for r, e in table if r.row_id not in UNEXPLAINED]
-    assert len(checked) == 10, report
+    assert len(checked) == 15, report
     assert max(checked) <= 0.10, report
     assert statistics.median(checked) <= 0.05, report
 
 
 def test_configurations_the_source_ranks_apart_are_ranked_alike():
-    """Within one model and GPU, two configurations published more than 5% apart (the
-    model's resolution) are predicted in the same order."""
+    """Within one source and GPU, every two configurations (models, batches, recomputation,
+    GPU counts) published more than 5% apart are predicted in the same order: 155 pairs.
+    Closer ones are ties at the model's resolution (4 of the 20 are swapped, none by more
+    than 2% published)."""
     rows = [r for r in fsdp_rows() if r.row_id not in UNEXPLAINED]
     pairs = [(a, b) for a in rows for b in rows
-             if (a.model, a.hardware) == (b.model, b.hardware)
+             if (a.source, a.hardware) == (b.source, b.hardware)
              and a.tokens_per_s_per_gpu > 1.05 * b.tokens_per_s_per_gpu]
-    assert len(pairs) >= 5
+    assert len(pairs) == 155
     wrong = [(a.label, b.label) for a, b in pairs if not predicted(a) > predicted(b)]
     assert not wrong
 
