@@ -163,11 +163,14 @@ class FsdpPrediction:
         return row.global_batch * row.seq_len / self.step_time_s / row.gpus
 
 
-def predict(row: FsdpRow, graph: LayerGraph | None = None) -> FsdpPrediction:
-    """The cost model's step of the row's published configuration (module docstring)."""
+def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
+            float32_grads: bool | None = None) -> FsdpPrediction:
+    """The cost model's step of the row's published configuration (module docstring).
+    ``float32_grads``: reduce gradients in float32 (default: as the row ran); False prices
+    it as the planner's bf16 plans run, to compare with them like for like."""
     graph = graph if graph is not None else fsdp_graph(row)
     cluster, prec = fsdp_cluster(row), precision("bfloat16")
-    if row.float32_grads:
+    if row.float32_grads if float32_grads is None else float32_grads:
         prec = replace(prec, grad_bytes=4)
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
     block_class = max(graph.classes, key=lambda c: len(graph.classes[c]))

@@ -156,21 +156,25 @@ def test_sharded_data_parallelism_falls_with_gpus_at_a_fixed_global_batch():
 
 # -- the planner against the published configurations -----------------------------------------
 
-SEARCH_MISSES = {40: "MPT-30b on 8 H100 at 3 × 21 micro-batches: the published plan fits "
-                     "(79.5 of 80 GiB by plan_memory) and is 7% faster than the one the search "
-                     "returns (fsdp + cp 4 on dp 2); the search does not reach it"}
+SEARCH_MISSES = {
+    40: "MPT-30b on 8 H100 at 3 × 21 micro-batches: the published plan fits (79.5 of 80 GiB "
+        "by plan_memory) and is 7% faster than the plan the search returns (fsdp + cp 4 on "
+        "dp 2); the search does not reach it",
+    3: "Llama 2 13B on 64 A100 without recomputation: torchtitan ran it in 80 GB, the memory "
+       "model puts it at 93 GiB, so the planner recomputes some blocks: 0.8% slower"}
 
 
 @pytest.mark.parametrize("row_id", [
     pytest.param(r.row_id, marks=pytest.mark.xfail(strict=True, reason=SEARCH_MISSES[r.row_id]))
     if r.row_id in SEARCH_MISSES else r.row_id
-    for r in fsdp_rows() if r.gpus <= 8])
+    for r in fsdp_rows() if r.gpus <= 64])
 def test_autopar_plans_at_least_as_fast_as_the_published_fsdp_configuration(row_id):
     """Same model, cluster and global batch: the planner's plan, priced by the same model, is
-    no slower than the published configuration. (Rows on more GPUs: bench/published.py
-    --plan-up-to; they take minutes to plan on a small machine.)"""
+    no slower than the published configuration (priced with the planner's bf16 gradients,
+    like for like). Rows on more than 64 GPUs: bench/published.py --plan-up-to 512."""
     row = next(r for r in fsdp_rows() if r.row_id == row_id)
     graph = fsdp_graph(row)
     plan = search(graph, fsdp_cluster(row), precision_name="bfloat16",
                   time_limit_s=600).plan  # the choice is under test, not the machine's speed
-    assert plan.prediction.step_time_s <= predict(row, graph).step_time_s * (1 + 1e-9)
+    published = predict(row, graph, float32_grads=False).step_time_s
+    assert plan.prediction.step_time_s <= published * (1 + 1e-9)
