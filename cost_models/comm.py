@@ -1,4 +1,4 @@
-"""Collective and point-to-point time: α-β per link class, hierarchical across nodes.
+"""Collective and point-to-point time: α-β per link class; across nodes, NCCL's ring with rails.
 
 Placement. A group is described by its size and the rank stride between consecutive members
 (the mesh is row-major with tp innermost, so tp groups have stride 1 and dp groups stride
@@ -38,9 +38,14 @@ size", NVIDIA/nccl#1712), which is what makes all-gathers and reduce-scatters ov
 hundreds of ranks slow at the message sizes of one layer. Check: NVIDIA/nccl#1218
 measured all_gather of 2 GiB over 256 H100 (32 nodes, 8×400 Gb/s) at 200 GB/s bus
 bandwidth; this model, with the dgx-h100 preset's figures, gives 289 GB/s, and 240 with
-the 14 µs NCCL's own tuning table gives a network step of its Simple protocol (the
+the 14 µs that NCCL's own tuning table gives a network step of its Simple protocol (the
 preset's α is 8 µs); NCCL's tuning model, which adds each hop's latency once rather than
 pacing every step by the network's, gives 329.
+
+Message-size efficiency. The same step is the size curve: a collective reaches the bus
+bandwidth B_eff = min(B_intra, L·B_net) times (S/n) / (S/n + α·B_eff), half of it where each
+member's block S/n is α·B_eff (10 µs × 200 GB/s = 2 MB on DGX A100 nodes): a 3.6 GB
+all-gather over 1,536 ranks moves 2.3 MB blocks and runs at 54% of the links' bandwidth.
 
 The all_reduce tree (Sanders, Speck & Träff 2009; NCCL 2.4's double binary tree between
 nodes, a chain inside each) reduces inside the node, runs the tree across nodes on each
@@ -58,7 +63,8 @@ node NCCL runs all_reduce on it where it is faster than the ring, at the bus ban
 
 Launch. Every NCCL collective pays a fixed base latency beyond its steps (NCCL
 src/graph/tuning.h ``baseLat``: 8.4 µs for the ring's Simple protocol, the one large
-messages use): ``NCCL_LAUNCH_S``, on GPU links only (gloo's figures are calibrated whole).
+messages use): ``NCCL_LAUNCH_S``, on GPU links only (gloo's figures are calibrated whole),
+charged to the ring and tree collectives (all_to_all and send/recv keep their α-β form).
 
 All-to-all across nodes: a rank sends S/n to each peer, (L-1)/n·S over the intra-node link
 and (n-L)/n·S over the network, concurrently:

@@ -193,6 +193,18 @@ def test_ring_latency_grows_with_the_ranks_not_the_nodes():
         assert all_gather_s(size, Group(n), cluster) == pytest.approx(hand)
 
 
+def test_bus_bandwidth_is_half_the_links_where_a_block_is_alpha_times_bandwidth():
+    """Across nodes each member's block S/n crosses at B_eff = min(B_intra, L·B_net) after
+    α_net: half of B_eff where S/n = α·B_eff (2 MB on DGX A100: 10 us × 200 GB/s)."""
+    cluster = Cluster.preset("dgx-a100-80g", nodes=192)
+    n = 1536
+    size = n * 10e-6 * 200e9
+    t = all_gather_s(size, Group(n), cluster) - LAUNCH
+    assert (n - 1) / n * size / t == pytest.approx(0.5 * 200e9)
+    gather = all_gather_s(3.6e9, Group(n), cluster) - LAUNCH  # one GPT-3 175B block
+    assert (n - 1) / n * 3.6e9 / gather / 200e9 == pytest.approx(0.54, abs=0.005)
+
+
 def test_all_gather_bus_bandwidth_at_256_h100_is_near_the_published_measurement():
     """NVIDIA/nccl#1218: all_gather of 2 GiB over 32 DGX H100 nodes measured 200 GB/s bus
     bandwidth (all_reduce on the same nodes: 340). The lock-step ring gives 289 at the
@@ -237,7 +249,7 @@ def test_all_to_all_is_n_minus_1_over_n_size_over_bandwidth():
     assert all_to_all_s(size, Group(8), one_node) == pytest.approx(
         7 / 8 * size / 300e9 + 7 * 5e-6)
     two_nodes = one_node.with_nodes(2)  # 8 of 16 peers' shares cross the network
-    network = 8 / 16 * size / 25e9 + 8 * 10e-6  # all_to_all: NCCL send/recv pairs, no launch
+    network = 8 / 16 * size / 25e9 + 8 * 10e-6  # all_to_all keeps its α-β form (no launch)
     assert all_to_all_s(size, Group(16), two_nodes) == pytest.approx(network)
     assert collective_s("all_to_all", size, Group(16), two_nodes) == pytest.approx(network)
 
