@@ -7,15 +7,16 @@ float8, no ``torch.compile``), on the presets' GPUs:
 - llm-foundry's MPT table (LF-MPT; FSDP1 ``FULL_SHARD``) on A100-40GB, A100-80GB and
   H100-80GB. MPT is the zoo's GPT (multi-head attention, a 4·d GELU MLP, no biases;
   ALiBi's bias adds no matmul FLOPs).
-- torchtitan's April 2024 A100 table (TT-A100-2404; FSDP2 ``fully_shard``): Llama 2 and 3,
-  captured from Hugging Face transformers' ``LlamaForCausalLM`` at the row's shape
-  (grouped-query attention, SwiGLU, RoPE, SDPA attention). torchtitan reduces gradients in
-  float32 (its ``MixedPrecisionPolicy``): the rows are priced with 4-byte gradients.
+- torchtitan's April 2024 A100 table (TT-A100-2404) and the eager bf16 rows of its
+  December 2024 H100 table (TT-H100-2412, Llama 3.1 8B on 8 and 128 GPUs; FSDP2
+  ``fully_shard``): Llama captured from Hugging Face transformers' ``LlamaForCausalLM`` at
+  the row's shape (grouped-query attention, SwiGLU, RoPE, SDPA attention). torchtitan
+  reduces gradients in float32 (its ``MixedPrecisionPolicy``): 4-byte gradients. Its H100s
+  are 96 GB / 500 W parts, priced on the dgx-h100 preset (80 GB / 700 W) with 96 GiB.
 
 Not priced, and why: the other torchtitan rows and fms-fsdp's use ``torch.compile``, float8
 or TP/PP/HSDP, which a bf16 model of eager kernels on a pure data-parallel mesh does not
-describe (torchtitan's H100s are also 96 GB / 500 W parts, not the dgx-h100 preset's 80 GB /
-700 W); PTB-FP8-2411 states no batch size.
+describe; PTB-FP8-2411 states no batch size.
 
 Each row's configuration becomes a plan: every layer ``fsdp`` on a pure data-parallel mesh
 of the row's GPU count, the row's recomputation of every block (none, selective or full),
@@ -43,11 +44,13 @@ from passes.records import LayerGraph
 from runtime.plan import Mesh
 
 FSDP_TABLE_PATH = resources.files("autopar") / "data" / "fsdp_scaling.csv"
-PRICED_SOURCES = ("LF-MPT", "TT-A100-2404")
+PRICED_SOURCES = ("LF-MPT", "TT-A100-2404", "TT-H100-2412")
 CLUSTERS = {"H100-80GB": ("dgx-h100", 80), "A100-40GB": ("dgx-a100-80g", 40),
-            "A100-80GB": ("dgx-a100-80g", 80)}
-"""Hardware column prefix -> (preset, memory GiB). llm-foundry's A100 tables state 1,600
-Gb/s per node (RoCE): 25 GB/s per GPU, the dgx-a100-80g preset's network."""
+            "A100-80GB": ("dgx-a100-80g", 80), "H100-96GB-500W": ("dgx-h100", 96)}
+"""Hardware (``hardware_name``) -> (preset, memory GiB). llm-foundry's A100 tables state
+1,600 Gb/s per node (RoCE): 25 GB/s per GPU, the dgx-a100-80g preset's network.
+torchtitan's H100s (Grand Teton: 96 GB of HBM2e, power capped at 500 W) get the dgx-h100
+preset with 96 GiB; its 700 W peak FLOP/s and HBM3 bandwidth overstate them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,7 +97,7 @@ def fsdp_rows() -> list[FsdpRow]:
     for cells in csv.DictReader(io.StringIO("\n".join(lines))):
         if cells["source_id"] not in PRICED_SOURCES:
             continue
-        hardware = cells["hardware"].split(" ")[0]
+        hardware = hardware_name(cells["hardware"])
         if hardware not in CLUSTERS or cells["float8"] != "no" or cells["compile"] != "no":
             continue
         out.append(FsdpRow(
@@ -109,6 +112,13 @@ def fsdp_rows() -> list[FsdpRow]:
             float32_grads="fp32 grad reduce" in cells["precision"],
             tokens_per_s_per_gpu=float(cells["tokens_per_s_per_gpu"])))
     return out
+
+
+def hardware_name(published: str) -> str:
+    """The key of CLUSTERS for a row's hardware column."""
+    if published.startswith("H100 SXM, 96GB"):
+        return "H100-96GB-500W"
+    return published.split(" ")[0]
 
 
 def _recompute(act_ckpt: str) -> str:
