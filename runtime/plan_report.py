@@ -150,8 +150,13 @@ def comm_lines(plan: Plan) -> list[str]:
     if len(rows) == 1:
         return []
     src = plan.prediction.source
-    return ["", f"Communication per step  [{src}; issued = hidden + exposed; hidden time is "
-            "net of the compute it slows]", *table(rows)]
+    lines = ["", f"Communication per step  [{src}; issued = hidden + exposed; hidden time is "
+             "net of the compute it slows]", *table(rows)]
+    if plan.mesh.pp == 1 and any(spec(x.strategy).gather == "per_use" for x in plan.layers):
+        lines.append("  not in these numbers: each micro-batch's first all-gather and the "
+                     "step's last reduce-scatter have no neighbouring compute to hide behind "
+                     "(priced as if they had)")
+    return lines
 
 
 def why_exposed(s: StrategySpec, mesh: Mesh) -> str:
