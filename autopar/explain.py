@@ -77,6 +77,7 @@ def _option(cost) -> OptionCost:
     """The plan's record of one option; its parameters include FSDP2's gathered copy
     (``LayerCost.gathered_bytes``), so its resident bytes are the ILP's."""
     return OptionCost(strategy=cost.option, compute_s=cost.compute_s, comm_s=cost.comm_s,
+                      hidden_comm_s=cost.hidden_comm_s,
                       params_bytes=int(cost.params_bytes + cost.gathered_bytes),
                       grads_bytes=int(cost.grads_bytes),
                       optimizer_bytes=int(cost.optimizer_bytes),

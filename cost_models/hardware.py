@@ -60,6 +60,7 @@ RANGES: dict[str, tuple[float, float]] = {
     "memory_bytes": (MiB, 2.0**60),
     "memory_bandwidth_GBps": (1e-6, 1e9),
     "bandwidth_GBps": (1e-6, 1e9),
+    "nvls_bus_GBps": (0.0, 1e9),
     "latency_s": (0.0, 1e3),
     "kernel_floor_s": (1e-12, 1.0),
     "host_overhead_s": (0.0, 1e3),
@@ -237,6 +238,10 @@ class Cluster:
     processes; Megatron-LM runs a fused kernel."""
     host: Host = field(default_factory=Host)
     """The host memory beside each device, for offloaded layers."""
+    nvls_bus_GBps: float = 0.0
+    """NVLink SHARP (NVLS): the NVSwitch reduces in the switch, and NCCL runs a node's
+    all_reduce on it where that is faster than its ring (cost_models.comm). The all_reduce
+    bus bandwidth nccl-tests measure on it inside one node, GB/s; 0: the node has none."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -401,6 +406,8 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
             raise ConfigError(f"{source}: {key} must be a string, got {top[key]!r}")
     if "extra" in top and not isinstance(top["extra"], dict):
         raise ConfigError(f"{source}: [extra] must be a table, got {top['extra']!r}")
+    if "nvls_bus_GBps" in top:
+        _check_range("nvls_bus_GBps", top["nvls_bus_GBps"], source, "nvls_bus_GBps")
     margin = top.get("memory_margin_fraction", 0.1)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")

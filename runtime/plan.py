@@ -388,6 +388,9 @@ class OptionCost(MemoryTerms):
     compute_s: float
     comm_s: float
     """Forward + backward + optimizer step; communication not overlapped."""
+    hidden_comm_s: float = 0.0
+    """Per step, communication hidden behind compute (net of the slowdown overlapping
+    causes): ``comm_s`` plus this is all the communication the option issues."""
 
     @property
     def time_s(self) -> float:

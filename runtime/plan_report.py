@@ -19,11 +19,14 @@ from dataclasses import dataclass
 from runtime.plan import (
     LayerPlan,
     MemoryBreakdown,
+    Mesh,
     OptionCost,
     Plan,
     option_label,
+    parse_option,
     stage_rank,
 )
+from runtime.strategies import StrategySpec, spec
 
 GiB = 1024**3
 
@@ -118,6 +121,59 @@ def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return [indent + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip()
             for r in rows]
+
+
+# -- communication: what is exposed and why ------------------------------------------------
+
+def comm_lines(plan: Plan) -> list[str]:
+    """Per class of layers, the communication its option issues in a step, what hides behind
+    compute and what is exposed, with why (``why_exposed``). Needs the rationale."""
+    if plan.rationale is None or plan.prediction is None:
+        return []
+    groups: dict[tuple[str, str], list[OptionCost]] = {}
+    for layer in plan.layers:
+        cost = option_cost(plan, layer)
+        if cost is not None:
+            groups.setdefault((layer.layer_class, layer.option), []).append(cost)
+    rows = [("class", "n", "option", "issued", "hidden", "exposed", "why exposed")]
+    step = plan.prediction.step_time_s
+    for (layer_class, option), costs in sorted(
+            groups.items(), key=lambda kv: -sum(c.comm_s for c in kv[1])):
+        exposed = sum(c.comm_s for c in costs)
+        hidden = sum(c.hidden_comm_s for c in costs)
+        if exposed + hidden <= 0:
+            continue
+        share = f" ({exposed / step:.1%} of the step)" if step > 0 else ""
+        rows.append((layer_class, str(len(costs)), option, ms(exposed + hidden), ms(hidden),
+                     ms(exposed) + share, why_exposed(spec(parse_option(option)["strategy"]),
+                                                      plan.mesh)))
+    if len(rows) == 1:
+        return []
+    src = plan.prediction.source
+    lines = ["", f"Communication per step  [{src}; issued = hidden + exposed; hidden time is "
+             "net of the compute it slows]", *table(rows)]
+    if plan.mesh.pp == 1 and any(spec(x.strategy).gather == "per_use" for x in plan.layers):
+        lines.append("  not in these numbers: each micro-batch's first all-gather and the "
+                     "step's last reduce-scatter have no neighbouring compute to hide behind "
+                     "(priced as if they had)")
+    return lines
+
+
+def why_exposed(s: StrategySpec, mesh: Mesh) -> str:
+    """Why a strategy's communication is not all hidden (costs.py's overlap conventions)."""
+    parts = []
+    if s.tensor_parallel and mesh.tp > 1:
+        parts.append("TP collectives wait (the next op needs them)")
+    if s.sharded and s.gather == "per_use":
+        parts.append("gathered for the first forward, reduced after the last backward: not "
+                     "overlapped" if mesh.pp > 1 else
+                     "2 all-gathers + 1 reduce-scatter a micro-batch, each behind one "
+                     "neighbour's compute: the excess and the slowdown exposed")
+    elif s.sharded:
+        parts.append("gathered and reduced once a step, at the optimizer: not overlapped")
+    elif mesh.replicas > 1:
+        parts.append("all-reduce behind the last backward: the last bucket waits")
+    return "; ".join(parts) or "-"
 
 
 # -- per-rank memory ------------------------------------------------------------------------
@@ -236,7 +292,8 @@ def alternatives_lines(plan: Plan, top_k: int) -> list[str]:
 
 def format_report(plan: Plan, *, top_k: int = 5) -> str:
     """Model, cluster and batch; totals; per-layer and per-rank tables; alternatives."""
-    lines = header_lines(plan) + totals_lines(plan) + layer_lines(plan) + rank_lines(plan)
+    lines = header_lines(plan) + totals_lines(plan) + comm_lines(plan) + layer_lines(plan)
+    lines += rank_lines(plan)
     lines += alternatives_lines(plan, top_k)
     return "\n".join(lines)
 

@@ -22,7 +22,21 @@ optimizer states divided by dp, so more memory for a deeper or wider shape) and 
 ZeRO-1/2 as FSDP2 runs them (at pp = 1 the once-per-step gather hides in the first forward
 and ZeRO-1's reduce-scatter in the last backward; in a pipeline zero2 reduces once, as
 zero1, so they tie and the first, zero1, is kept). Values printed by ``plan_summary`` on
-that change's commit."""
+that change's commit.
+Moved on purpose by NCCL's collectives at scale (cost_models/comm.py: a ring across nodes
+paced at its slowest hop, with rails, instead of an intra-node phase plus a network phase
+added; NCCL's 8.4 us launch per collective; NVLink SHARP on H100), numbers printed by
+``plan_summary`` on the commit before and after:
+- gpt3-175b on 1,024 A100: ZBVZeroBubble → InterleavedZeroBubble, one tp layer → zero1;
+  2.0982 s → 2.1256 s (+1.3%: each of the step's thousands of TP collectives pays NCCL's
+  launch latency).
+- Megatron 1T on 3,072 A100: pp 64 × dp 6 × tp 8 (1F1B, 78.17 s) → pp 1 × dp 768 × tp 4,
+  TP layers sharded over dp (tp_fsdp) and mostly offloaded, 77.72 s. The dp group of a
+  tp 4 mesh has two members a node; its all-gathers were priced as a ring on NVLink plus a
+  ring on the network, S·(1/600 + 1/50) s a byte, and are now NCCL's one ring at the
+  slower of the two, S/50 plus 767 network steps of latency: 8% less bandwidth time,
+  enough to put the sharded plan 0.6% ahead of the pipeline.
+- gpt2-small on 8 A100: the same plan; 4.21962 s → 4.21976 s (the launch latency)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,194 @@
+"""Published fully-sharded data-parallel runs (autopar/data/fsdp_scaling.csv), priced by the
+cost model as the planner prices its own plans.
+
+Rows priced: fully sharded data parallelism alone (no TP, PP or HSDP), bf16, eager (no
+float8, no ``torch.compile``), on the presets' GPUs:
+
+- llm-foundry's MPT table (LF-MPT; FSDP1 ``FULL_SHARD``) on A100-40GB, A100-80GB and
+  H100-80GB. MPT is the zoo's GPT (multi-head attention, a 4·d GELU MLP, no biases;
+  ALiBi's bias adds no matmul FLOPs).
+- torchtitan's April 2024 A100 table (TT-A100-2404) and the eager bf16 rows of its
+  December 2024 H100 table (TT-H100-2412, Llama 3.1 8B on 8 and 128 GPUs; FSDP2
+  ``fully_shard``): Llama captured from Hugging Face transformers' ``LlamaForCausalLM`` at
+  the row's shape (grouped-query attention, SwiGLU, RoPE, SDPA attention). torchtitan
+  reduces gradients in float32 (its ``MixedPrecisionPolicy``): 4-byte gradients. Its H100s
+  are 96 GB / 500 W parts, priced on the dgx-h100 preset (80 GB / 700 W) with 96 GiB.
+
+Not priced, and why: the other torchtitan rows and fms-fsdp's use ``torch.compile``, float8
+or TP/PP/HSDP, which a bf16 model of eager kernels on a pure data-parallel mesh does not
+describe; PTB-FP8-2411 states no batch size.
+
+Each row's configuration becomes a plan: every layer ``fsdp`` on a pure data-parallel mesh
+of the row's GPU count, the row's recomputation of every block (none, selective or full),
+its micro-batch and gradient accumulation. Throughput is tokens per second per GPU, as
+the sources report it (cluster tokens/s ÷ GPUs; the same for pure data parallelism).
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import io
+from dataclasses import dataclass, replace
+from importlib import resources
+
+import torch
+
+from autopar.planner.costs import layer_cost
+from autopar.whatif import repeat_blocks
+from autopar.zoo import GPT, GPTConfig
+from cost_models.hardware import Cluster, GiB
+from cost_models.memory import precision
+from passes.layer_graph import build_layer_graph
+from passes.records import LayerGraph
+from runtime.plan import Mesh
+
+FSDP_TABLE_PATH = resources.files("autopar") / "data" / "fsdp_scaling.csv"
+PRICED_SOURCES = ("LF-MPT", "TT-A100-2404", "TT-H100-2412")
+CLUSTERS = {"H100-80GB": ("dgx-h100", 80), "A100-40GB": ("dgx-a100-80g", 40),
+            "A100-80GB": ("dgx-a100-80g", 80), "H100-96GB-500W": ("dgx-h100", 96)}
+"""Hardware (``hardware_name``) -> (preset, memory GiB). llm-foundry's A100 tables state
+1,600 Gb/s per node (RoCE): 25 GB/s per GPU, the dgx-a100-80g preset's network.
+torchtitan's H100s (Grand Teton: 96 GB of HBM2e, power capped at 500 W) get the dgx-h100
+preset with 96 GiB; its 700 W peak FLOP/s and HBM3 bandwidth overstate them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpRow:
+    """One priced row of ``fsdp_scaling.csv``."""
+
+    row_id: int
+    source: str
+    hardware: str
+    gpus: int
+    model: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    ffn: int
+    vocab: int
+    seq_len: int
+    micro_batch: int
+    grad_accum: int
+    recompute: str
+    """'none', 'selective' or 'full' (runtime.plan.RECOMPUTE), every block."""
+    float32_grads: bool
+    """Gradients reduced in float32 (torchtitan), not bf16."""
+    tokens_per_s_per_gpu: float
+
+    @property
+    def llama(self) -> bool:
+        return self.model.startswith("Llama")
+
+    @property
+    def global_batch(self) -> int:
+        return self.gpus * self.micro_batch * self.grad_accum
+
+    @property
+    def label(self) -> str:
+        return f"{self.model} {self.hardware} ×{self.gpus}"
+
+
+def fsdp_rows() -> list[FsdpRow]:
+    """The rows this module prices (module docstring), in the file's order."""
+    lines = [x for x in FSDP_TABLE_PATH.read_text().splitlines() if not x.startswith("#")]
+    out = []
+    for cells in csv.DictReader(io.StringIO("\n".join(lines))):
+        if cells["source_id"] not in PRICED_SOURCES:
+            continue
+        hardware = hardware_name(cells["hardware"])
+        if hardware not in CLUSTERS or cells["float8"] != "no" or cells["compile"] != "no":
+            continue
+        out.append(FsdpRow(
+            row_id=int(cells["row_id"]), source=cells["source_id"], hardware=hardware,
+            gpus=int(cells["gpus"]), model=cells["model"], layers=int(cells["layers"]),
+            hidden=int(cells["hidden"]), heads=int(cells["heads"]),
+            kv_heads=int(cells["kv_heads"]), ffn=int(cells["ffn_hidden"]),
+            vocab=int(cells["vocab"]),
+            seq_len=int(cells["seq_len"]), micro_batch=int(cells["micro_batch_seqs"]),
+            grad_accum=int(cells["grad_accum"]),
+            recompute=_recompute(cells["act_ckpt"]),
+            float32_grads="fp32 grad reduce" in cells["precision"],
+            tokens_per_s_per_gpu=float(cells["tokens_per_s_per_gpu"])))
+    return out
+
+
+def hardware_name(published: str) -> str:
+    """The key of CLUSTERS for a row's hardware column."""
+    if published.startswith("H100 SXM, 96GB"):
+        return "H100-96GB-500W"
+    return published.split(" ")[0]
+
+
+def _recompute(act_ckpt: str) -> str:
+    for mode in ("none", "selective", "full"):
+        if act_ckpt.startswith(mode):
+            return mode
+    raise ValueError(f"fsdp_scaling.csv: unknown act_ckpt {act_ckpt!r}")
+
+
+def fsdp_graph(row: FsdpRow) -> LayerGraph:
+    """The row's model at its global batch: two blocks captured on the meta device, repeated
+    to its depth (``whatif.repeat_blocks``; its blocks are identical)."""
+    return _graph(row.llama, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn,
+                  row.vocab, row.seq_len, row.global_batch, row.model)
+
+
+@functools.cache
+def _graph(llama: bool, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
+           vocab: int, seq_len: int, batch: int, name: str) -> LayerGraph:
+    with torch.device("meta"):
+        model = _llama(hidden, heads, kv_heads, ffn, vocab, seq_len) if llama else GPT(
+            GPTConfig(n_layer=2, n_head=heads, n_embd=hidden, vocab_size=vocab,
+                      block_size=seq_len, bias=False))
+    tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
+    graph = build_layer_graph(model, (tokens,), model_name=name, seq_len=seq_len)
+    return repeat_blocks(graph, layers)
+
+
+def _llama(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq_len: int):
+    import transformers  # imported here: only the Llama rows need it
+
+    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
+        num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=seq_len, use_cache=False, attn_implementation="sdpa"))
+
+
+def fsdp_cluster(row: FsdpRow) -> Cluster:
+    preset, memory_gib = CLUSTERS[row.hardware]
+    cluster = Cluster.preset(preset, nodes=max(1, row.gpus // 8))
+    return replace(cluster, device=replace(cluster.device, memory_bytes=memory_gib * GiB))
+
+
+@dataclass(frozen=True, kw_only=True)
+class FsdpPrediction:
+    step_time_s: float
+    compute_s: float
+    exposed_comm_s: float
+    hidden_comm_s: float
+
+    def tokens_per_s_per_gpu(self, row: FsdpRow) -> float:
+        return row.global_batch * row.seq_len / self.step_time_s / row.gpus
+
+
+def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
+            float32_grads: bool | None = None) -> FsdpPrediction:
+    """The cost model's step of the row's published configuration (module docstring).
+    ``float32_grads``: reduce gradients in float32 (default: as the row ran); False prices
+    it as the planner's bf16 plans run, to compare with them like for like."""
+    graph = graph if graph is not None else fsdp_graph(row)
+    cluster, prec = fsdp_cluster(row), precision("bfloat16")
+    if row.float32_grads if float32_grads is None else float32_grads:
+        prec = replace(prec, grad_bytes=4)
+    mesh = Mesh(pp=1, dp=row.gpus, tp=1)
+    block_class = max(graph.classes, key=lambda c: len(graph.classes[c]))
+    block = "fsdp" if row.recompute == "none" else f"fsdp+{row.recompute}"
+    costs = [layer_cost(layer, block if layer.layer_class == block_class
+                        else "fsdp", mesh, cluster, prec, row.grad_accum)
+             for layer in graph.layers]
+    return FsdpPrediction(step_time_s=sum(c.time_s for c in costs),
+                          compute_s=sum(c.compute_s for c in costs),
+                          exposed_comm_s=sum(c.comm_s for c in costs),
+                          hidden_comm_s=sum(c.hidden_comm_s for c in costs))

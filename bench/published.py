@@ -1,0 +1,86 @@
+"""The cost model against every published run autopar prices: Megatron-LM's SC'21 Table 1
+(autopar.planner.published) and llm-foundry's FSDP runs (autopar.planner.fsdp_published),
+row by row: published, predicted, error; and, for rows up to ``--plan-up-to`` GPUs,
+autopar's own plan for the same model, cluster and global batch, with its predicted
+speed-up over the published configuration (both priced by the same model).
+
+    python bench/published.py                    # every row; autopar plans none
+    python bench/published.py --plan-up-to 64    # and plans rows of at most 64 GPUs
+
+Megatron rows are TFLOP/s per GPU counted the paper's way; FSDP rows tokens/s per GPU. The
+speed-up compares like with like: a row that reduced gradients in float32 (torchtitan) is
+priced with bf16 gradients there, as the planner's bf16 plans reduce them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from autopar.planner.fsdp_published import fsdp_cluster, fsdp_graph, fsdp_rows, predict
+from autopar.planner.published import (
+    evaluate,
+    megatron_cluster,
+    megatron_graph,
+    megatron_plan,
+    megatron_rows,
+    predicted_tflops,
+)
+from autopar.planner.search import search
+from cost_models.memory import precision
+
+HEADER = (f"{'row':<30} {'unit':>6} {'published':>10} {'predicted':>10} {'error':>7} "
+          f"{'exposed s':>9} {'autopar plan':<34} {'speed-up':>8} {'plan s':>6}")
+
+
+def own_plan(graph, cluster, dtype: str, published_step_s: float) -> tuple[str, str, str]:
+    """(shape, speed-up over the published step, planning seconds) of autopar's plan."""
+    start = time.perf_counter()
+    plan = search(graph, cluster, precision_name=dtype).plan
+    took = time.perf_counter() - start
+    shape = plan.mesh.describe(" ")
+    if plan.pipeline:
+        shape += f" {plan.pipeline.schedule} m={plan.pipeline.num_microbatches}"
+    return shape, f"{published_step_s / plan.prediction.step_time_s:.2f}x", f"{took:.1f}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--plan-up-to", type=int, default=0,
+                        help="also plan rows with at most this many GPUs (0: none)")
+    args = parser.parse_args()
+    print(HEADER)
+    errors: dict[str, list[float]] = {"megatron": [], "fsdp": []}
+    fp16 = precision("float16")
+    for row in megatron_rows():
+        graph, cluster = megatron_graph(row), megatron_cluster(row)
+        ev = evaluate(graph, cluster, fp16, megatron_plan(graph, row))
+        pred = predicted_tflops(row, ev.step_time_s)
+        errors["megatron"].append(pred / row.tflops_per_gpu - 1)
+        shape = speedup = took = "-"
+        if row.gpus <= args.plan_up_to:
+            shape, speedup, took = own_plan(graph, cluster, "float16", ev.step_time_s)
+        print(f"{f'Megatron {row.params_b}B ×{row.gpus}':<30} {'TF/s':>6} "
+              f"{row.tflops_per_gpu:>10.0f} {pred:>10.1f} {errors['megatron'][-1]:>+7.1%} "
+              f"{'-':>9} {shape:<34} {speedup:>8} {took:>6}", flush=True)
+    for row in fsdp_rows():
+        graph = fsdp_graph(row)
+        p = predict(row, graph)
+        pred = p.tokens_per_s_per_gpu(row)
+        errors["fsdp"].append(pred / row.tokens_per_s_per_gpu - 1)
+        shape = speedup = took = "-"
+        if row.gpus <= args.plan_up_to:  # like for like: the planner's bf16 gradients
+            shape, speedup, took = own_plan(graph, fsdp_cluster(row), "bfloat16",
+                                            predict(row, graph, float32_grads=False).step_time_s)
+        print(f"{f'{row.row_id} {row.label}':<30} {'tok/s':>6} "
+              f"{row.tokens_per_s_per_gpu:>10.0f} {pred:>10.0f} {errors['fsdp'][-1]:>+7.1%} "
+              f"{p.exposed_comm_s:>9.2f} {shape:<34} {speedup:>8} {took:>6}", flush=True)
+    for name, errs in errors.items():
+        absolute = [abs(e) for e in errs]
+        print(f"{name}: worst |error| {max(absolute):.1%}, median {statistics.median(absolute):.1%}"
+              f" over {len(errs)} rows")
+
+
+if __name__ == "__main__":
+    main()

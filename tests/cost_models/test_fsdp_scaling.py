@@ -1,0 +1,183 @@
+"""The cost model against published fully-sharded data-parallel runs
+(autopar/data/fsdp_scaling.csv; which rows are priced and why: autopar.planner.fsdp_published),
+and sharded data parallelism at 1,536 GPUs at a fixed global batch.
+
+Where the model stands (python bench/published.py prints every row):
+- A100 rows (torchtitan's Llama 2 and 3 on FSDP2, 2024; llm-foundry's MPT on FSDP1, 2023):
+  15 of 17 within 10%, 14 of them within 5%. Two are not, and are left out of the 10% check
+  with their reason: row 43 (MPT-70b on 64 A100-40GB, micro-batch 2) is
+  published 27% below the same model on 128 GPUs at micro-batch 4, a fall no term of the
+  model explains (the memory model fits it in 40 GB; the step's communication is 2% of
+  it); row 48 (MPT-13b on 8 A100-40GB, 16 accumulation steps) is 13% below the model,
+  and 16% below the same model on 32 GPUs with one step.
+- H100 rows are all predicted too fast: llm-foundry's by 13-35%, torchtitan's Llama 3.1 8B
+  on power-capped (500 W) parts by 54-59%. The dgx-h100 preset's matmul_efficiency (0.7,
+  assumed, not measured) is too high for these runs (llm-foundry reports 41-46% MFU), and
+  the preset knows no power cap. Not re-fitted on this table, which is the check;
+  ``autopar calibrate`` on the device measures it.
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+
+import pytest
+
+from autopar.planner.costs import layer_cost
+from autopar.planner.fsdp_published import FsdpRow, fsdp_cluster, fsdp_graph, fsdp_rows, predict
+from autopar.planner.published import (
+    MegatronRow,
+    evaluate,
+    megatron_cluster,
+    megatron_graph,
+    megatron_plan,
+    paper_flops,
+)
+from autopar.planner.search import search
+from cost_models.hardware import Cluster
+from cost_models.memory import precision
+from runtime.plan import Mesh
+
+UNEXPLAINED = {43: "27% below the same model at 128 GPUs; no modelled term explains it",
+               48: "16% below the same model at 32 GPUs without accumulation"}
+
+
+@functools.cache
+def predicted(row: FsdpRow) -> float:
+    return predict(row).tokens_per_s_per_gpu(row)
+
+
+def rows_on(prefix: str) -> list[FsdpRow]:
+    return [r for r in fsdp_rows() if r.hardware.startswith(prefix)]
+
+
+def test_the_priced_rows_are_the_bf16_eager_pure_fsdp_rows():
+    rows = fsdp_rows()
+    assert len(rows) == 36
+    assert {r.source for r in rows} == {"LF-MPT", "TT-A100-2404", "TT-H100-2412"}
+    assert {r.hardware for r in rows} == {"H100-80GB", "A100-40GB", "A100-80GB",
+                                          "H100-96GB-500W"}
+
+
+def test_a100_rows_within_10_percent_and_the_median_within_5():
+    table = [(r, predicted(r) / r.tokens_per_s_per_gpu - 1) for r in rows_on("A100")]
+    report = "\n".join(f"{r.row_id:3} {r.label:28} {e:+.1%}" for r, e in table)
+    checked = [abs(e) for r, e in table if r.row_id not in UNEXPLAINED]
+    assert len(checked) == 15, report
+    assert max(checked) <= 0.10, report
+    assert statistics.median(checked) <= 0.05, report
+
+
+def test_configurations_the_source_ranks_apart_are_ranked_alike():
+    """Within one source and GPU, every two configurations (models, batches, recomputation,
+    GPU counts) published more than 5% apart are predicted in the same order: 155 pairs.
+    Closer ones are ties at the model's resolution (4 of the 20 are swapped, none by more
+    than 2% published)."""
+    rows = [r for r in fsdp_rows() if r.row_id not in UNEXPLAINED]
+    pairs = [(a, b) for a in rows for b in rows
+             if (a.source, a.hardware) == (b.source, b.hardware)
+             and a.tokens_per_s_per_gpu > 1.05 * b.tokens_per_s_per_gpu]
+    assert len(pairs) == 155
+    wrong = [(a.label, b.label) for a, b in pairs if not predicted(a) > predicted(b)]
+    assert not wrong
+
+
+def test_throughput_per_gpu_falls_with_gpu_count_as_published():
+    """llm-foundry's H100 table at 128, 256 and 512 GPUs keeps the per-GPU batch: published
+    throughput per GPU falls with the GPU count for every model, most for MPT-7b (no
+    recomputation, the least compute per byte gathered): 7.7%. The model's fall comes from
+    the ring latency that grows with the ranks (cost_models.comm); it predicts the same
+    order of models, with smaller falls (7b: 5.8%)."""
+    falls = {}
+    for model in ("MPT-7b", "MPT-13b", "MPT-30b", "MPT-70b"):
+        rows = sorted((r for r in rows_on("H100") if r.model == model and r.gpus >= 128),
+                      key=lambda r: r.gpus)
+        assert [r.gpus for r in rows] == [128, 256, 512]
+        tps = [predicted(r) for r in rows]
+        assert tps[0] > tps[1] > tps[2], (model, tps)
+        falls[model] = (1 - tps[2] / tps[0], 1 - rows[2].tokens_per_s_per_gpu
+                        / rows[0].tokens_per_s_per_gpu)
+    assert max(falls, key=lambda m: falls[m][0]) == max(falls, key=lambda m: falls[m][1])
+    assert falls["MPT-7b"][0] >= falls["MPT-7b"][1] / 2, falls
+
+
+# -- sharded data parallelism at 1,536 GPUs, fixed global batch ------------------------------
+
+def gpt3(gpus: int, tp: int = 1, pp: int = 1) -> MegatronRow:
+    return MegatronRow(params_b=175, heads=96, hidden=12288, layers=96, tp=tp, pp=pp,
+                       gpus=gpus, global_batch=1536, tflops_per_gpu=0.0,
+                       microbatch=1 if pp > 1 else 1536 // gpus, interleave=2 if pp > 1 else 1)
+
+
+@functools.cache
+def zero3(gpus: int) -> tuple[float, float]:
+    """(TFLOP/s per GPU counted the paper's way, exposed communication s) of GPT-3 175B with
+    every layer sharded over all ranks (ZeRO-3 / FSDP, no model parallelism), blocks fully
+    recomputed, bf16, one micro-batch of 1536 / gpus samples."""
+    row = gpt3(gpus)
+    graph = megatron_graph(row)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=gpus // 8)
+    blocks = next(c for c, m in graph.classes.items() if len(m) == 96)
+    costs = [layer_cost(layer, "fsdp+full" if layer.layer_class == blocks else "fsdp",
+                        Mesh(pp=1, dp=gpus, tp=1), cluster, precision("bfloat16"))
+             for layer in graph.layers]
+    step = sum(c.time_s for c in costs)
+    return paper_flops(row) / step / gpus / 1e12, sum(c.comm_s for c in costs)
+
+
+@functools.cache
+def three_d(gpus: int) -> float:
+    row = gpt3(gpus, tp=8, pp=12)
+    graph = megatron_graph(row)
+    step = evaluate(graph, megatron_cluster(row), precision("float16"),
+                    megatron_plan(graph, row)).step_time_s
+    return paper_flops(row) / step / gpus / 1e12
+
+
+def test_sharded_data_parallelism_falls_with_gpus_at_a_fixed_global_batch():
+    """384 → 768 → 1,536 A100s at global batch 1,536: each rank's compute shrinks 4×, its
+    all-gathers and reduce-scatters of each 3.6 GB block do not (the ring's bandwidth term
+    is the same; its latency, (n−1) steps, grows): per-GPU throughput falls and the exposed
+    communication grows, faster than under 3D parallelism (TP 8 × PP 12, whose data-parallel
+    group grows from 4 to 16 ranks). Predicted: 192 → 186 → 173 TFLOP/s (−10%); 3D 151 →
+    149 → 144 (−5%).
+
+    Not reproduced: published comparisons (ZeRO-3 under DeepSpeed, 2021) fell about 3×
+    over the same 4×, below 3D at every size. With every collective of a block priced at
+    NCCL's ring (21.8 ms at 384 ranks, 33.3 ms at 1,536) and FSDP2's one-layer prefetch,
+    the communication hides behind the recomputed backward even at one sample a rank;
+    the published fall needs collectives about 3× slower than the links allow, or none
+    overlapped (exposed whole, the model gives a fall of about 1.5×)."""
+    tflops = {n: zero3(n) for n in (384, 768, 1536)}
+    assert tflops[384][0] > tflops[768][0] > tflops[1536][0]
+    assert tflops[384][1] < tflops[768][1] < tflops[1536][1]
+    fall = 1 - tflops[1536][0] / tflops[384][0]
+    assert fall == pytest.approx(0.10, abs=0.02)
+    assert fall > 1 - three_d(1536) / three_d(384)
+
+
+# -- the planner against the published configurations -----------------------------------------
+
+SEARCH_MISSES = {
+    40: "MPT-30b on 8 H100 at 3 × 21 micro-batches: the published plan fits (79.5 of 80 GiB "
+        "by plan_memory) and is 7% faster than the plan the search returns (fsdp + cp 4 on "
+        "dp 2); the search does not reach it",
+    3: "Llama 2 13B on 64 A100 without recomputation: torchtitan ran it in 80 GB, the memory "
+       "model puts it at 93 GiB, so the planner recomputes some blocks: 0.8% slower"}
+
+
+@pytest.mark.parametrize("row_id", [
+    pytest.param(r.row_id, marks=pytest.mark.xfail(strict=True, reason=SEARCH_MISSES[r.row_id]))
+    if r.row_id in SEARCH_MISSES else r.row_id
+    for r in fsdp_rows()])
+def test_autopar_plans_at_least_as_fast_as_the_published_fsdp_configuration(row_id):
+    """Same model, cluster and global batch: the planner's plan, priced by the same model, is
+    no slower than the published configuration (priced with the planner's bf16 gradients,
+    like for like). Every row plans in seconds (bench/published.py --plan-up-to 512)."""
+    row = next(r for r in fsdp_rows() if r.row_id == row_id)
+    graph = fsdp_graph(row)
+    plan = search(graph, fsdp_cluster(row), precision_name="bfloat16",
+                  time_limit_s=600).plan  # the choice is under test, not the machine's speed
+    published = predict(row, graph, float32_grads=False).step_time_s
+    assert plan.prediction.step_time_s <= published * (1 + 1e-9)
