@@ -49,7 +49,7 @@ def assign_layers(graph: LayerGraph, choice: dict[str, dict[str, int]],
     """Per layer, in execution order, the cost of the strategy the ILP gave it.
 
     Within a class the layers are interchangeable; earlier layers take strategies in the
-    order of STRATEGIES (replicate, fsdp, tp, tp_fsdp). Tied layers take their tie's
+    order of runtime.strategies.STRATEGIES. Tied layers take their tie's
     option (``options`` joined by planner/ties.py).
     """
     by_class = {o.name: o for o in options}

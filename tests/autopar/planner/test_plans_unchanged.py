@@ -7,36 +7,25 @@ Provenance: every expected value below was printed by ``plan_summary`` run on co
 cost model or the search changes these plans; then re-derive the numbers on the commit
 before that change and say why they moved in its message.
 
-Moved once, deliberately: when the pipeline search began simulating the orders torch's own
-schedule tables run (runtime.schedule_orders.runtime_orders) instead of the simulator's
-greedy ZBVZeroBubble and its W-when-idle zero-bubble orders. GPT-3 175B: ZBVZeroBubble
-m=16 at 2.0982 s (greedy order) is 2.2107 s in torch's table, so InterleavedZeroBubble
-m=16 at 2.1036 s takes its place with the same layers; gpt-tiny-tied keeps its
-plan, 0.010014 → 0.010546 s. The other two cases run 1F1B or no pipeline: unchanged.
-Then deliberately again, when the interleaved schedules were searched at every number of
-virtual stages the layers per rank allow (not only 2): GPT-3 175B takes 6 per rank
-(InterleavedZeroBubble m=16), 2.1036 → 1.9471 s; the other three plans are unchanged.
-Moved again, deliberately, by the distributed optimizer on tensor-parallel layers
-(``tp_zero1``, which the pipelined cases now take: the same collectives as tp's all-reduce,
-optimizer states divided by dp, so more memory for a deeper or wider shape) and by pricing
-ZeRO-1/2 as FSDP2 runs them (at pp = 1 the once-per-step gather hides in the first forward
-and ZeRO-1's reduce-scatter in the last backward; in a pipeline zero2 reduces once, as
-zero1, so they tie and the first, zero1, is kept). Values printed by ``plan_summary`` on
-that change's commit.
-Moved on purpose by NCCL's collectives at scale (cost_models/comm.py: a ring across nodes
-paced at its slowest hop, with rails, instead of an intra-node phase plus a network phase
-added; NCCL's 8.4 us launch per collective; NVLink SHARP on H100), numbers printed by
-``plan_summary`` on the commit before and after:
-- gpt3-175b on 1,024 A100: ZBVZeroBubble → InterleavedZeroBubble, one tp layer → zero1;
-  2.0982 s → 2.1256 s (+1.3%: each of the step's thousands of TP collectives pays NCCL's
-  launch latency).
-- Megatron 1T on 3,072 A100: pp 64 × dp 6 × tp 8 (1F1B, 78.17 s) → pp 1 × dp 768 × tp 4,
-  TP layers sharded over dp (tp_fsdp) and mostly offloaded, 77.72 s. The dp group of a
-  tp 4 mesh has two members a node; its all-gathers were priced as a ring on NVLink plus a
-  ring on the network, S·(1/600 + 1/50) s a byte, and are now NCCL's one ring at the
-  slower of the two, S/50 plus 767 network steps of latency: 8% less bandwidth time,
-  enough to put the sharded plan 0.6% ahead of the pipeline.
-- gpt2-small on 8 A100: the same plan; 4.21962 s → 4.21976 s (the launch latency)."""
+Moved since, deliberately, by four changes, each recorded with the numbers before and after
+in its commit (the values below are those of all four together):
+- the pipeline search simulates the orders torch's schedule tables run
+  (runtime.schedule_orders.runtime_orders), not the simulator's greedy ZBVZeroBubble and
+  W-when-idle orders: GPT-3 175B's ZBVZeroBubble m=16 (2.0982 s greedy) is 2.2107 s as
+  torch runs it, so InterleavedZeroBubble m=16 (2.1036 s) took its place;
+- interleaved schedules are searched at every number of virtual stages the layers per
+  rank allow: GPT-3 175B takes 6 per rank, 2.1036 → 1.9471 s;
+- the distributed optimizer on tensor-parallel layers (``tp_zero1``: tp's collectives,
+  optimizer states divided by dp) and ZeRO-1/2 priced as FSDP2 runs them (at pp = 1 the
+  step's gather hides in the first forward and ZeRO-1's reduce-scatter in the last
+  backward; in a pipeline zero2 reduces once, like zero1, which is kept on the tie);
+- NCCL's collectives at scale (cost_models/comm.py: one ring across nodes paced at its
+  slowest hop, rails, 8.4 µs launch per collective).
+Together: GPT-3 175B keeps pp 16 × dp 8 × tp 8 InterleavedZeroBubble v=6, its blocks now
+tp_zero1+sp, 1.9020 s; the Megatron 1T row moves from pp 64 × dp 6 1F1B (78.17 s) to
+pp 32 × dp 12 × tp 8 ZBVZeroBubble m=256 with tp_zero1, 66.23 s (the distributed
+optimizer's memory lets a shallower pipeline fit); gpt2-small takes zero1 for every layer
+(4.21670 s); gpt-tiny-tied zero1 for every layer (0.0106337 s)."""
 
 from __future__ import annotations
 
@@ -97,24 +86,23 @@ CASES = {
     "gpt3-175b on 1,024 A100": (
         lambda: zoo_case("gpt3-175b", 128, "bfloat16", Cluster.preset("dgx-a100-80g", nodes=128)),
         dict(mesh=(16, 8, 1, 8), pipeline=("InterleavedZeroBubble", 16, 6), accumulation=1,
-             options={"replicate": 1, "tp": 2, "tp+sp": 96, "zero1": 1},
-             layout="edb06dc0b1e9501d", step_time_s=1.9470647300158619)),
+             options={"replicate": 1, "tp_zero1": 1, "tp_zero1+sp": 96, "zero1": 2},
+             layout="1a16664d29b673e7", step_time_s=1.9020375629286095)),
     "Megatron 1T row on 3,072 A100": (
         lambda: megatron_case(1008.0),
-        dict(mesh=(32, 12, 1, 8), pipeline=("Interleaved1F1B", 256, 2), accumulation=1,
-             options={"replicate": 1, "tp_zero1": 1, "tp_zero1+sp": 100,
-                      "tp_zero1+sp+full": 18, "tp_zero1+sp+selective": 10, "zero1": 2},
-             layout="2439589d4c008fc7", step_time_s=70.94007335553822)),
+        dict(mesh=(32, 12, 1, 8), pipeline=("ZBVZeroBubble", 256, 2), accumulation=1,
+             options={"replicate": 1, "tp_zero1": 2, "tp_zero1+sp": 128, "zero1": 1},
+             layout="f7fbb961fe1f7da2", step_time_s=66.229573032639)),
     "gpt2-small on 8 A100": (
         lambda: zoo_case("gpt2-small", 512, "float32", Cluster.preset("dgx-a100-80g", nodes=1)),
         dict(mesh=(1, 8, 1, 1), pipeline=None, accumulation=2,
              options={"zero1": 16},
-             layout="6027442832bbaa5f", step_time_s=4.216655855739269)),
+             layout="6027442832bbaa5f", step_time_s=4.216695564830179)),
     "gpt-tiny-tied on 4 CPU ranks": (
         lambda: zoo_case("gpt-tiny-tied", 16, "float32", Cluster.local(4)),
         dict(mesh=(2, 2, 1, 1), pipeline=("InterleavedZeroBubble", 2, 2), accumulation=1,
-             options={"zero1": 4, "zero2": 2},
-             layout="a282aef8e732a22f", step_time_s=0.010545876155271725)),
+             options={"zero1": 6},
+             layout="c729b976ef643e34", step_time_s=0.01063368187768595)),
 }
 
 
