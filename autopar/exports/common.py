@@ -66,7 +66,9 @@ def header_lines(plan: Plan, plan_path: str, engine: str, warnings: list[str]) -
     if warnings:
         lines.append(f"what {engine} cannot express of the plan:")
         lines += [f"  - {w}" for w in warnings]
-    return lines
+    # A name holding a line break would end the comment and start a command: each header
+    # line stays one line.
+    return [" ".join(line.splitlines()) for line in lines]
 
 
 @dataclass(frozen=True, kw_only=True)
