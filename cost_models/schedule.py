@@ -133,12 +133,11 @@ def rank_orders(schedule: str, num_ranks: int, v: int, m: int) -> list[list[tupl
         elif schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
             # Narayanan et al. (SC'21), section 2.2: micro-batches advance in groups of p
             # through the rank's chunks; warm-up is (p - r - 1)·2 + (v - 1)·p forwards.
-            def virtual(k: int, backward: bool, r: int = r) -> tuple[int, int]:
-                chunk = (k // p) % v
-                chunk = v - 1 - chunk if backward else chunk
-                return r + chunk * p, (k // (p * v)) * p + k % p
-            fwd = [("F", *virtual(k, False)) for k in range(m * v)]
-            bwd = [("B", *virtual(k, True)) for k in range(m * v)]
+            # The k-th forward runs chunk (k // p) mod v (backwards: the chunks reversed)
+            # on micro-batch (k // pv)·p + k mod p.
+            fwd = [("F", r + (k // p) % v * p, k // (p * v) * p + k % p) for k in range(m * v)]
+            bwd = [("B", r + (v - 1 - (k // p) % v) * p, k // (p * v) * p + k % p)
+                   for k in range(m * v)]
             order = _one_f_one_b(fwd, bwd, warmup=min((p - r - 1) * 2 + (v - 1) * p, m * v))
         else:  # ZBVZeroBubble is built greedily in simulate(); see _zbv_candidates.
             order = []
@@ -329,7 +328,16 @@ def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
             order = orders[r]
             if pos[r] < len(order):
                 action = order[pos[r]]
-                ready = arrival(*action)
+                kind, stage, mb = action
+                if kind == "F":  # arrival(), inlined
+                    if stage == 0:
+                        ready = 0.0
+                    else:
+                        ready = done_f[stage - 1][mb]
+                        if ready is not None:
+                            ready += hop_f[stage]
+                else:
+                    ready = arrival(kind, stage, mb)
                 if ready is not None and not (waiting and ready > now):
                     return (now if now >= ready else ready), action
             if waiting:
@@ -547,8 +555,7 @@ def _slot(action: Action) -> Slot:
     third of the cost; the planner builds 130,000 of them for one plan): the same fields,
     set at once, as ``copy.copy`` sets them."""
     slot = _new(Slot)
-    slot.__dict__.update(zip(_SLOT_FIELDS, action, strict=True))
+    rank, stage, kind, mb, start, end = action
+    slot.__dict__.update(rank=rank, stage=stage, action=kind, microbatch=mb, start_s=start,
+                         end_s=end)
     return slot
-
-
-_SLOT_FIELDS = ("rank", "stage", "action", "microbatch", "start_s", "end_s")

@@ -15,7 +15,8 @@ import schedule_reference as reference
 from cost_models.schedule import StageTimes, run_actions, simulate
 from runtime.schedule_orders import torch_rank_orders
 
-CASES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("InterleavedZeroBubble", 2),
+CASES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 3),
+         ("InterleavedZeroBubble", 2), ("InterleavedZeroBubble", 3),
          ("InterleavedZeroBubble", 1), ("ZBVZeroBubble", 2)]
 LINKS = [dict(p2p_s=0.0), dict(p2p_s=0.3), dict(p2p_s=0.3, p2p_slowdown=1.7),
          dict(p2p_s=0.2, p2p_blocking=True)]
