@@ -1,7 +1,8 @@
 """Shape propagation that reuses repeated ops (passes/shape_memo.py) builds the same layer
 graph as running every node: every LayerInfo field, class, tie and activation record, and
 every node's TensorMeta, on GPT-2 small, GPT-3 1.3B (meta), Hugging Face Llama and Mixtral
-from small configs, the ResNet-50 layout, and stacks whose repeated blocks differ."""
+from small configs, the ResNet-50 layout, the test suite's other real models, and a stack
+whose repeated blocks differ."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from real_models import llama
+from real_models import MODELS, llama, planning_inputs
 from resnet_layout import resnet_layout
 
 import passes.annotate as annotate
@@ -73,6 +74,14 @@ def test_zoo_gpts_build_the_same_layer_graph(name, batch, monkeypatch):
 def test_hf_llama_builds_the_same_layer_graph(monkeypatch):
     lg = _assert_same(llama(), {"input_ids": _tokens(2, 16)}, monkeypatch)
     assert lg.extra["capture_method"] == "export"
+
+
+@pytest.mark.parametrize("name", [n for n in MODELS if n != "hf-llama"])
+def test_the_real_models_build_the_same_layer_graph(name, monkeypatch):
+    """BERT, T5 (a learned attention bias: efficient attention), ViT, GPT-2, a nanoGPT with
+    tied weights, a model taking a dict batch."""
+    spec = MODELS[name]
+    _assert_same(spec.build(), planning_inputs(spec, spec.batch(4)), monkeypatch)
 
 
 def test_hf_mixtral_builds_the_same_layer_graph(monkeypatch):
