@@ -130,6 +130,7 @@ def measure_target(row: str) -> dict:
         c0 = time.process_time()
         r = plan_once("gpt3-175b", 128, "bfloat16", 1024)
         return dict(s=r["build"] + r["capture"] + r["search"], cpu=time.process_time() - c0,
+                    capture=r["build"] + r["capture"], search=r["search"],
                     plan=r["outcome"].split(", gap")[0])
     (megatron,) = [m for m in megatron_rows() if f"{m.params_b}" == row]
     r = plan_megatron(megatron)
@@ -161,7 +162,13 @@ def print_targets(against: str | None, runs: int) -> None:
         for name in trees:
             wall = statistics.median(t["s"] for t in times[name])
             cpu = statistics.median(t["cpu"] for t in times[name])
-            print(f"  {name:<4} {wall:7.2f} s  ({cpu:6.2f} s CPU)  {times[name][0]['plan']}")
+            parts = ""
+            if "capture" in times[name][0]:  # older trees' bench may not split them
+                parts = (f"capture {statistics.median(t['capture'] for t in times[name]):.2f}"
+                         f" + search {statistics.median(t['search'] for t in times[name]):.2f}"
+                         " s  ")
+            print(f"  {name:<4} {wall:7.2f} s  ({cpu:6.2f} s CPU)  {parts}"
+                  f"{times[name][0]['plan']}")
         if against:
             old = statistics.median(t["s"] for t in times["old"])
             new = statistics.median(t["s"] for t in times["new"])

@@ -134,12 +134,11 @@ def rank_orders(schedule: str, num_ranks: int, v: int, m: int) -> list[list[tupl
         elif schedule in ("Interleaved1F1B", "InterleavedZeroBubble"):
             # Narayanan et al. (SC'21), section 2.2: micro-batches advance in groups of p
             # through the rank's chunks; warm-up is (p - r - 1)·2 + (v - 1)·p forwards.
-            def virtual(k: int, backward: bool, r: int = r) -> tuple[int, int]:
-                chunk = (k // p) % v
-                chunk = v - 1 - chunk if backward else chunk
-                return r + chunk * p, (k // (p * v)) * p + k % p
-            fwd = [("F", *virtual(k, False)) for k in range(m * v)]
-            bwd = [("B", *virtual(k, True)) for k in range(m * v)]
+            # The k-th forward runs chunk (k // p) mod v (backwards: the chunks reversed)
+            # on micro-batch (k // pv)·p + k mod p.
+            fwd = [("F", r + (k // p) % v * p, k // (p * v) * p + k % p) for k in range(m * v)]
+            bwd = [("B", r + (v - 1 - (k // p) % v) * p, k // (p * v) * p + k % p)
+                   for k in range(m * v)]
             order = _one_f_one_b(fwd, bwd, warmup=min((p - r - 1) * 2 + (v - 1) * p, m * v))
         else:  # ZBVZeroBubble is built greedily in simulate(); see _zbv_candidates.
             order = []
@@ -182,9 +181,7 @@ def simulate(
     """
     actions = run_actions(schedule, num_ranks, num_microbatches, stages, p2p_s,
                           p2p_slowdown=p2p_slowdown, p2p_blocking=p2p_blocking, orders=orders)
-    slots = [Slot(rank=r, stage=st, action=a, microbatch=mb, start_s=t0, end_s=t1)
-             for r, st, a, mb, t0, t1 in actions]
-    return _timeline(schedule, num_ranks, num_microbatches, slots, stages,
+    return _timeline(schedule, num_ranks, num_microbatches, actions, stages,
                      SCHEDULES[schedule].split_backward)
 
 
@@ -208,9 +205,10 @@ def run_actions(
     Timeline: what the planner needs of the many unit-time runs that give it in-flight
     counts. The loop keeps its state in flat lists (one entry per stage and micro-batch)
     rather than dicts of tuples: the planner runs it on 100,000-action schedules.
-    ``in_order``: schedules without a split W take the heap-free path (_run_in_order);
-    False runs them through the event loop too, the reference that path is tested
-    against. ``orders``: as ``simulate``'s."""
+    ``in_order``: schedules whose every rank's order is fixed (no split W, or ``orders``
+    placing every W) take the heap-free path (_run_in_order); False runs them through the
+    event loop too, the reference that path is tested against. ``orders``: as
+    ``simulate``'s."""
     if schedule not in SIM_SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; valid: {', '.join(SIM_SCHEDULES)}")
     p, m = num_ranks, num_microbatches
@@ -225,9 +223,6 @@ def run_actions(
     num_stages = len(stages)
     last = num_stages - 1
 
-    # When each (stage, micro-batch) F and B ended; None until it has.
-    done_f: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
-    done_b: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
     # The hop from the stage that feeds this one: its F from stage - 1, its B from stage + 1.
     hop_f = [p2p_s if st > 0 and owner[st - 1] != owner[st] else 0.0 for st in range(num_stages)]
     hop_b = [p2p_s if st < last and owner[st + 1] != owner[st] else 0.0
@@ -237,40 +232,10 @@ def run_actions(
     wgrad = [t.wgrad_s for t in stages]
     sends_f = [st < last and owner[st + 1] != owner[st] for st in range(num_stages)]
     sends_b = [st > 0 and owner[st - 1] != owner[st] for st in range(num_stages)]
-    # The ranks to re-examine after an action of a stage: its own, its neighbours'.
-    affected = [sorted({owner[st]} | {owner[n] for n in (st - 1, st + 1) if 0 <= n <= last})
-                for st in range(num_stages)]
-    slowed = p2p_slowdown != 1.0
 
-    def arrival(action: str, stage: int, mb: int) -> float | None:
-        if action == "W":  # after its own B, on the same rank
-            return done_b[stage][mb]
-        if action == "F":
-            if stage == 0:
-                return 0.0
-            t = done_f[stage - 1][mb]
-            return None if t is None else t + hop_f[stage]
-        t = done_f[stage][mb]
-        if t is None:
-            return None
-        t += 0.0  # the F ran on this rank: no hop
-        if stage == last:
-            return t
-        u = done_b[stage + 1][mb]
-        if u is None:
-            return None
-        u += hop_b[stage]
-        return t if t >= u else u
-
-    clock = [0.0] * p
-    pos = [0] * p
-    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
-    out: list[Action] = []
-    sent_until = [0.0] * p  # when this rank's last send completes
-
-    if in_order and not split_w:  # no W to slot in: each rank's order is fixed
-        ran = _run_in_order(orders, owner, fwd, bwd, hop_f, hop_b, sends_f, sends_b, p2p_s,
-                            p2p_slowdown, p2p_blocking, m)
+    if in_order and (explicit or not split_w):  # each rank's order is fixed
+        ran = _run_in_order(orders, owner, fwd, bwd, wgrad, hop_f, hop_b, sends_f, sends_b,
+                            p2p_s, p2p_slowdown, p2p_blocking, m)
         # The event loop runs actions in order of (start, rank): an action starts after
         # the start of the one that enabled it, strictly unless that one took no time.
         # Sorted so, the actions come in its order, and sums over them add up alike;
@@ -279,11 +244,51 @@ def run_actions(
             ran.sort(key=lambda item: (item[1][3], item[0]))
             return [(rank, stage, action, mb, start, end)
                     for rank, (action, stage, mb, start, end) in ran]
+    return _run_events(orders, owner, fwd, bwd, wgrad, hop_f, hop_b, sends_f, sends_b, p2p_s,
+                       p2p_slowdown, p2p_blocking, m, explicit=explicit, greedy=greedy,
+                       split_w=split_w, schedule=schedule)
+
+
+def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
+                fwd: list[float], bwd: list[float], wgrad: list[float], hop_f: list[float],
+                hop_b: list[float], sends_f: list[bool], sends_b: list[bool], p2p_s: float,
+                p2p_slowdown: float, p2p_blocking: bool, m: int, *, explicit: bool,
+                greedy: bool, split_w: bool, schedule: str) -> list[Action]:
+    """The event loop (run_actions' arguments, unpacked): each rank's next action and its
+    start are chosen from what has completed so far; the earliest start runs next (ties:
+    the lower rank). A rank's choice changes only when it runs something or an action
+    completes one of its candidates' inputs, so only those ranks are re-examined."""
+    p, num_stages = len(orders), len(fwd)
+    last = num_stages - 1
+    done_f: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    done_b: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
+    slowed = p2p_slowdown != 1.0
+    clock = [0.0] * p
+    pos = [0] * p
+    pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
+    out: list[Action] = []
+    sent_until = [0.0] * p  # when this rank's last send completes
     held = [0] * p
     next_f = [0] * num_stages
     next_b = [0] * num_stages
     total = 2 * m * num_stages
     finished = 0
+
+    def arrival(action: str, stage: int, mb: int) -> float | None:
+        """When the inputs of an F or B have arrived; None until they have all been made."""
+        if action == "F":
+            if stage == 0:
+                return 0.0
+            t = done_f[stage - 1][mb]
+            return None if t is None else t + hop_f[stage]
+        t = done_f[stage][mb]  # the F ran on this rank: no hop
+        if t is None or stage == last:
+            return t
+        u = done_b[stage + 1][mb]
+        if u is None:
+            return None
+        u += hop_b[stage]
+        return t if t >= u else u
 
     def candidates(r: int) -> list[tuple[str, int, int]]:
         if not greedy:
@@ -311,7 +316,7 @@ def run_actions(
             if pos[r] >= len(orders[r]):
                 return None
             action, stage, mb = orders[r][pos[r]]
-            ready = arrival(action, stage, mb)
+            ready = done_b[stage][mb] if action == "W" else arrival(action, stage, mb)
             return None if ready is None else (max(clock[r], ready), (action, stage, mb))
         waiting = pending_w[r]
         if len(waiting) >= p:
@@ -320,6 +325,26 @@ def run_actions(
             stage, mb = waiting[0]
             return clock[r], ("W", stage, mb)
         now = clock[r]
+        if not greedy:  # one candidate, the order's next: the loop below, unrolled
+            order = orders[r]
+            if pos[r] < len(order):
+                action = order[pos[r]]
+                kind, stage, mb = action
+                if kind == "F":  # arrival(), inlined
+                    if stage == 0:
+                        ready = 0.0
+                    else:
+                        ready = done_f[stage - 1][mb]
+                        if ready is not None:
+                            ready += hop_f[stage]
+                else:
+                    ready = arrival(kind, stage, mb)
+                if ready is not None and not (waiting and ready > now):
+                    return (now if now >= ready else ready), action
+            if waiting:
+                stage, mb = waiting[0]
+                return now, ("W", stage, mb)
+            return None
         best_at, best = 0.0, None
         for action in candidates(r):
             ready = arrival(*action)
@@ -335,8 +360,15 @@ def run_actions(
             return now, ("W", stage, mb)
         return None
 
-    # Event-driven: a rank's next action changes only when it runs something or a
-    # neighbouring stage completes, so only those ranks are re-examined.
+    def waits_on(r: int, action: str, stage: int, mb: int) -> bool:
+        """Whether ``action`` of ``stage`` on micro-batch ``mb`` is one of rank r's next
+        candidates (so completing its input may change r's choice)."""
+        if greedy:
+            return (next_f if action == "F" else next_b)[stage] == mb
+        order = orders[r]
+        return pos[r] < len(order) and order[pos[r]] == (action, stage, mb)
+
+    # A rank has at most one live entry (the latest version); older ones are skipped.
     heap: list[tuple[float, int, int, tuple[str, int, int]]] = []
     version = [0] * p
 
@@ -368,6 +400,7 @@ def run_actions(
             sent_until[r] = end + p2p_s
             if p2p_blocking:
                 clock[r] = sent_until[r]
+        woken = -1  # the other rank whose candidate this action may have fed
         if action == "W":
             if explicit:  # the table says which; each comes after its own B
                 pending_w[r].remove((stage, mb))
@@ -382,6 +415,9 @@ def run_actions(
                 done_f[stage][mb] = end
                 next_f[stage] += 1
                 held[r] += 1
+                if stage < last and owner[stage + 1] != r \
+                        and waits_on(owner[stage + 1], "F", stage + 1, mb):
+                    woken = owner[stage + 1]
             else:
                 done_b[stage][mb] = end
                 next_b[stage] += 1
@@ -389,19 +425,26 @@ def run_actions(
                     pending_w[r].append((stage, mb))
                 else:
                     held[r] -= 1
-        for a in affected[stage]:
-            refresh(a)
+                if stage > 0 and owner[stage - 1] != r \
+                        and waits_on(owner[stage - 1], "B", stage - 1, mb):
+                    woken = owner[stage - 1]
+        # In rank order, as the ranks were re-examined before: versions only order a
+        # rank's own entries, so any order of refreshes gives the same run.
+        refresh(r)
+        if woken >= 0:
+            refresh(woken)
     if finished < total:
         raise AssertionError(f"{schedule} deadlocked after {finished} of {total} actions")
     return out
 
 
 def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
-                  fwd: list[float], bwd: list[float], hop_f: list[float], hop_b: list[float],
+                  fwd: list[float], bwd: list[float], wgrad: list[float],
+                  hop_f: list[float], hop_b: list[float],
                   sends_f: list[bool], sends_b: list[bool], p2p_s: float, p2p_slowdown: float,
                   p2p_blocking: bool, m: int
                   ) -> list[tuple[int, tuple[str, int, int, float, float]]]:
-    """run_actions for schedules without a split W (every rank's order fixed): an action
+    """run_actions for fixed orders (no split W, or ``orders`` placing every W): an action
     starts when its rank is free and its inputs have arrived, so its times follow from
     its rank's previous action and its inputs alone, whatever order the ranks are
     advanced in. Each rank runs on until an input is missing; a rank whose action
@@ -420,6 +463,20 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
         order = orders[r]
         while pos[r] < len(order):
             action, stage, mb = order[pos[r]]
+            if action == "W":  # after its own B, on this rank: sends and wakes nothing
+                ready = done_b[stage][mb]
+                if ready is None:
+                    break
+                start = clock[r] if clock[r] >= ready else ready
+                end = start + wgrad[stage]
+                in_flight = sent_until[r] - start
+                if in_flight > 0.0 or slowed:
+                    end += pipeline_p2p_slowdown_s(end - start, max(0.0, in_flight),
+                                                   slowdown=p2p_slowdown)
+                out.append((r, (action, stage, mb, start, end)))
+                clock[r] = end
+                pos[r] += 1
+                continue
             if action == "F":
                 if stage == 0:
                     ready = 0.0
@@ -468,27 +525,38 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
     return out
 
 
-def _timeline(schedule: str, p: int, m: int, slots: list[Slot], stages: list[StageTimes],
-              split_w: bool) -> Timeline:
-    makespan = max(s.end_s for s in slots) - min(s.start_s for s in slots)
-    busy = sum(s.end_s - s.start_s for s in slots)
+def _timeline(schedule: str, p: int, m: int, actions: list[Action],
+              stages: list[StageTimes], split_w: bool) -> Timeline:
+    makespan = max(a[5] for a in actions) - min(a[4] for a in actions)
+    busy = sum(a[5] - a[4] for a in actions)
     releases = "W" if split_w else "B"
     peak_count, peak_bytes = [0] * p, [0.0] * p
-    by_rank: list[list[Slot]] = [[] for _ in range(p)]
-    for s in slots:  # already in start order per rank: a rank runs one action at a time
-        by_rank[s.rank].append(s)
-    for r in range(p):
-        count, held = 0, 0.0
-        for s in by_rank[r]:
-            if s.action == "F":
-                count += 1
-                held += stages[s.stage].activation_bytes
-                peak_count[r] = max(peak_count[r], count)
-                peak_bytes[r] = max(peak_bytes[r], held)
-            elif s.action == releases:
-                count -= 1
-                held -= stages[s.stage].activation_bytes
+    count, held = [0] * p, [0.0] * p
+    for r, stage, action, _, _, _ in actions:  # in start order per rank: one at a time
+        if action == "F":
+            count[r] += 1
+            held[r] += stages[stage].activation_bytes
+            peak_count[r] = max(peak_count[r], count[r])
+            peak_bytes[r] = max(peak_bytes[r], held[r])
+        elif action == releases:
+            count[r] -= 1
+            held[r] -= stages[stage].activation_bytes
+    ordered = sorted(actions, key=lambda a: (a[4], a[0]))
     return Timeline(schedule=schedule, num_ranks=p, num_microbatches=m,
-                    slots=tuple(sorted(slots, key=lambda s: (s.start_s, s.rank))),
+                    slots=tuple(map(_slot, ordered)),
                     step_time_s=makespan, bubble_fraction=1 - busy / (p * makespan),
                     peak_inflight=tuple(peak_count), peak_activation_bytes=tuple(peak_bytes))
+
+
+_new = object.__new__
+
+
+def _slot(action: Action) -> Slot:
+    """``Slot(...)`` without the frozen dataclass's per-field ``object.__setattr__`` (a
+    third of the cost; the planner builds 130,000 of them for one plan): the same fields,
+    set at once, as ``copy.copy`` sets them."""
+    slot = _new(Slot)
+    rank, stage, kind, mb, start, end = action
+    slot.__dict__.update(rank=rank, stage=stage, action=kind, microbatch=mb, start_s=start,
+                         end_s=end)
+    return slot

@@ -59,6 +59,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from cost_models.errors import AutoparError
 from passes import meta_keys as K
 from passes.records import GemmShape, SavedSplit
+from passes.shape_memo import ShapeMemo
 from runtime.plan import SELECTIVE_SAVE_OPS
 
 aten = torch.ops.aten
@@ -158,10 +159,16 @@ def annotate_module_paths(gm: GraphModule) -> None:
         node.meta[K.MODULE_PATH] = path.split("@")[0]
 
 
-def propagate_shapes(gm: GraphModule, example_inputs: tuple) -> dict[Node, object]:
-    """TENSOR on every node; returns the meta value of each node for later passes."""
+def propagate_shapes(gm: GraphModule, example_inputs: tuple, *, reuse: bool = True
+                     ) -> dict[Node, object]:
+    """TENSOR on every node; returns the meta value of each node for later passes.
+
+    ``reuse``: a node whose op and input layouts were seen before takes fresh tensors laid
+    out as that earlier node's outputs instead of running (``passes.shape_memo``): the
+    records are the same, and repeated blocks cost what one block costs."""
     env: dict[Node, object] = {}
     inputs = iter(example_inputs)
+    memo = ShapeMemo(gm) if reuse else None
     with torch.no_grad():
         for node in gm.graph.nodes:
             try:
@@ -171,11 +178,23 @@ def propagate_shapes(gm: GraphModule, example_inputs: tuple) -> dict[Node, objec
                     continue
                 else:
                     args, kwargs = _lookup(node, env)
-                    env[node] = execute(gm, node, args, kwargs)
+                    env[node] = _run_or_reuse(gm, node, args, kwargs, memo)
             except Exception as e:
                 raise fail("propagate_shapes", node, e) from e
             node.meta[K.TENSOR] = tensor_meta(env[node])
     return env
+
+
+def _run_or_reuse(gm: GraphModule, node: Node, args: tuple, kwargs: dict,
+                  memo: ShapeMemo | None) -> object:
+    if memo is None:
+        return execute(gm, node, args, kwargs)
+    key = memo.key(node, args, kwargs)
+    found, out = memo.lookup(key)
+    if not found:
+        out = execute(gm, node, args, kwargs)
+        memo.record(key, args, kwargs, out)
+    return out
 
 
 def tensor_meta(value: object) -> K.TensorMeta:

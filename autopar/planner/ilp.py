@@ -87,10 +87,16 @@ def expand_counts(counts: dict[str, int]) -> list[str]:
 
 
 def make_solver(time_limit_s: float) -> pulp.LpSolver:
-    """HiGHS in-process when highspy is installed (no subprocess per solve), else CBC."""
+    """HiGHS in-process when highspy is installed (no subprocess per solve), else CBC.
+
+    HiGHS on one thread: its default (half the machine's threads) starts workers that our
+    programs, a few dozen columns each, leave waiting; over the 1T-parameter Megatron
+    row's 600 solves that cost 15% of the search's CPU time on 2 cores. HiGHS runs little
+    of a MIP in parallel (symmetry detection; its docs, "Parallelism"), and the plans are
+    the same (tests/autopar/planner/test_plans_unchanged.py)."""
     if pulp.HiGHS(msg=False).available():
         _silence_highs_banner()
-        return pulp.HiGHS(msg=False, timeLimit=time_limit_s)
+        return pulp.HiGHS(msg=False, timeLimit=time_limit_s, threads=1)
     return pulp.PULP_CBC_CMD(msg=False, timeLimit=time_limit_s)
 
 
