@@ -82,7 +82,7 @@ def _option(cost) -> OptionCost:
                       grads_bytes=int(cost.grads_bytes),
                       optimizer_bytes=int(cost.optimizer_bytes),
                       activations_bytes=int(cost.activations_bytes),
-                      buffers_bytes=int(cost.buffer_bytes))
+                      buffers_bytes=int(cost.buffers_bytes))
 
 
 def ranked_alternatives(result: SearchResult) -> tuple[Alternative, ...]:

@@ -95,7 +95,7 @@ def bounds_at_cap(classes: list[ClassOptions], cap: float, capacity_bytes: float
 def rank_bound(classes: list[ClassOptions], capacity_bytes: float, margin_fraction: float,
                value: Value = time_value) -> float:
     """A lower bound on the rank ILP's optimum (inf: nothing fits the device)."""
-    caps = sorted({x.buffer_bytes for c in classes for x in c.costs.values()})
+    caps = sorted({x.buffers_bytes for c in classes for x in c.costs.values()})
     bounds = CapBounds(classes, capacity_bytes, margin_fraction, value)
     return min((bounds.at(cap)[0] for cap in caps), default=math.inf)
 
@@ -110,9 +110,9 @@ class CapBounds:
         self.capacity_bytes, self.margin_fraction = capacity_bytes, margin_fraction
         self.classes = []  # (count, inflight, options by buffer, their buffers)
         for c in classes:
-            options = sorted(c.costs.values(), key=lambda x: x.buffer_bytes)
+            options = sorted(c.costs.values(), key=lambda x: x.buffers_bytes)
             self.classes.append((c.count, c.inflight, options,
-                                 [x.buffer_bytes for x in options]))
+                                 [x.buffers_bytes for x in options]))
         self.value = value
         self._hulls: dict[tuple[int, int], tuple[Hull, float]] = {}
 

@@ -117,7 +117,7 @@ from autopar.planner.loss_costs import loss_bytes
 from autopar.planner.moe_costs import moe_layer_cost, runnable, with_expert_parallel
 from cost_models.compute import roofline_s
 from cost_models.hardware import Cluster, Overlap
-from cost_models.memory import Precision
+from cost_models.memory import MemoryTerms, Precision
 from cost_models.optimizer import optimizer_step_s
 from cost_models.overlap import exposed_comm_s
 from passes.records import LayerInfo
@@ -136,7 +136,10 @@ DRAM for 8 GPUs. (The copies' link and the host's bandwidth are the cluster's,
 
 
 @dataclass(frozen=True, kw_only=True)
-class LayerCost:
+class LayerCost(MemoryTerms):
+    """One option of one layer: time terms, the memory terms (cost_models.memory.MemoryTerms,
+    restated here because every one must be given), and what the engines add to them."""
+
     option: str
     """The label of the option (strategy + SP / offload / recompute), e.g. 'fsdp+full'."""
     strategy: str
@@ -163,7 +166,7 @@ class LayerCost:
     optimizer_bytes: float
     activations_bytes: float
     """Saved activations of one micro-batch."""
-    buffer_bytes: float
+    buffers_bytes: float
     """Transient memory while this layer runs (gathered parameters, an unsharded gradient,
     recomputed activations); the plan holds the largest over its layers, not the sum."""
     output_bytes: float
@@ -184,14 +187,14 @@ class LayerCost:
     waits once per bucket and overlaps its buckets by the 'dp' pattern. A plan run on DDP
     does not pay it (negative where DDP would hide less)."""
     loss_buffer_bytes: float = 0.0
-    """Part of buffer_bytes that is the loss's backward (``loss_costs.loss_bytes``), on the layer
+    """Part of buffers_bytes that is the loss's backward (``loss_costs.loss_bytes``), on the layer
     producing the model's output: alive in its backward only (planner/liveness.py)."""
     gathered_bytes: float = 0.0
     """FSDP2's unsharded copy of parameters that also stay resident, alive from the layer's
     forward to the end of its backward (module docstring); in ``states_bytes``, so the
     ILP charges it."""
     collective_buffer_bytes: float = 0.0
-    """Under pipelining, the part of buffer_bytes that is FSDP2's one all-gather and one
+    """Under pipelining, the part of buffers_bytes that is FSDP2's one all-gather and one
     reduce-scatter of the step: alive in the layer's first forward and last backward only
     (planner/liveness.py). 0 at pp = 1, where FSDP2 gathers in every pass."""
     expert_parallel: int = 1
@@ -281,7 +284,7 @@ def prune_dominated(costs: dict[str, LayerCost]) -> dict[str, LayerCost]:
     pipeline simulator could never prefer them), or in compute: of two equally fast options
     the one computing less is kept (ilp.least_work prefers it when memory allows)."""
     return undominated(costs, lambda c: (c.fwd_s, c.bwd_s, c.wgrad_s, c.step_s, c.time_s,
-                                         c.states_bytes, c.activations_bytes, c.buffer_bytes,
+                                         c.states_bytes, c.activations_bytes, c.buffers_bytes,
                                          c.host_bytes, c.compute_s))
 
 
@@ -385,7 +388,7 @@ def layer_cost(
         grads_bytes=states[1],
         optimizer_bytes=states[2],
         activations_bytes=activations + loss_kept,
-        buffer_bytes=states[3] + rematerialized + ring.buffer_bytes + loss_transient,
+        buffers_bytes=states[3] + rematerialized + ring.buffers_bytes + loss_transient,
         output_bytes=layer.output_bytes * act_scale / (dp * m) / (tp if sp else 1),
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
         hidden_comm_s=m * (hidden.fwd + hidden.bwd) + hidden.step,

@@ -635,7 +635,7 @@ class Engine:
         (min_memory, without the search over buffer caps that makes it exact)."""
         resident = sum(o.count * min(c.resident_with(o.inflight) for c in o.costs.values())
                        for o in options)
-        buffer = max(min(c.buffer_bytes for c in o.costs.values()) for o in options)
+        buffer = max(min(c.buffers_bytes for c in o.costs.values()) for o in options)
         return (1 + self.cluster.memory_margin_fraction) * (resident + buffer)
 
     def _floor_exceeds_the_device(self, config: Config, stage_of: tuple[int, ...]) -> bool:
@@ -737,7 +737,7 @@ class Engine:
         fastest = [min(o.costs, key=lambda s, o=o: o.costs[s].time_s) for o in options]
         resident = sum(o.count * o.costs[s].resident_with(o.inflight)
                        for o, s in zip(options, fastest, strict=True))
-        buffer = max(o.costs[s].buffer_bytes for o, s in zip(options, fastest, strict=True))
+        buffer = max(o.costs[s].buffers_bytes for o, s in zip(options, fastest, strict=True))
         need = (1 + self.cluster.memory_margin_fraction) * (resident + buffer)
         if need > self.cluster.device.memory_bytes - FEASIBILITY_SLACK_GIB * GIB:
             return None

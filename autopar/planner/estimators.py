@@ -103,7 +103,7 @@ class Ring:
     fwd_s: float = 0.0
     """Exposed transfer time of the forward ring (per micro-batch)."""
     bwd_s: float = 0.0
-    buffer_bytes: float = 0.0
+    buffers_bytes: float = 0.0
     """K/V blocks in hand and arriving, with their gradients in backward: 4 blocks."""
 
 
@@ -378,7 +378,7 @@ def _ring_attention(layer: LayerInfo, is_tp: bool, mesh: Mesh, cluster: Cluster,
     merge = roofline_s(0.0, 3 * out, RING_MERGE_KERNELS, device, dtype)
     fwd = (cp - 1) * (max(0.0, p2p_s(block, link) - step_compute) + merge)
     bwd = (cp - 1) * (max(0.0, p2p_s(2 * block, link) - 2 * step_compute) + merge)
-    return Ring(fwd_s=fwd, bwd_s=bwd, buffer_bytes=4 * block)
+    return Ring(fwd_s=fwd, bwd_s=bwd, buffers_bytes=4 * block)
 
 
 def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,

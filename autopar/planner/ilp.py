@@ -130,7 +130,7 @@ def ilp_relevant(c: ClassOptions) -> ClassOptions:
     use than another is never needed. Fewer near-identical columns keep HiGHS's branching
     short."""
     kept = undominated(c.costs, lambda x: (x.time_s, x.resident_with(c.inflight),
-                                           x.buffer_bytes, x.host_bytes, x.compute_s))
+                                           x.buffers_bytes, x.host_bytes, x.compute_s))
     return ClassOptions(name=c.name, count=c.count, costs=kept, inflight=c.inflight)
 
 
@@ -171,7 +171,7 @@ class StrategyILP:
                 f"u_{i}_{s}", 0, 1, pulp.LpContinuous if relax else pulp.LpBinary)
             for i, c in enumerate(classes)
             for s, cost in c.costs.items()
-            if cost.buffer_bytes > 0 and fixed_buffer_bytes is None
+            if cost.buffers_bytes > 0 and fixed_buffer_bytes is None
         }
         # Memory rows are written in GiB and time in milliseconds: with raw bytes (~1e9)
         # beside seconds (~1e-3) HiGHS returned a non-optimal "optimal" answer that the
@@ -214,7 +214,7 @@ class StrategyILP:
             count = self.classes[i].count
             cost = self.classes[i].costs[s]
             self.prob += (self.y[name, s] <= count * u, f"uses_{i}_{s}")
-            self.prob += (self.b >= cost.buffer_bytes / GIB * u, f"buffer_{i}_{s}")
+            self.prob += (self.b >= cost.buffers_bytes / GIB * u, f"buffer_{i}_{s}")
 
     def add_memory_fits(self) -> None:
         self.prob += (
@@ -334,7 +334,7 @@ def least_work(classes: list[ClassOptions], choice: dict[str, dict[str, int]], c
         for s in options:
             chosen = c.costs[s]
             lighter = sorted((x.compute_s, o) for o, x in c.costs.items()
-                             if x.compute_s < chosen.compute_s and x.buffer_bytes <= cap
+                             if x.compute_s < chosen.compute_s and x.buffers_bytes <= cap
                              and x.time_s <= chosen.time_s * (1 + TIE_TOLERANCE))
             for _, o in lighter:
                 while counts[name].get(s, 0) > 0:
@@ -353,7 +353,7 @@ def _solve_every_cap(classes: list[ClassOptions], capacity_bytes: float,
     memory-blind time cannot beat the answer so far (what the bounds must agree with)."""
     best: ILPResult | None = None
     elapsed = 0.0
-    for cap in sorted({cost.buffer_bytes for c in classes for cost in c.costs.values()}):
+    for cap in sorted({cost.buffers_bytes for c in classes for cost in c.costs.values()}):
         sub = _under_cap(classes, cap)
         if any(not c.costs for c in sub):
             continue
@@ -377,7 +377,7 @@ def _solve_every_cap(classes: list[ClassOptions], capacity_bytes: float,
 def _under_cap(classes: list[ClassOptions], cap: float) -> list[ClassOptions]:
     """The classes with only their options whose buffer fits under ``cap``."""
     return [ClassOptions(name=c.name, count=c.count, inflight=c.inflight,
-                         costs={s: x for s, x in c.costs.items() if x.buffer_bytes <= cap})
+                         costs={s: x for s, x in c.costs.items() if x.buffers_bytes <= cap})
             for c in classes]
 
 
@@ -386,7 +386,7 @@ def _buffer_caps(classes: list[ClassOptions], capacity_bytes: float, margin_frac
     """Per buffer cap whose LP is feasible: (lower bound, cap, upper bound, sub-program)."""
     out = []
     bounds = CapBounds(classes, capacity_bytes, margin_fraction, time_value)
-    for cap in sorted({cost.buffer_bytes for c in classes for cost in c.costs.values()}):
+    for cap in sorted({cost.buffers_bytes for c in classes for cost in c.costs.values()}):
         lower, upper = bounds.at(cap)
         sub = _under_cap(classes, cap)
         if not math.isinf(lower):  # an infeasible LP: so is the integer program
@@ -443,13 +443,13 @@ def min_memory(classes: list[ClassOptions], margin_fraction: float
 
 def _min_device_memory(classes: list[ClassOptions], margin_fraction: float
                        ) -> tuple[float, dict[str, dict[str, int]]]:
-    caps = sorted({0.0} | {cost.buffer_bytes for c in classes for cost in c.costs.values()})
+    caps = sorted({0.0} | {cost.buffers_bytes for c in classes for cost in c.costs.values()})
     best, best_choice = float("inf"), {}
     for cap in caps:
         total, choice = cap, {}
         for c in classes:
             allowed = [(cost.resident_with(c.inflight), s) for s, cost in c.costs.items()
-                       if cost.buffer_bytes <= cap]
+                       if cost.buffers_bytes <= cap]
             if not allowed:
                 break
             resident, strategy = min(allowed)

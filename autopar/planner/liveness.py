@@ -33,7 +33,7 @@ runtime/pipeline.py):
    The layer producing the model's output counts the loss's among them: cross-entropy's
    float32 log-probabilities, one copy of the logits (and under pipelining the logits the
    last stage keeps, loss_costs.loss_bytes).
-6. A layer's transient buffer (``LayerCost.buffer_bytes``: FSDP's gathered layer with the
+6. A layer's transient buffer (``LayerCost.buffers_bytes``: FSDP's gathered layer with the
    next one prefetched, an unsharded gradient before its reduce-scatter, the activations
    recomputation brings back, ring-attention blocks, the loss's two float32 gradient
    copies on the output layer) is alive only while that layer runs forward, backward or W.
@@ -220,7 +220,7 @@ class _Walk:
         suffix = f", micro-batch {mb}" if self.label else ""
         # Rule 6: the layer's own buffer in every pass (the loss's part is charged below),
         # its step's collectives only in its first forward and last backward pass.
-        buffer = cost.buffer_bytes - cost.loss_buffer_bytes
+        buffer = cost.buffers_bytes - cost.loss_buffer_bytes
         once = i not in self.forwarded if action == "F" else self.passes_left[i] == 1
         if not once:
             buffer -= cost.collective_buffer_bytes

@@ -299,7 +299,7 @@ def moe_layer_cost(layer: LayerInfo, option: str, mesh: Mesh, cluster: Cluster,
     total["fwd_s"] += fwd_a2a
     total["bwd_s"] += bwd_a2a
     total["comm_s"] += m * (fwd_a2a + bwd_a2a)
-    total["buffer_bytes"] += buffer
+    total["buffers_bytes"] += buffer
     return replace(dense, **total, option=option, expert_parallel=ep)
 
 

@@ -132,12 +132,12 @@ def test_a_recomputation_that_costs_no_time_is_chosen_only_when_memory_needs_it(
 
     assert recomputed(80 * 2**30) == 0
     # Room for two blocks' activations: the other two recompute.
-    tight = 2 * (plain.resident_bytes + full.resident_bytes) + full.buffer_bytes + 2**20
+    tight = 2 * (plain.resident_bytes + full.resident_bytes) + full.buffers_bytes + 2**20
     assert recomputed(tight) == 2
 
     # Whatever the solver's tie went to, all-recompute comes back as the lightest that fits.
     everyone = {"Block": {"replicate+full": 4}}
-    assert least_work(classes, everyone, full.buffer_bytes, 80 * 2**30, 0.0) == \
+    assert least_work(classes, everyone, full.buffers_bytes, 80 * 2**30, 0.0) == \
         {"Block": {"replicate": 4}}
-    assert least_work(classes, everyone, full.buffer_bytes, tight, 0.0) == \
+    assert least_work(classes, everyone, full.buffers_bytes, tight, 0.0) == \
         {"Block": {"replicate+full": 2, "replicate": 2}}

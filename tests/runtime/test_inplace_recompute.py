@@ -303,11 +303,11 @@ def test_recomputing_a_layer_that_modifies_its_input_costs_the_copy(mode):
     copy = relu.inplace_input_bytes / 2
     copy_s = 2 * copy / (cluster.device.memory_bandwidth_GBps * 1e9)
     if mode == "none":
-        assert (got.activations_bytes, got.buffer_bytes, got.compute_s) == \
-            (base.activations_bytes, base.buffer_bytes, base.compute_s)
+        assert (got.activations_bytes, got.buffers_bytes, got.compute_s) == \
+            (base.activations_bytes, base.buffers_bytes, base.compute_s)
         return
     assert got.activations_bytes == pytest.approx(copy)  # what a ReLU would keep anyway
-    assert got.buffer_bytes - base.buffer_bytes == pytest.approx(copy)
+    assert got.buffers_bytes - base.buffers_bytes == pytest.approx(copy)
     assert got.compute_s - base.compute_s == pytest.approx(2 * copy_s)
 
 

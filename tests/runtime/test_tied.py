@@ -407,7 +407,7 @@ def _brute_force_tied(graph, cluster) -> float:
                     continue
                 resident = sum(c.resident_bytes for c in combo)
                 need = (1 + cluster.memory_margin_fraction) * (
-                    resident + max(c.buffer_bytes for c in combo))
+                    resident + max(c.buffers_bytes for c in combo))
                 if need > cluster.device.memory_bytes or \
                         sum(c.host_bytes for c in combo) > HOST_MEMORY_BYTES:
                     continue

@@ -24,7 +24,7 @@ def option(time_s: float, states_gib: float, buffer_gib: float) -> LayerCost:
                      sequence_parallel=False, microbatches=1, fwd_s=time_s / 3,
                      bwd_s=time_s / 3, wgrad_s=time_s / 3, step_s=0.0, compute_s=time_s,
                      comm_s=0.0, params_bytes=states_gib * GIB, grads_bytes=0.0,
-                     optimizer_bytes=0.0, activations_bytes=0.0, buffer_bytes=buffer_gib * GIB,
+                     optimizer_bytes=0.0, activations_bytes=0.0, buffers_bytes=buffer_gib * GIB,
                      output_bytes=0.0)
 
 
@@ -36,7 +36,7 @@ def brute_force(classes: list[ClassOptions], capacity_bytes: float) -> float:
     best = math.inf
     for combo in itertools.product(*per_class):
         chosen = [x for group in combo for x in group]
-        memory = sum(x.resident_bytes for x in chosen) + max(x.buffer_bytes for x in chosen)
+        memory = sum(x.resident_bytes for x in chosen) + max(x.buffers_bytes for x in chosen)
         if (1 + MARGIN) * memory <= capacity_bytes - FEASIBILITY_SLACK_GIB * GIB:
             best = min(best, sum(x.time_s for x in chosen))
     return best
@@ -63,7 +63,7 @@ def test_rank_bound_never_exceeds_the_ilp_optimum(raw, capacity_gib):
     assert bound <= optimum * (1 + 1e-9)
     if math.isinf(bound):
         assert math.isinf(optimum)  # inf only where nothing fits
-    for cap in {x.buffer_bytes for c in classes for x in c.costs.values()}:
+    for cap in {x.buffers_bytes for c in classes for x in c.costs.values()}:
         lower, upper = bounds_at_cap(classes, cap, capacity_gib * GIB, MARGIN)
         assert lower <= upper
         if upper < math.inf:  # the rounded point fits, so the optimum is no worse

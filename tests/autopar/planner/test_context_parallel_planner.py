@@ -78,7 +78,7 @@ def test_context_parallel_splits_tokens_like_data_parallel_plus_a_ring():
     assert by_cp.fwd_s - by_dp.fwd_s == pytest.approx(max(0.0, transfer - attend) + merge)
     assert by_cp.bwd_s - by_dp.bwd_s == pytest.approx(
         max(0.0, 2 * transfer - 2 * attend) + merge)
-    assert by_cp.buffer_bytes - by_dp.buffer_bytes == pytest.approx(4 * block)
+    assert by_cp.buffers_bytes - by_dp.buffers_bytes == pytest.approx(4 * block)
 
 
 def test_ring_transfer_hides_behind_long_attention_but_not_short():

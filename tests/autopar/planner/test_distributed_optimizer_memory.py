@@ -92,11 +92,11 @@ def test_optimizer_states_are_those_of_one_dp_shard_of_a_tp_shard(graph):
     cluster = megatron_cluster(ROW)
     for strategy, expected in (("tp", replicated), ("tp_zero1", replicated / DP)):
         outcome = evaluate_plan(graph, cluster, PREC, megatron_core_plan(graph, strategy))
-        assert outcome.rank_memory[5]["optimizer"] == pytest.approx(expected, rel=1e-9)
+        assert outcome.rank_memory[5].optimizer_bytes == pytest.approx(expected, rel=1e-9)
     # ... and the parameters: fp16 plus FSDP2's dp shard of them beside the gathered copy,
     # the gradients in fp16, accumulated unsharded through the pipeline's micro-batches
     # (autopar/planner/costs.py's table, pipelined zero1).
     params = blocks * per_block
-    assert outcome.rank_memory[5]["params"] == pytest.approx(params * 2 * (1 + 1 / DP),
+    assert outcome.rank_memory[5].params_bytes == pytest.approx(params * 2 * (1 + 1 / DP),
                                                              rel=1e-9)
-    assert outcome.rank_memory[5]["grads"] == pytest.approx(params * 2, rel=1e-9)
+    assert outcome.rank_memory[5].grads_bytes == pytest.approx(params * 2, rel=1e-9)

@@ -55,7 +55,7 @@ def option(time_s: float, states_gib: float, buffer_gib: float, host_gib: float 
                      bwd_s=time_s / 3, wgrad_s=time_s / 3, step_s=0.0, compute_s=time_s,
                      comm_s=0.0, params_bytes=states_gib * GIB, grads_bytes=0.0,
                      optimizer_bytes=0.0, activations_bytes=states_gib * GIB / 4,
-                     buffer_bytes=buffer_gib * GIB, output_bytes=0.0,
+                     buffers_bytes=buffer_gib * GIB, output_bytes=0.0,
                      host_bytes=host_gib * GIB)
 
 
@@ -63,7 +63,7 @@ def plain_bounds_at_cap(classes, cap, capacity_bytes, margin):
     """bounds.py's knapsack bounds at one cap, each class's hull built from scratch."""
     hulls, host = [], 0.0
     for c in classes:
-        allowed = [x for x in c.costs.values() if x.buffer_bytes <= cap]
+        allowed = [x for x in c.costs.values() if x.buffers_bytes <= cap]
         if not allowed:
             return math.inf, math.inf
         hulls.append((c.count, lower_hull((x.resident_with(c.inflight), x.time_s)
@@ -88,7 +88,7 @@ def test_bounds_with_shared_hulls_equal_the_bounds_built_per_cap(raw, capacity_g
     classes = [ClassOptions(name=f"c{i}", count=n, inflight=k,
                             costs={f"s{j}": x for j, x in enumerate(opts)})
                for i, (n, k, opts) in enumerate(raw)]
-    caps = sorted({x.buffer_bytes for c in classes for x in c.costs.values()})
+    caps = sorted({x.buffers_bytes for c in classes for x in c.costs.values()})
     plain = [plain_bounds_at_cap(classes, cap, capacity_gib * GIB, 0.1) for cap in caps]
     assert [bounds_at_cap(classes, cap, capacity_gib * GIB, 0.1) for cap in caps] == plain
     assert rank_bound(classes, capacity_gib * GIB, 0.1) == min(lower for lower, _ in plain)

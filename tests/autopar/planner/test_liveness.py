@@ -73,7 +73,7 @@ def cost(*, p: float = 10, g: float = 10, k: float = 20, a: float = 100, b: floa
     return LayerCost(option=strategy, strategy=strategy, recompute="none", offload=False,
                      sequence_parallel=False, microbatches=m, fwd_s=1.0, bwd_s=1.0,
                      wgrad_s=0.0, step_s=0.0, compute_s=2.0, comm_s=0.0, params_bytes=p,
-                     grads_bytes=g, optimizer_bytes=k, activations_bytes=a, buffer_bytes=b,
+                     grads_bytes=g, optimizer_bytes=k, activations_bytes=a, buffers_bytes=b,
                      output_bytes=out, loss_buffer_bytes=loss_b, gathered_bytes=gathered,
                      collective_buffer_bytes=collective_b)
 
@@ -83,7 +83,7 @@ def ilp_sum(costs, inflight=None) -> float:
     in-flight micro-batches, the largest buffer."""
     inflight = inflight or [1] * len(costs)
     return (sum(c.resident_with(n) for c, n in zip(costs, inflight, strict=True))
-            + max(c.buffer_bytes for c in costs))
+            + max(c.buffers_bytes for c in costs))
 
 
 # -- hand-derived steps ------------------------------------------------------------------

@@ -50,7 +50,7 @@ def loss_part(layer, option: str, mesh: Mesh, microbatches: int = 1) -> tuple[fl
     without = layer_cost(replace(layer, loss_bytes=0), option, mesh, cluster, FP32,
                          microbatches)
     return (with_loss.activations_bytes - without.activations_bytes,
-            with_loss.buffer_bytes - without.buffer_bytes)
+            with_loss.buffers_bytes - without.buffers_bytes)
 
 
 def test_only_the_output_layer_records_the_float32_logits(tiny):
@@ -112,7 +112,7 @@ def test_walk_holds_the_loss_at_its_own_backward_only(tiny):
     fwd = by_event["forward of lm_head, micro-batch 0"]
     loss = by_event["backward of the loss, micro-batch 0"]
     bwd = by_event["backward of lm_head, micro-batch 0"]
-    assert fwd.buffers_bytes == bwd.buffers_bytes == last.buffer_bytes - TRANSIENT / 4
+    assert fwd.buffers_bytes == bwd.buffers_bytes == last.buffers_bytes - TRANSIENT / 4
     # The loss's backward runs before FSDP2 gathers the head for its own: the loss's two
     # copies, not the head's gathered parameters and unsharded gradient.
     assert loss.buffers_bytes == TRANSIENT / 4

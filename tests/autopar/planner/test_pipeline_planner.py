@@ -50,7 +50,7 @@ def fits(ctx: Engine, config, stage_of, costs) -> bool:
     for r in range(pp):
         mine = [(c, s) for c, s in zip(costs, stage_of, strict=True) if owner[s] == r]
         used = sum(c.resident_with(inflight[s]) for c, s in mine)
-        used += max(c.buffer_bytes for c, _ in mine)
+        used += max(c.buffers_bytes for c, _ in mine)
         if (1 + ctx.cluster.memory_margin_fraction) * used > cap:
             return False
     return True

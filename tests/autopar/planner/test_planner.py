@@ -60,7 +60,7 @@ def brute_force(graph: LayerGraph, cluster, prec_name: str = "float32", *,
                 combos = itertools.chain(combos, itertools.product(*ddp))
             for combo in combos:
                 resident = sum(c.resident_bytes for c in combo)
-                buffer = max(c.buffer_bytes for c in combo)
+                buffer = max(c.buffers_bytes for c in combo)
                 if (1 + cluster.memory_margin_fraction) * (resident + buffer) > \
                         cluster.device.memory_bytes:
                     continue

@@ -402,8 +402,8 @@ def test_the_search_prices_a_plan_of_replicate_layers_as_ddp_runs_it():
     graph = graph_of(layers, batch=8)
     ddp_cost = on_ddp(layer_cost(layers[0], "replicate", Mesh(dp=4), cpu, FP32))
     fsdp2_cost = layer_cost(layers[0], "replicate", Mesh(dp=4), cpu, FP32)
-    need = 2 * ddp_cost.resident_bytes + ddp_cost.buffer_bytes
-    assert 2 * fsdp2_cost.resident_bytes + fsdp2_cost.buffer_bytes > 1.2 * need
+    need = 2 * ddp_cost.resident_bytes + ddp_cost.buffers_bytes
+    assert 2 * fsdp2_cost.resident_bytes + fsdp2_cost.buffers_bytes > 1.2 * need
     cluster = replace(cpu, devices_per_node=4, device=replace(
         cpu.device, memory_bytes=int(1.1 * need * (1 + cpu.memory_margin_fraction))))
     plan = search(graph, cluster, mesh=Mesh(dp=4), pipeline=False).plan
