@@ -201,7 +201,7 @@ class Engine:
         self._ramp: dict[tuple, list[tuple[int, list[int], int, int]]] = {}
         self._roles: dict[tuple, dict[int, TieRole]] = {}
         self._layer_costs: dict[tuple, list[dict[str, LayerCost]]] = {}
-        self._summaries: dict[int, tuple[LayerCost, float, float, float]] = {}
+        self._summaries: dict[int, tuple[LayerCost, float, float, float, float]] = {}
         self._balanced: dict[tuple, tuple[int, ...]] = {}
 
     # -- one stage (pp = 1) ---------------------------------------------------------------
@@ -435,15 +435,18 @@ class Engine:
             self._layer_costs[key] = [self.costs(i, config) for i in range(n)]
         return self._layer_costs[key]
 
-    def summary(self, options: dict[str, LayerCost]) -> tuple[LayerCost, float, float, float]:
+    def summary(self, options: dict[str, LayerCost]
+                ) -> tuple[LayerCost, float, float, float, float]:
         """Of one layer's options (a dict ``costs`` keeps, so its id is stable): the
-        fastest (the first of equals), and the least F + B + W, F and B."""
+        fastest (the first of equals), the least F + B + W, F and B, and the least memory
+        with one micro-batch in flight."""
         key = id(options)
         if key not in self._summaries:
             values = options.values()
             self._summaries[key] = (min(values, key=lambda c: c.time_s),
                                     min(c.fwd_s + c.bwd_s + c.wgrad_s for c in values),
-                                    min(c.fwd_s for c in values), min(c.bwd_s for c in values))
+                                    min(c.fwd_s for c in values), min(c.bwd_s for c in values),
+                                    min(c.resident_with(1) for c in values))
         return self._summaries[key]
 
     def costs(self, layer_index: int, config: Config,
@@ -603,7 +606,7 @@ class Engine:
         owner = stage_ranks(config.schedule, pp, pp * v)
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
         for options, s in zip(self.layer_costs(config, stage_of), stage_of, strict=True):
-            _, _, least_fwd, least_bwd = self.summary(options)
+            _, _, least_fwd, least_bwd, _ = self.summary(options)
             fwd[s] += least_fwd
             bwd[s] += least_bwd
         split_w = SCHEDULES[config.schedule].split_backward
@@ -623,11 +626,14 @@ class Engine:
         flight (a tied layer's options hold a copy more and are fewer, a split-backward
         schedule's lack selective recomputation: never less), so at least the sum of the
         ceil(n / pp) smallest such layers, margin included."""
-        any_schedule = Config(mesh=config.mesh, schedule="1F1B", microbatches=config.microbatches)
-        least = sorted(min(c.resident_with(1) for c in options.values())
-                       for options in self.layer_costs(any_schedule))
-        held = -(-len(least) // config.mesh.pp)
-        return (1 + self.cluster.memory_margin_fraction) * sum(least[:held])
+        key = ("fullest rank", config.mesh, config.microbatches)
+        if key not in self._bounds:
+            any_schedule = Config(mesh=config.mesh, schedule="1F1B",
+                                  microbatches=config.microbatches)
+            least = sorted(self.summary(options)[4] for options in self.layer_costs(any_schedule))
+            held = -(-len(least) // config.mesh.pp)
+            self._bounds[key] = (1 + self.cluster.memory_margin_fraction) * sum(least[:held])
+        return self._bounds[key]
 
     def _memory_floor(self, options: list[ClassOptions]) -> float:
         """Memory no assignment of these options goes below, margin included: each class
