@@ -1,6 +1,7 @@
-"""cost_models/schedule.py as of commit c084213, kept verbatim below this docstring as the
-reference its faster successor is checked against (tests/cost_models/test_schedule_fast.py):
-the same actions, times and order, and the same Timelines."""
+"""The algorithms of cost_models/schedule.py as of commit c084213 (orders, event loop,
+fixed-order path, Timeline assembly), kept verbatim as the reference their faster
+successors are checked against (tests/cost_models/test_schedule_fast.py): the same actions,
+times and order, and the same Timelines."""
 
 # ruff: noqa
 
@@ -8,119 +9,20 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from dataclasses import dataclass
-from typing import Literal
 
 from cost_models.overlap import pipeline_p2p_slowdown_s
 
 
-@dataclass(frozen=True, kw_only=True)
-class ScheduleSpec:
-    """One pipeline schedule, named as torch.distributed.pipelining's ``Schedule*`` class."""
-
-    name: str
-    virtual_stages: tuple[int, ...] | None
-    """Stages per pipeline rank it runs: the values listed, or None for any v >= 2."""
-    placement: Literal["looped", "v"] = "looped"
-    """Which rank runs stage s of pp ranks: looped (s mod pp), or V-shaped (stages 0..pp-1
-    go down the ranks, pp..2pp-1 come back up)."""
-    split_backward: bool = False
-    """Runs a stage's backward in two passes (input gradients, then weight gradients).
-    torch's selective activation checkpointing allows one backward through a region, so
-    selective recomputation cannot run under it (full recomputation can)."""
-    searched: tuple[int, ...] = (1,)
-    """The virtual stages per rank the planner tries."""
-
-    def accepts(self, v: int) -> bool:
-        return v >= 2 if self.virtual_stages is None else v in self.virtual_stages
-
-    def stage_rank(self, stage: int, num_ranks: int) -> int:
-        if self.placement == "v" and stage >= num_ranks:
-            return 2 * num_ranks - 1 - stage
-        return stage % num_ranks
-
-
-SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
-    ScheduleSpec(name="GPipe", virtual_stages=(1,)),
-    ScheduleSpec(name="1F1B", virtual_stages=(1,)),
-    ScheduleSpec(name="Interleaved1F1B", virtual_stages=None, searched=(2,)),
-    ScheduleSpec(name="InterleavedZeroBubble", virtual_stages=None, split_backward=True,
-                 searched=(2,)),
-    ScheduleSpec(name="ZBVZeroBubble", virtual_stages=(2,), placement="v",
-                 split_backward=True, searched=(2,)),
-)}
-"""Every schedule the planner searches, the simulator models and the runtime runs."""
-
-ACTIONS = ("F", "B", "W")
-"""F: forward; B: backward (input gradients, and weight gradients unless split off);
-W: weight gradients on their own (zero-bubble schedules)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Slot:
-    """One action of one micro-batch on one pipeline rank."""
-
-    rank: int
-    """Pipeline rank (coordinate on the pp axis)."""
-    stage: int
-    action: str
-    """One of ACTIONS."""
-    microbatch: int
-    start_s: float
-    end_s: float
-
-    @property
-    def label(self) -> str:
-        """torch.distributed.pipelining's notation: stage, action, micro-batch (e.g. 2F0)."""
-        return f"{self.stage}{self.action}{self.microbatch}"
-
-
-@dataclass(frozen=True, kw_only=True)
-class Timeline:
-    """A simulated step of a pipeline schedule."""
-
-    schedule: str
-    num_ranks: int
-    num_microbatches: int
-    slots: tuple[Slot, ...]
-    step_time_s: float
-    """From the first action's start to the last action's end."""
-    bubble_fraction: float
-    """Idle share of rank-time: 1 - busy / (num_ranks · step_time)."""
-    peak_inflight: tuple[int, ...]
-    """Per rank, the most stage micro-batches whose activations were held at once."""
-    peak_activation_bytes: tuple[float, ...] = ()
-    """Per rank, the most activation bytes held at once (StageTimes.activation_bytes)."""
-
-
-# -- the simulator ------------------------------------------------------------------------
-#
-# Each rank runs its actions in a fixed order (the schedule); an action starts when its rank
-# is free and its inputs have arrived (previous stage's F plus a point-to-point transfer,
-# next stage's B likewise). Zero-bubble schedules split the backward into B (input
-# gradients, on the critical path) and W (weight gradients), and run a pending W whenever
-# the rank would otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
-
-SIM_SCHEDULES = tuple(SCHEDULES)
-
-
-@dataclass(frozen=True, kw_only=True)
-class StageTimes:
-    """Per micro-batch times of one stage, seconds."""
-
-    fwd_s: float
-    bwd_s: float
-    """Input-gradient part of the backward (the whole backward when W is not split off)."""
-    wgrad_s: float = 0.0
-    """Weight-gradient part; folded into B by schedules that do not split it."""
-    activation_bytes: float = 0.0
-    """Activations one micro-batch holds on this stage between its F and its last backward."""
-
-
-def stage_ranks(schedule: str, num_ranks: int, num_stages: int) -> list[int]:
-    """Pipeline rank of each stage (the schedule's ``placement``)."""
-    spec = SCHEDULES[schedule]
-    return [spec.stage_rank(s, num_ranks) for s in range(num_stages)]
+# The records and the schedule table are the current module's: only the algorithms are
+# the old ones.
+from cost_models.schedule import (  # noqa: E402
+    SCHEDULES,
+    SIM_SCHEDULES,
+    Slot,
+    StageTimes,
+    Timeline,
+    stage_ranks,
+)
 
 
 def rank_orders(schedule: str, num_ranks: int, v: int, m: int) -> list[list[tuple[str, int, int]]]:
