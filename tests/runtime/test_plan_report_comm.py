@@ -3,6 +3,7 @@ GPT-3 175B on 1,536 A100s at global batch 1,536 (one sample a rank)."""
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import pytest
@@ -30,7 +31,10 @@ def sharded_plan(gpus: int = 1536) -> Plan:
 def test_the_report_splits_each_class_s_communication_into_hidden_and_exposed():
     plan = sharded_plan()
     blocks = [x for x in plan.layers if x.layer_class == "Block#0"]
-    assert {x.strategy for x in blocks} == {"fsdp"}  # 175B on 1,536 ranks: sharded
+    # 175B on 1,536 ranks: sharded, all but the one block that fits under ZeRO-2 beside
+    # the others' shards (its whole bf16 parameters, 3.6 GB, stay gathered)
+    strategies = collections.Counter(x.strategy for x in blocks)
+    assert strategies["fsdp"] >= len(blocks) - 2 and set(strategies) <= {"fsdp", "zero2"}
     lines = comm_lines(plan)
     assert lines[1].startswith("Communication per step")
     assert lines[-1].startswith("  not in these numbers: each micro-batch's first all-gather")
@@ -48,11 +52,12 @@ def test_the_report_splits_each_class_s_communication_into_hidden_and_exposed():
 
 
 def test_the_sharded_blocks_issue_their_collectives_at_nccl_s_ring_cost_and_hide_them():
-    """A block (12·h² + 13·h = 1.81e9 parameters, 3.62 GB in bf16) issues two all-gathers and
-    one reduce-scatter (bf16 gradients) a step: 3 × 33.4 ms on a 1,536-rank ring
-    (cost_models/comm.py). At one sample a rank they still hide behind its compute (about
-    130 ms): what is exposed is the slowdown of the compute beside them, issued · (1 − 1/σ)
-    with σ = 1.1 (cost_models/overlap.py)."""
+    """A block (12·h² + 13·h = 1.81e9 parameters, 3.62 GB in bf16) under FSDP issues two
+    all-gathers and one reduce-scatter (bf16 gradients) a step: 3 × 33.4 ms on a 1,536-rank
+    ring (cost_models/comm.py); under ZeRO-2, at one micro-batch, one all-gather and one
+    reduce-scatter. At one sample a rank they still hide behind its compute (about 130 ms):
+    what is exposed is the slowdown of the compute beside them, issued · (1 − 1/σ) with
+    σ = 1.1 (cost_models/overlap.py)."""
     plan = sharded_plan()
     cluster = Cluster.preset("dgx-a100-80g", nodes=192)
     h = 12288
@@ -63,5 +68,6 @@ def test_the_sharded_blocks_issue_their_collectives_at_nccl_s_ring_cost_and_hide
     for option in {x.option for x in plan.layers if x.layer_class == "Block#0"}:
         o = opts[option]
         issued = o.comm_s + o.hidden_comm_s
-        assert issued == pytest.approx(3 * gather, rel=1e-3)
+        collectives = 3 if o.strategy.startswith("fsdp") else 2
+        assert issued == pytest.approx(collectives * gather, rel=1e-3)
         assert o.comm_s == pytest.approx(issued * (1 - 1 / cluster.overlap.fsdp_slowdown))
