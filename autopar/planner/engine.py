@@ -44,7 +44,7 @@ import heapq
 import itertools
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from autopar.planner.bounds import rank_bound
 from autopar.planner.configs import Config, pipeline_configs
@@ -369,13 +369,23 @@ class Engine:
         queue = []
         results: list[Outcome | Infeasible] = []
         too_big: set[tuple[Mesh, int]] = set()  # (mesh, micro-batches) no rank can hold
-        for i, config in enumerate(pipeline_configs(self.graph, self.cluster)):
+        configs = pipeline_configs(self.graph, self.cluster)
+        most: dict[Mesh, int] = {}  # the most micro-batches searched on each mesh
+        for config in configs:
+            most[config.mesh] = max(most.get(config.mesh, 0), config.microbatches)
+        for i, config in enumerate(configs):
             if time.perf_counter() > deadline:
                 raise TimeLimitReached(None, [])
             shape = (config.mesh, config.microbatches)
             if shape in too_big:
                 continue
-            floor = self._fullest_rank_floor(config)
+            # Under pipelining a layer's states do not depend on the micro-batch count
+            # (costs.py's table) and its activations shrink with the micro-batch: the floor
+            # at the most micro-batches is below every other count's, and costs one set of
+            # options for the whole mesh.
+            floor = self._fullest_rank_floor(replace(config, microbatches=most[config.mesh]))
+            if floor <= self.cluster.device.memory_bytes:
+                floor = self._fullest_rank_floor(config)
             if floor > self.cluster.device.memory_bytes:
                 too_big.add(shape)  # whatever the schedule, stages and tie: said once
                 results.append(Infeasible(config=config, min_memory_bytes=floor, exact=False))

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from planner_cases import GiB, graph_of, make_cluster, make_layer
 
 from autopar.planner import search
-from autopar.planner.configs import pipeline_configs
+from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.engine import Engine, _Prepared
 from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB
 from autopar.planner.published import MegatronRow, megatron_rows
@@ -206,3 +206,24 @@ def test_larger_megatron_rows_are_fastest_with_pipeline_parallelism_and_tp_insid
     flat = search(graph, cluster, precision_name="float16", pipeline=False,
                   time_limit_s=600).plan
     assert flat.prediction.step_time_s > plan.prediction.step_time_s
+
+
+@pytest.mark.parametrize("model, batch, nodes", [("gpt3-1.3b", 256, 8), ("gpt2-small", 64, 2)])
+def test_a_pipelined_layers_least_memory_never_grows_with_the_micro_batch_count(model, batch,
+                                                                                 nodes):
+    # Engine.pipelines takes a mesh's memory floor at its most micro-batches as a floor for
+    # every count: states do not depend on it, activations shrink with the micro-batch.
+    spec = get_model(model)
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(batch, device="meta"),
+                              model_name=model)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=nodes)
+    engine = Engine(graph, cluster, precision("bfloat16"), 10.0)
+    counts: dict = {}
+    for config in pipeline_configs(graph, cluster):
+        counts.setdefault(config.mesh, set()).add(config.microbatches)
+    assert len(counts) > 4
+    for mesh, ms in counts.items():
+        least = [[engine.summary(options)[4] for options in engine.layer_costs(
+            Config(mesh=mesh, schedule="1F1B", microbatches=m))] for m in sorted(ms)]
+        for fewer, more in itertools.pairwise(least):
+            assert all(b <= a * (1 + 1e-12) for a, b in zip(fewer, more, strict=True)), mesh
