@@ -337,7 +337,8 @@ def _kind_of(err: BaseException) -> str:
     if "symbolically traced variables cannot be used as inputs to control flow" in msg or \
             "data-dependent" in msg or "GuardOnDataDependent" in type(err).__name__:
         return "control_flow"
-    if re.search(r"(float|int|bool)\(\) argument must be .*'Proxy'|numpy\(\)|\.item\(\)|"
+    # The tracer's proxies are this module's _Proxy (passes/trace.py), torch.fx's Proxy inside.
+    if re.search(r"(float|int|bool)\(\) argument must be .*'_?Proxy'|numpy\(\)|\.item\(\)|"
                  r"tolist|convert .* to numpy", msg):
         return "data"
     if "co_varnames" in msg:
