@@ -48,3 +48,11 @@ def plan_of(*, mesh: Mesh, strategy: str = "replicate", recompute: tuple[str, ..
             offload=offload and spec(name).offloadable))
     return Plan(model="gpt-small", cluster="test", global_batch=BATCH, seq_len=SEQ, mesh=mesh,
                 layers=tuple(layers), pipeline=pipeline, **plan_fields)
+
+
+INTERLEAVED = dict(
+    mesh=Mesh(pp=2, dp=2, tp=2), strategy="zero1", recompute=("full",) * 4,
+    stages=(0, 0, 0, 1, 2, 3, 3, 3), sequence_parallel=True, param_dtype="bfloat16",
+    pipeline=PipelineSpec(schedule="Interleaved1F1B", num_microbatches=4, virtual_stages=2))
+"""An interleaved pp 2 × dp 2 × tp 2 plan with SP and full recomputation, which every
+engine export is asked to carry whole."""

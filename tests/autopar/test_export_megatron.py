@@ -21,7 +21,7 @@ import sys
 
 import pytest
 import torch
-from export_cases import SEQ, gpt_small, plan_of
+from export_cases import INTERLEAVED, SEQ, gpt_small, plan_of
 from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.pipeline_parallel_layer_layout import PipelineParallelLayerLayout
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -54,12 +54,6 @@ def transformer_config(args, plan: Plan, layout: PipelineParallelLayerLayout | N
         num_attention_heads=4, params_dtype=dtype, pipeline_dtype=dtype,
         virtual_pipeline_model_parallel_size=layout.virtual_pipeline_model_parallel_size
         if layout and layout.virtual_pipeline_model_parallel_size > 1 else None)
-
-
-INTERLEAVED = dict(
-    mesh=Mesh(pp=2, dp=2, tp=2), strategy="zero1", recompute=("full",) * 4,
-    stages=(0, 0, 0, 1, 2, 3, 3, 3), sequence_parallel=True, param_dtype="bfloat16",
-    pipeline=PipelineSpec(schedule="Interleaved1F1B", num_microbatches=4, virtual_stages=2))
 
 
 def test_interleaved_tp_sp_plan_arrives_whole():

@@ -32,7 +32,7 @@ from typing import Annotated
 
 import pytest
 import tyro
-from export_cases import BATCH, SEQ, gpt_small, plan_of
+from export_cases import BATCH, INTERLEAVED, SEQ, gpt_small, plan_of
 from torch.distributed.pipelining.schedules import get_schedule_class
 from torchtitan.config import (
     CompileConfig,
@@ -143,12 +143,6 @@ def accumulation(config: Config) -> int:
     batch_degree = p.data_parallel_replicate_degree * p.data_parallel_shard_degree
     assert t.global_batch_size % (t.local_batch_size * batch_degree) == 0
     return t.global_batch_size // (t.local_batch_size * batch_degree)
-
-
-INTERLEAVED = dict(
-    mesh=Mesh(pp=2, dp=2, tp=2), strategy="zero1", recompute=("full",) * 4,
-    stages=(0, 0, 0, 1, 2, 3, 3, 3), sequence_parallel=True, param_dtype="bfloat16",
-    pipeline=PipelineSpec(schedule="Interleaved1F1B", num_microbatches=4, virtual_stages=2))
 
 
 def test_interleaved_tp_sp_plan_arrives_whole():
