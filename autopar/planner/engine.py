@@ -621,7 +621,7 @@ class Engine:
             bwd[s] += least_bwd
         split_w = SCHEDULES[config.schedule].split_backward
         out = 0.0
-        if self._floor_exceeds_the_device(config, stage_of):
+        if self._fullest_stage_floor(config, stage_of) > self.cluster.device.memory_bytes:
             return math.inf  # no need to ask the LP: a rank cannot fit at all
         for rank, (_, options) in enumerate(self._ranks(config, stage_of)):
             first = owner.index(rank)
@@ -654,20 +654,17 @@ class Engine:
         buffer = max(min(c.buffers_bytes for c in o.costs.values()) for o in options)
         return (1 + self.cluster.memory_margin_fraction) * (resident + buffer)
 
-    def _floor_exceeds_the_device(self, config: Config, stage_of: tuple[int, ...]) -> bool:
-        """Whether some rank needs more than the device even at one micro-batch in flight
-        per stage (no schedule's in-flight counts needed): the floor of its memory."""
+    def _fullest_stage_floor(self, config: Config, stage_of: tuple[int, ...]) -> float:
+        """The memory floor of the fullest rank under this cut at one micro-batch in flight
+        per stage (no schedule's in-flight counts needed), margin included."""
         ones = (1,) * config.num_stages
-        capacity = self.cluster.device.memory_bytes
         return max(self._memory_floor(options)
-                   for _, options in self._ranks(config, stage_of, ones)) > capacity
+                   for _, options in self._ranks(config, stage_of, ones))
 
     def infeasible(self, config: Config, stage_of: tuple[int, ...]) -> Infeasible:
         """The configuration needs what its fullest rank needs at the least: exactly
         (min_memory), or a floor already above the device, which is cheaper to know."""
-        ones = (1,) * config.num_stages
-        floor = max(self._memory_floor(options)
-                    for _, options in self._ranks(config, stage_of, ones))
+        floor = self._fullest_stage_floor(config, stage_of)
         if floor > self.cluster.device.memory_bytes:
             return Infeasible(config=config, min_memory_bytes=floor, exact=False)
         need = 0.0
