@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import tomllib
 from dataclasses import dataclass, field, fields, replace
 from importlib import resources
@@ -133,6 +134,12 @@ class Device:
     reductions run slower than the memory-bound kernel mix (CPU ranks). ``autopar
     calibrate`` measures it; 1 until then."""
 
+    cuda_capability: str = ""
+    """The CUDA compute capability of an NVIDIA GPU, "major.minor" (the A100's "8.0", the
+    H100's "9.0"), as ``torch.cuda.get_device_capability`` reports it; empty for a device
+    that is not one (CPU processes) or whose capability is not known. What the device can
+    run depends on it (``runtime.async_tp``: PyTorch's async tensor parallelism)."""
+
     def peak(self, dtype: str) -> float:
         try:
             return self.peak_flops[dtype]
@@ -151,6 +158,14 @@ class Device:
 
     def half_dim(self, dtype: str) -> float:
         return self.matmul_half_dim.get(dtype, DEFAULT_MATMUL_HALF_DIM)
+
+    @property
+    def capability(self) -> tuple[int, int] | None:
+        """``cuda_capability`` as (major, minor); None when it is empty."""
+        if not self.cuda_capability:
+            return None
+        major, minor = self.cuda_capability.split(".")
+        return int(major), int(minor)
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
@@ -431,6 +446,11 @@ def _device_from_dict(data: Any, where: str) -> Device:
             raise ConfigError(f"{where}: missing field {key!r}")
     if not isinstance(d["name"], str):
         raise ConfigError(f"{where}: name must be a string, got {d['name']!r}")
+    capability = d.get("cuda_capability", "")
+    if not isinstance(capability, str) or (capability and not _CAPABILITY.fullmatch(capability)):
+        raise ConfigError(f"{where}: cuda_capability must be a string \"major.minor\" such as "
+                          f"\"9.0\" (an H100), or empty for a device that is no CUDA GPU; got "
+                          f"{capability!r}")
     for key in ("memory_bytes", "memory_bandwidth_GBps", "kernel_floor_s"):
         if key in d:
             d[key] = _check_range(key, d[key], where, key)
@@ -451,6 +471,9 @@ def _device_from_dict(data: Any, where: str) -> Device:
     if "matmul_half_dim" in d:
         d["matmul_half_dim"] = _half_dims(d["matmul_half_dim"], where)
     return Device(**d)
+
+
+_CAPABILITY = re.compile(r"[0-9]{1,2}\.[0-9]{1,2}")
 
 
 def _skew_points(data: Any, where: str) -> tuple[tuple[float, float], ...]:

@@ -42,7 +42,7 @@ from torch.nn.parallel import DistributedDataParallel
 from runtime.batch_norm import convert_batch_norm
 from runtime.context_parallel import ContextParallel, position_argument
 from runtime.data_parallel import apply_ddp, apply_fsdp, uses_ddp
-from runtime.device import rank_device
+from runtime.device import rank_device, resolve_device_type
 from runtime.expert_parallel import apply_expert_parallel, ep_layers
 from runtime.materialize import (
     broadcast_weights,
@@ -56,7 +56,7 @@ from runtime.plan import LayerPlan, Plan, PlanError
 from runtime.precision import fsdp_policies, is_mixed
 from runtime.recompute import apply_recompute
 from runtime.tensor_parallel import apply_tensor_parallel
-from runtime.validate import check_plan, plan_notes
+from runtime.validate import check_async_tp_ranks, check_plan, plan_notes
 
 logger = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ def apply(model: nn.Module, plan: Plan, *, device_type: str = "auto",
     None; ``runtime.materialize``). A model with real weights gets rank 0's.
     """
     position_arg = validate_plan(model, plan)
+    check_async_tp_ranks(plan, resolve_device_type(device_type))
     device = rank_device(device_type)
     meta = on_meta(model)
     seed = common_seed(seed) if meta else None

@@ -17,7 +17,8 @@ core recomputed in backward; ``full``, the whole layer's forward recomputed from
 input), ``offload`` (``fsdp``/``tp_fsdp`` layers keep parameters, gradients and the
 optimizer step in host memory) and ``sequence_parallel`` (TP layers also split their
 norms and element-wise ops along the sequence; all-reduces become reduce-scatter +
-all-gather).
+all-gather), ``async_tp`` (sequence-parallel TP layers overlap those collectives with their
+matmuls: PyTorch's async TP, ``runtime.async_tp``).
 
 Precision (``Plan.param_dtype``): the compute dtype. Master weights and optimizer states
 stay float32; gradients are communicated in ``reduce_dtype``; float16 needs
@@ -48,6 +49,7 @@ import msgspec
 from cost_models.errors import ConfigError
 from cost_models.memory import MemoryTerms
 from cost_models.schedule import SCHEDULES
+from runtime import async_tp
 from runtime.files import write_atomic
 from runtime.strategies import STRATEGIES, StrategySpec, spec
 
@@ -91,14 +93,18 @@ SPLIT_BACKWARD_SCHEDULES = tuple(name for name, s in SCHEDULES.items() if s.spli
 
 
 def option_label(strategy: str, recompute: str = "none", offload: bool = False,
-                 sequence_parallel: bool = False, expert_parallel: int = 1) -> str:
-    """One layer's choice as one word, e.g. ``tp_fsdp+sp+full``: the strategy, then
-    ``+ep<n>``, ``+sp``, ``+offload`` and the recompute mode when not the default."""
+                 sequence_parallel: bool = False, expert_parallel: int = 1,
+                 async_tp: bool = False) -> str:
+    """One layer's choice as one word, e.g. ``tp_fsdp+sp+async+full``: the strategy, then
+    ``+ep<n>``, ``+sp``, ``+async``, ``+offload`` and the recompute mode when not the
+    default."""
     parts = [strategy]
     if expert_parallel > 1:
         parts.append(f"ep{expert_parallel}")
     if sequence_parallel:
         parts.append("sp")
+    if async_tp:
+        parts.append("async")
     if offload:
         parts.append("offload")
     if recompute != "none":
@@ -110,12 +116,15 @@ def parse_option(label: str) -> dict[str, Any]:
     """The LayerPlan fields an option label stands for (inverse of option_label)."""
     strategy, *rest = label.split("+")
     fields: dict[str, Any] = {"strategy": strategy, "recompute": "none", "offload": False,
-                              "sequence_parallel": False, "expert_parallel": 1}
+                              "sequence_parallel": False, "expert_parallel": 1,
+                              "async_tp": False}
     for part in rest:
         if part.startswith("ep") and part[2:].isdigit():
             fields["expert_parallel"] = int(part[2:])
         elif part == "sp":
             fields["sequence_parallel"] = True
+        elif part == "async":
+            fields["async_tp"] = True
         elif part == "offload":
             fields["offload"] = True
         elif part in RECOMPUTE:
@@ -264,6 +273,11 @@ class LayerPlan:
     """Expert-parallel degree of the mixture-of-experts blocks inside this layer: each
     block's experts are split over this many data-parallel ranks, and tokens travel to
     their experts' ranks and back by all-to-all (1: every rank holds every expert)."""
+    async_tp: bool = False
+    """Sequence-parallel TP layers only: PyTorch's async TP, the layer's all-gathers and
+    reduce-scatters overlapped with its matmuls chunk by chunk (the layer is compiled with
+    Inductor's micro-pipeline pass; CUDA GPUs of capability 9.0+ on NVLink: runtime.async_tp
+    lists what it needs)."""
 
     def __post_init__(self) -> None:
         where = f"layer {self.module!r}"
@@ -307,6 +321,11 @@ class LayerPlan:
                 f"{where}: sequence_parallel needs a tensor-parallel strategy "
                 f"({', '.join(s for s in STRATEGIES if spec(s).tensor_parallel)}), "
                 f"got {self.strategy!r}")
+        if not isinstance(self.async_tp, bool):
+            raise PlanError(f"{where}: async_tp must be true or false, got {self.async_tp!r}")
+        if self.async_tp and (problem := async_tp.layer_problem(
+                tensor_parallel=tensor_parallel, sequence_parallel=self.sequence_parallel)):
+            raise PlanError(f"{where} (strategy {self.strategy!r}): {problem}")
 
     @property
     def spec(self) -> StrategySpec:
@@ -321,7 +340,7 @@ class LayerPlan:
     def option(self) -> str:
         """The strategy with its recompute / offload / SP choices, as one label."""
         return option_label(self.strategy, self.recompute, self.offload, self.sequence_parallel,
-                            self.expert_parallel)
+                            self.expert_parallel, self.async_tp)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -27,6 +27,11 @@ The layer itself gets ``PrepareModuleInputOutput``: its input arrives as sequenc
 from a sequence-parallel layer just before it in the plan (plan order is execution order),
 else whole and split locally (no communication); its output stays sharded, as a DTensor,
 when the next layer of the plan is sequence-parallel too, else it is all-gathered whole.
+A sequence-parallel layer may also ask for PyTorch's async TP (``LayerPlan.async_tp``):
+after its styles are applied it is compiled with Inductor's micro-pipeline pass, which
+overlaps those all-gathers and reduce-scatters with the Linears chunk by chunk
+(``runtime.async_tp``: what it needs, CUDA GPUs among them).
+
 Between two such layers the residual stream is a Shard(1) DTensor, so anything that
 touched it in between would run with global semantics or fail loudly, never compute on a
 shard as if it were whole. Element-wise code between the layer's submodules (residual
@@ -53,6 +58,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from runtime.async_tp import enable_async_tp, rank_problem, refusal
 from runtime.plan import LayerPlan, PlanError
 
 logger = logging.getLogger(__name__)
@@ -200,6 +206,7 @@ def apply_tensor_parallel(model: nn.Module, layers: list[LayerPlan], tp_mesh: De
             parallelize_module(root, tp_mesh, parallel_style(layer.tp_styles[""]))
         if plan:
             parallelize_module(root, tp_mesh, plan)
+    _apply_async_tp(model, layers, tp_mesh)
     tp_layers = [layer.module for layer in layers if layer.is_tp]
     if tp_layers:
         sp = sum(1 for layer in layers if layer.sequence_parallel)
@@ -207,6 +214,19 @@ def apply_tensor_parallel(model: nn.Module, layers: list[LayerPlan], tp_mesh: De
             "applied tensor parallelism (tp=%d) to %d layer(s), %d sequence-parallel: %s",
             tp_mesh.size(), len(tp_layers), sp, ", ".join(tp_layers),
         )
+
+
+def _apply_async_tp(model: nn.Module, layers: list[LayerPlan], tp_mesh: DeviceMesh) -> None:
+    """PyTorch's async TP for the layers that ask for it (``runtime.async_tp``), refused
+    with the reason on ranks that cannot run it (``runtime.validate.check_async_tp_ranks``
+    refuses it earlier, before the mesh is built, in ``runtime.apply``)."""
+    modules = [layer.module for layer in layers if layer.async_tp]
+    if not modules:
+        return
+    problem = rank_problem(tp_mesh.device_type, tp_mesh.size(), tp_mesh.get_group())
+    if problem:
+        raise PlanError(refusal(modules, problem))
+    enable_async_tp([model.get_submodule(name) for name in modules], tp_mesh)
 
 
 def _apply_sequence_parallel(root: nn.Module, layer: LayerPlan, tp_mesh: DeviceMesh, *,

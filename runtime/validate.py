@@ -16,13 +16,16 @@ is refused at ``compile``. The model may live on the meta device.
                     ep divides, in a supported combination     (runtime.expert_parallel)
 
 The checks that need the world (rank count, real weights) stay in ``runtime.apply``; a
-pipeline's stage split is checked where it is made (``passes.split_stages``).
+pipeline's stage split is checked where it is made (``passes.split_stages``). What the
+ranks' devices must be able to do is ``check_async_tp_ranks``'s: a plan is made for a
+cluster, not for the machine that plans it, so ``check_plan`` does not ask.
 """
 
 from __future__ import annotations
 
 import torch.nn as nn
 
+from runtime.async_tp import rank_problem, refusal
 from runtime.batch_norm import check_batch_statistics
 from runtime.context_parallel import position_argument
 from runtime.expert_parallel import check_expert_parallel
@@ -40,6 +43,16 @@ def check_plan(model: nn.Module, plan: Plan) -> None:
     check_expert_parallel(model, plan)
     if plan.mesh.cp > 1:
         position_argument(model)
+
+
+def check_async_tp_ranks(plan: Plan, device_type: str) -> None:
+    """Raise PlanError, naming the layers and what to do, if the plan asks for async TP
+    (``LayerPlan.async_tp``) and ranks on ``device_type`` ('cpu' or 'cuda') with the default
+    process group's backend cannot run it (``runtime.async_tp``: CPU ranks and gloo never
+    can). Called by ``runtime.apply`` before the mesh is built."""
+    modules = [layer.module for layer in plan.layers if layer.async_tp]
+    if modules and (problem := rank_problem(device_type, plan.mesh.tp)):
+        raise PlanError(refusal(modules, problem))
 
 
 def plan_problem(model: nn.Module, plan: Plan) -> str | None:

@@ -35,7 +35,9 @@ Conventions:
   and hides behind one layer's forward there; ZeRO-1's once-per-step reduce-scatter runs
   in the last micro-batch's backward and hides behind one layer's backward, as Megatron-LM's
   distributed optimizer overlaps them (``--overlap-param-gather``, ``--overlap-grad-reduce``).
-  Not overlapped: TP collectives (the next op needs their result), pipelines' step-end
+  Not overlapped: TP collectives (the next op needs their result) but under async TP,
+  which overlaps sequence parallelism's with the layer's own matmuls
+  (``estimators.async_tp_comm_s``), pipelines' step-end
   reductions and, under pipelining, the step's gathers (priced once per step, exposed),
   host copies, and patterns in ``Overlap.exposed``. Ring attention overlaps its own steps
   (``_ring_attention``).
@@ -121,6 +123,7 @@ from cost_models.memory import MemoryTerms, Precision
 from cost_models.optimizer import optimizer_step_s
 from cost_models.overlap import exposed_comm_s
 from passes.records import LayerInfo
+from runtime import async_tp
 from runtime.plan import RECOMPUTE, Mesh, option_label, parse_option
 from runtime.strategies import STRATEGY_SPECS, StrategySpec, spec
 
@@ -199,6 +202,8 @@ class LayerCost(MemoryTerms):
     (planner/liveness.py). 0 at pp = 1, where FSDP2 gathers in every pass."""
     expert_parallel: int = 1
     """The expert-parallel degree of the layer's MoE blocks (autopar/planner/moe_costs.py)."""
+    async_tp: bool = False
+    """Its sequence-parallel collectives overlap its matmuls (PyTorch's async TP)."""
 
     @property
     def time_s(self) -> float:
@@ -242,11 +247,12 @@ def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | N
 def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
                     hsdp_shard_size: int | None = None, microbatches: int = 1,
                     recompute: bool = True, offload: bool = True,
-                    sequence_parallel: bool = True, selective: bool = True
-                    ) -> tuple[str, ...]:
-    """Every option label this layer can take: strategies × SP × offload × recompute
-    (``selective`` False: not selective recomputation, e.g. under a split-backward pipeline
-    schedule, runtime.plan.SPLIT_BACKWARD_SCHEDULES)."""
+                    sequence_parallel: bool = True, selective: bool = True,
+                    async_tp: bool = False) -> tuple[str, ...]:
+    """Every option label this layer can take: strategies × SP (× async TP) × offload ×
+    recompute (``selective`` False: not selective recomputation, e.g. under a split-backward
+    pipeline schedule, runtime.plan.SPLIT_BACKWARD_SCHEDULES; ``async_tp``: the cluster can
+    run async TP, ``async_tp_offered``)."""
     modes = [r for r in RECOMPUTE if recompute or r == "none"]
     if not selective or layer.selective_saved_bytes + layer.selective_fixed_bytes <= 0:
         modes = [r for r in modes if r != "selective"]
@@ -257,9 +263,17 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
                                        microbatches=microbatches):
         s = spec(strategy)
         for sp in (False, True) if s.tensor_parallel and can_sp else (False,):
-            for off in (False, True) if offload and s.offloadable else (False,):
-                out += [option_label(strategy, r, off, sp) for r in modes]
+            for overlap in (False, True) if sp and async_tp else (False,):
+                for off in (False, True) if offload and s.offloadable else (False,):
+                    out += [option_label(strategy, r, off, sp, async_tp=overlap)
+                            for r in modes]
     return with_expert_parallel(layer, mesh, tuple(out), microbatches=microbatches)
+
+
+def async_tp_offered(cluster: Cluster, mesh: Mesh) -> bool:
+    """The cluster's tp groups on this mesh can run PyTorch's async TP
+    (``runtime.async_tp.cluster_problem``), so SP options come with and without it."""
+    return mesh.tp > 1 and async_tp.cluster_problem(cluster, mesh.tp) is None
 
 
 def undominated(costs: dict[str, LayerCost], terms) -> dict[str, LayerCost]:
@@ -307,11 +321,14 @@ def layer_cost(
                               all_to_all=estimators.expert_all_to_all)
     choice = parse_option(option)
     strategy, recompute = choice["strategy"], choice["recompute"]
-    offload, sp = choice["offload"], choice["sequence_parallel"]
+    offload, sp, overlap = choice["offload"], choice["sequence_parallel"], choice["async_tp"]
+    if overlap and (problem := async_tp.cluster_problem(cluster, mesh.tp)):
+        raise ValueError(f"layer {layer.name!r}: option {option!r} asks for async TP, but "
+                         f"{problem}")
     s = spec(strategy)
     ctx = CostContext(mesh=mesh, cluster=cluster, prec=prec, microbatches=microbatches,
                       strategy=s, recompute=recompute, offload=offload, sequence_parallel=sp,
-                      hsdp_shard_size=hsdp_shard_size)
+                      hsdp_shard_size=hsdp_shard_size, async_tp=overlap)
     dp, tp, m = mesh.replicas, mesh.tp, microbatches
     is_tp, act_scale, device = s.tensor_parallel, ctx.act_scale, cluster.device
 
@@ -372,8 +389,9 @@ def layer_cost(
                                      **windows).step - hidden.step
     per_step_comm = dp_comm.per_step + host.per_step_s - hidden.step + wait
     return LayerCost(
-        option=option_label(strategy, recompute, offload, sp),
+        option=option_label(strategy, recompute, offload, sp, async_tp=overlap),
         strategy=strategy, recompute=recompute, offload=offload, sequence_parallel=sp,
+        async_tp=overlap,
         microbatches=m,
         fwd_s=(fwd_compute + tp_fwd + dp_comm.gather_per_micro - hidden.fwd
                + host.per_micro_s / 2 + engine_micro / 2),
@@ -500,9 +518,10 @@ def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cl
     """Every option of one layer with its cost (composed from ``estimators``), dominated
     options removed."""
     hsdp = hsdp_shard_size(cluster, mesh.pp)
-    labels = runnable(allowed_options(layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp,
-                                      microbatches=microbatches, selective=selective,
-                                      offload=cluster.host.offload), prec.name)
+    labels = runnable(allowed_options(
+        layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp, microbatches=microbatches,
+        selective=selective, offload=cluster.host.offload,
+        async_tp=async_tp_offered(cluster, mesh)), prec.name)
     return prune_dominated({
         o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp,
                       estimators=estimators)

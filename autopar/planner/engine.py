@@ -51,6 +51,7 @@ from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.costs import (
     LayerCost,
     allowed_options,
+    async_tp_offered,
     hsdp_shard_size,
     layer_cost,
     layer_options,
@@ -298,7 +299,8 @@ class Engine:
         if option not in allowed_options(layer, config.mesh, seq_len=self.graph.seq_len,
                                          hsdp_shard_size=hsdp,
                                          microbatches=config.microbatches,
-                                         offload=self.cluster.host.offload):
+                                         offload=self.cluster.host.offload,
+                                         async_tp=async_tp_offered(self.cluster, config.mesh)):
             raise ValueError(f"layer {layer.name!r}: option {option!r} is not possible on "
                              f"this mesh (options: {', '.join(options)})")
         role = self.role(index, config, stage_of) if config.schedule else None
@@ -333,7 +335,7 @@ class Engine:
                       memory_bytes=int(cost.resident_bytes), time_s=cost.time_s,
                       recompute=cost.recompute, offload=cost.offload,
                       sequence_parallel=cost.sequence_parallel,
-                      expert_parallel=cost.expert_parallel)
+                      expert_parallel=cost.expert_parallel, async_tp=cost.async_tp)
             for layer, cost, stage in zip(self.graph.layers, outcome.costs,
                                           outcome.stage_of_layer, strict=True))
         uses_hsdp = any(spec(cost.strategy).hybrid for cost in outcome.costs)

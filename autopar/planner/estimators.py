@@ -51,6 +51,9 @@ class CostContext:
     offload: bool = False
     sequence_parallel: bool = False
     hsdp_shard_size: int | None = None
+    async_tp: bool = False
+    """PyTorch's async TP overlaps the layer's sequence-parallel collectives with its
+    matmuls (``async_tp_comm_s``)."""
 
     @property
     def tensor_parallel(self) -> bool:
@@ -155,9 +158,19 @@ def compute_s(layer: LayerInfo, ctx: CostContext) -> ComputeTimes:
 
 
 def tp_comm_s(layer: LayerInfo, ctx: CostContext) -> tuple[float, float]:
-    """Forward and backward tensor-parallel collectives of one micro-batch."""
+    """Forward and backward tensor-parallel collectives of one micro-batch, exposed: each
+    blocks the op after it, except what async TP hides (``async_tp_comm_s``)."""
+    if ctx.async_tp:
+        return async_tp_comm_s(layer, ctx)
     return _tp_comm_s(layer, ctx.tensor_parallel, ctx.sequence_parallel, ctx.mesh,
                       ctx.cluster, ctx.act_scale / ctx.batch_shards)
+
+
+def async_tp_comm_s(layer: LayerInfo, ctx: CostContext) -> tuple[float, float]:
+    """Forward and backward sequence-parallel collectives of one micro-batch under PyTorch's
+    async TP (runtime/async_tp.py), exposed (``_async_tp_s``)."""
+    return _async_tp_s(layer, ctx.mesh, ctx.cluster, ctx.prec.compute_dtype,
+                       ctx.batch_shards, ctx.act_scale / ctx.batch_shards)
 
 
 def ring_attention_s(layer: LayerInfo, ctx: CostContext, fwd_compute_s: float) -> Ring:
@@ -330,6 +343,96 @@ def _tp_comm_s(layer: LayerInfo, is_tp: bool, sp: bool, mesh: Mesh, cluster: Clu
         times[c.phase] += collective_s(c.kind, nbytes, group, cluster) + \
             cluster.device.skew_s(nbytes)
     return times["fwd"], times["bwd"]
+
+
+def _async_tp_s(layer: LayerInfo, mesh: Mesh, cluster: Cluster, dtype: str,
+                batch_shards: int, scale: float) -> tuple[float, float]:
+    """Exposed forward and backward sequence-parallel collectives of one micro-batch under
+    async TP: Inductor's micro-pipeline pass (torch/_inductor/fx_passes/micro_pipeline_tp.py)
+    fuses an all-gather into the matmuls that read its output and a matmul into the
+    reduce-scatter of its output, splitting each matmul into tp chunks along the tokens:
+
+    - forward: each all-gather (one per gathered input: the colwise Linears of one parent,
+      or one colwise Linear in the layer) beside those Linears; each reduce-scatter beside
+      its rowwise Linear;
+    - backward: each all-gather of a rowwise Linear's output gradient beside that Linear's
+      input-gradient matmul; the reduce-scatter of a gathered input's gradient beside the
+      input-gradient matmul of its colwise Linear when it has one. With several (q/k/v,
+      SwiGLU's two) autograd sums their gradients first, no matmul feeds the reduce-scatter,
+      and it stays exposed.
+
+    A fused collective moves tp − 1 chunks while tp chunk-matmuls run, so (tp − 1)/tp of the
+    matmuls' time hides it: exposed = max(0, comm − (tp − 1)/tp · matmuls). It also costs
+    what splitting adds: the chunks' matmuls at their size (``cost_models.compute``'s
+    size-dependent efficiency, m / tp tokens each) and their extra kernels, the copies
+    through symmetric memory (an all-gather copies its shard into the shared workspace and
+    into its output; a reduce-scatter sums the tp partial chunks it receives), and two
+    barriers over the link. The chunks travel at the ring's bandwidth, as the plain
+    collective does. Where the layer's collectives do not pair with its Linears as above,
+    none is taken as hidden.
+    """
+    plain = _tp_comm_s(layer, True, True, mesh, cluster, scale)
+    pairs = _sp_pairs(layer)
+    assert layer.tp is not None and layer.tp.sp_collectives is not None, layer.name
+    found = {(c.phase, c.kind): [x for x in layer.tp.sp_collectives
+                                 if (x.phase, x.kind) == (c.phase, c.kind)]
+             for c in layer.tp.sp_collectives}
+    if pairs is None or any(len(found.get(key, ())) != len(want) for key, want in (
+            (("fwd", "all_gather"), pairs[0]), (("fwd", "reduce_scatter"), pairs[1]),
+            (("bwd", "reduce_scatter"), pairs[0]), (("bwd", "all_gather"), pairs[1]))):
+        return plain
+    groups, rows = pairs
+    styles = layer.tp.styles
+    gemms = {g.module: g for g in layer.gemms if not g.batched}
+    tp, device, group = mesh.tp, cluster.device, Group(mesh.tp, 1)
+
+    def seconds(c: Collective, modules: tuple[str, ...], fused: bool = True) -> float:
+        nbytes = c.nbytes * scale
+        comm = collective_s(c.kind, nbytes, group, cluster) + device.skew_s(nbytes)
+        if not fused:
+            return comm
+        whole = chunked = 0.0
+        for module in modules:
+            g = gemms[module]
+            m = g.m / batch_shards
+            n, k = (g.n, g.k / tp) if styles.get(module) == "rowwise" else (g.n / tp, g.k)
+            flops = g.flops / (batch_shards * tp)
+            whole += roofline_s(flops, 0.0, 1, device, dtype, gemm_min_dim=min(m, n, k))
+            chunked += roofline_s(flops, 0.0, tp, device, dtype,
+                                  gemm_min_dim=min(m / tp, n, k))
+        copied = 4 * nbytes / tp if c.kind == "all_gather" else nbytes + nbytes / tp
+        staging = roofline_s(0.0, copied, 0, device, dtype) + 2 * cluster.intra_node.latency_s
+        return max(0.0, comm - (tp - 1) / tp * chunked) + (chunked - whole) + staging
+
+    fwd = (sum(seconds(c, g) for c, g in zip(found["fwd", "all_gather"], groups, strict=True))
+           + sum(seconds(c, (r,)) for c, r in zip(found["fwd", "reduce_scatter"], rows,
+                                                  strict=True)))
+    bwd = (sum(seconds(c, g, fused=len(g) == 1) for c, g in zip(
+        found["bwd", "reduce_scatter"], reversed(groups), strict=True))
+           + sum(seconds(c, (r,)) for c, r in zip(found["bwd", "all_gather"],
+                                                  reversed(rows), strict=True)))
+    return fwd, bwd
+
+
+def _sp_pairs(layer: LayerInfo) -> tuple[list[tuple[str, ...]], list[str]] | None:
+    """A sequence-parallel layer's gathered inputs (each as the colwise Linears reading it)
+    and its rowwise Linears, in the order its forward runs them (``runtime.tensor_parallel``
+    gathers once per parent of colwise Linears, or at a colwise Linear in the layer itself);
+    None when a TP Linear ran no matmul the capture recorded."""
+    assert layer.tp is not None
+    order = {g.module: i for i, g in reversed(list(enumerate(layer.gemms)))}
+    groups: dict[str, list[str]] = {}
+    rows: list[str] = []
+    for module, style in sorted(layer.tp.styles.items(), key=lambda s: order.get(s[0], -1)):
+        if style not in ("colwise", "rowwise"):
+            continue
+        if module not in order:
+            return None
+        if style == "rowwise":
+            rows.append(module)
+        else:
+            groups.setdefault(module.rpartition(".")[0] or module, []).append(module)
+    return [tuple(g) for g in groups.values()], rows
 
 
 BATCH_NORM_STAT_BYTES = 4

@@ -54,7 +54,7 @@ from runtime.tied import Tie, owner
 MAX_FIELDS = ("buffers_bytes", "loss_buffer_bytes", "collective_buffer_bytes")
 """Transient memory: the plan holds the largest buffer over its layers, not the sum."""
 SAME_FIELDS = ("option", "strategy", "recompute", "offload", "sequence_parallel",
-               "microbatches")
+               "microbatches", "async_tp")
 
 
 def join_ties(graph: LayerGraph, options: list[ClassOptions]) -> list[ClassOptions]:

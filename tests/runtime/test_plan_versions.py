@@ -36,7 +36,10 @@ def test_a_version_1_plan_loads_as_the_current_version_with_every_field_kept():
         assert {**after, "options": None} == {**before, "options": None}
     assert {**new["rationale"], "classes": None} == {**old["rationale"], "classes": None}
     for before, after in zip(old["layers"], new["layers"], strict=True):
-        assert {k: v for k, v in after.items() if k != "expert_parallel"} == before
+        # fields added since, each read as its default: no expert parallelism, no async TP
+        assert after["expert_parallel"] == 1 and after["async_tp"] is False
+        assert {k: v for k, v in after.items()
+                if k not in ("expert_parallel", "async_tp")} == before
     assert Plan.from_json(plan.to_json()) == plan
     assert "dp=16" in plan.report()
 
