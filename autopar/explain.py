@@ -21,6 +21,7 @@ from autopar.planner.ties import describe_tie, with_tied_choices
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.records import LayerGraph
+from runtime import async_tp
 from runtime.data_parallel import uses_ddp
 from runtime.plan import (
     Alternative,
@@ -29,6 +30,7 @@ from runtime.plan import (
     PipelineSpec,
     Plan,
     Rationale,
+    option_label,
     parse_option,
 )
 from runtime.plan_report import human_bytes, ms
@@ -70,6 +72,8 @@ def build_rationale(result: SearchResult, graph: LayerGraph, cluster: Cluster,
         classes=classes,
         alternatives=ranked_alternatives(result)[:ALTERNATIVES_KEPT],
         ties={m: describe_tie(tie, result.plan) for tie in graph.ties for m in tie.modules if m},
+        async_tp_unavailable=(async_tp.cluster_problem(cluster, result.plan.mesh.tp) or ""
+                              if result.plan.mesh.tp > 1 else ""),
     )
 
 
@@ -141,6 +145,9 @@ class Explanation:
     """Why the layer's mixture-of-experts blocks were or were not split over ranks (its
     best expert-parallel option against its best other one), or why expert parallelism
     was not available to it."""
+    async_tp: str = ""
+    """Why the layer does or does not overlap its sequence-parallel collectives with its
+    matmuls (PyTorch's async TP), or why that was not available to it."""
 
 
 def explain(plan: Plan, module: str, graph: LayerGraph | None = None) -> Explanation:
@@ -182,7 +189,8 @@ def explain(plan: Plan, module: str, graph: LayerGraph | None = None) -> Explana
                        unavailable=unavailable, reason=_tie_reason(plan, module, verdicts)
                        or _reason(plan, verdicts, mix),
                        source=plan.prediction.source,
-                       expert_parallel=_expert_parallel(plan, module, verdicts, graph))
+                       expert_parallel=_expert_parallel(plan, module, verdicts, graph),
+                       async_tp=_async_tp(plan, verdicts))
 
 
 def _verdict(plan: Plan, chosen: OptionCost, option: OptionCost) -> OptionVerdict:
@@ -289,6 +297,40 @@ def _ep_chosen(chosen: OptionVerdict, without: list[OptionVerdict]) -> str:
             f"{ms(fastest.time_s)}, does not fit in memory; {rest}")
 
 
+def _async_tp(plan: Plan, verdicts: tuple[OptionVerdict, ...]) -> str:
+    """The async-TP sentence of ``Explanation``: its best option against the chosen one, or
+    why no option had it (the cluster, the mesh, or no sequence-parallel split)."""
+    def overlaps(v: OptionVerdict) -> bool:
+        return parse_option(v.strategy)["async_tp"]
+
+    chosen = next(v for v in verdicts if v.chosen)
+    with_async = [v for v in verdicts if overlaps(v)]
+    if overlaps(chosen):
+        twin = option_label(**{**parse_option(chosen.strategy), "async_tp": False})
+        plain = next((v for v in verdicts if v.strategy == twin), None)
+        if plain is None:
+            return (f"chosen ({chosen.strategy}): {twin}, the same without it, is no faster in "
+                    "any term and needs no less memory (dominated)")
+        return (f"chosen ({chosen.strategy}): it hides {ms(plain.time_s - chosen.time_s)} per "
+                f"layer of the sequence-parallel collectives that {twin} exposes")
+    if with_async:
+        best = min(with_async, key=lambda v: v.time_s)
+        if best.time_s >= chosen.time_s:
+            return (f"not chosen: the best async-TP option, {best.strategy}, takes "
+                    f"{ms(best.time_s)} per layer against {ms(chosen.time_s)} for "
+                    f"{chosen.strategy} (at these sizes splitting the matmuls costs more than "
+                    "it hides)")
+        head = f"not chosen: {best.strategy} would be {ms(chosen.time_s - best.time_s)} faster per layer, but "
+        return head + ("does not fit in memory" if not best.fits else "loses on the whole plan")
+    why = plan.rationale.async_tp_unavailable if plan.rationale else ""
+    if plan.mesh.tp == 1:
+        why = "the mesh has tp = 1"
+    elif not why and not any(parse_option(v.strategy)["sequence_parallel"] for v in verdicts):
+        why = ("this layer has no sequence-parallel option, and async TP overlaps sequence "
+               "parallelism's all-gathers and reduce-scatters")
+    return f"not available: {why}" if why else "not available"
+
+
 def _tie_reason(plan: Plan, module: str, verdicts: tuple[OptionVerdict, ...]) -> str | None:
     """A tied layer whose own fastest option would fit was given its tie's choice."""
     tie = plan.rationale.ties.get(module) if plan.rationale else None
@@ -344,6 +386,8 @@ def format_explanation(e: Explanation) -> str:
         lines.append(f"  {s}: not available ({why})")
     if e.expert_parallel:
         lines.append(f"expert parallelism: {e.expert_parallel}")
+    if e.async_tp:
+        lines.append(f"async TP: {e.async_tp}")
     return "\n".join(lines)
 
 

@@ -466,6 +466,9 @@ class Rationale:
     ties: dict[str, str] = field(default_factory=dict)
     """Layer -> the tied weights it shares (runtime/tied.py): why it takes its tie's
     strategy and no tensor parallelism."""
+    async_tp_unavailable: str = ""
+    """Why the cluster's tp groups cannot run PyTorch's async TP, so no option had it
+    (``runtime.async_tp.cluster_problem``); empty when they can, or tp is 1."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -141,6 +141,14 @@ def _tensor_parallel(plan: Plan, warnings: list[str]) -> list[str]:
     if sp and len(sp) < len(tp_layers):
         warnings.append(f"sequence parallelism for every layer; the plan uses it on {len(sp)} "
                         f"of {len(tp_layers)} tensor-parallel layers")
+    overlapped = [layer.module for layer in tp_layers if layer.async_tp]
+    if overlapped:
+        # Megatron-LM's own TP overlap (--tp-comm-overlap, Transformer Engine's userbuffers)
+        # is another mechanism, and not among the flags autopar writes (megatron_flags).
+        warnings.append(f"async TP is not carried: the plan overlaps the sequence-parallel "
+                        f"collectives of {len(overlapped)} layer(s) ({_names(overlapped)}) "
+                        "with their matmuls (PyTorch's micro-pipelined TP), which Megatron-LM "
+                        "does not run; they are exposed there")
     return ["--sequence-parallel"] if sp else []
 
 

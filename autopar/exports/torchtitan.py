@@ -16,6 +16,9 @@ What the plan sets:
   (DDP: all replicate; ZeRO: all shard; hybrid: shard inside ``hsdp_shard_size`` ranks),
   ``context_parallel_degree``, ``tensor_parallel_degree``, ``pipeline_parallel_degree``,
   ``expert_parallel_degree``; and ``enable_sequence_parallel``;
+- async TP: ``compile.enable_async_tensor_parallel`` with ``compile.enable`` (torchtitan 0.3
+  compiles each block and turns on Inductor's micro-pipeline pass, as autopar's runtime
+  does: runtime/async_tp.py), or that switch off;
 - ``fsdp_reshard_after_forward``: ``always`` for ZeRO-3, ``never`` otherwise (FSDP2 then
   keeps the gathered parameters through the step, as autopar's runtime runs ZeRO-1/2);
 - the pipeline: schedule, micro-batch size and the exact stage layout
@@ -69,8 +72,9 @@ def torchtitan_settings(plan: Plan) -> tuple[list[Setting], list[str]]:
     dp = data_parallel(plan)
     warnings += dp.warnings
     shard = _shard_degree(plan, dp, warnings)
-    settings = [*_degrees(plan, dp, shard, warnings), *_pipeline(plan, warnings),
-                *_training(plan, dp, warnings), _checkpointing(plan, warnings)]
+    settings = [*_degrees(plan, dp, shard, warnings), *_async_tp(plan, warnings),
+                *_pipeline(plan, warnings), *_training(plan, dp, warnings),
+                _checkpointing(plan, warnings)]
     return settings, warnings
 
 
@@ -139,6 +143,20 @@ def _tensor_parallel_warnings(plan: Plan, warnings: list[str]) -> None:
     if 0 < sp < len(tp_layers):
         warnings.append(f"sequence parallelism for every layer; the plan uses it on {sp} of "
                         f"{len(tp_layers)} tensor-parallel layers")
+
+
+def _async_tp(plan: Plan, warnings: list[str]) -> list[Setting]:
+    """torchtitan 0.3's async TP (``compile.enable_async_tensor_parallel``, which needs
+    ``compile.enable``), always given: a registry may turn it on."""
+    sp = [la for la in plan.layers if la.sequence_parallel]
+    overlapped = sum(la.async_tp for la in sp)
+    if not overlapped:
+        return [_switch("compile.enable_async_tensor_parallel", False)]
+    if overlapped < len(sp):
+        warnings.append(f"async TP for every layer; the plan uses it on {overlapped} of "
+                        f"{len(sp)} sequence-parallel layers")
+    return [_switch("compile.enable", True),
+            _switch("compile.enable_async_tensor_parallel", True)]
 
 
 def _expert_degree(plan: Plan, shard: int, warnings: list[str]) -> int:

@@ -8,6 +8,7 @@ Megatron-LM job, whose own data parallelism ``compare_megatron`` prices.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from autopar.exports.compare import Comparison, format_comparison
@@ -19,6 +20,7 @@ from cost_models.hardware import Cluster
 from cost_models.memory import Precision, precision
 from passes.layer_graph import build_layer_graph
 from passes.records import LayerGraph
+from runtime import async_tp
 from runtime.plan import Plan
 
 
@@ -37,6 +39,7 @@ def compare_torchtitan(argv: str | Sequence[str], graph: LayerGraph, cluster: Cl
     precision."""
     job = read_torchtitan_args(argv, cluster.world_size)
     plan, notes = plan_from_torchtitan(job, graph, model=graph.model_name, cluster=cluster.name)
+    plan = _async_tp_on(cluster, plan, notes)
     step_s, peak = price(graph, cluster, precision(plan.param_dtype), plan)
     ours = search(graph, cluster, precision_name=plan.param_dtype,
                   time_limit_s=time_limit_s).plan
@@ -45,6 +48,16 @@ def compare_torchtitan(argv: str | Sequence[str], graph: LayerGraph, cluster: Cl
                       capacity_bytes=cluster.device.memory_bytes, ours=ours,
                       ours_step_s=ours.prediction.step_time_s, notes=tuple(notes),
                       engine="torchtitan")
+
+
+def _async_tp_on(cluster: Cluster, plan: Plan, notes: list[str]) -> Plan:
+    """The job's plan, without async TP where the cluster cannot run it (said in a note)."""
+    problem = async_tp.cluster_problem(cluster, plan.mesh.tp)
+    if problem is None or not any(la.async_tp for la in plan.layers):
+        return plan
+    notes.append(f"async TP is priced off: {problem}")
+    return dataclasses.replace(plan, layers=tuple(
+        dataclasses.replace(la, async_tp=False) for la in plan.layers))
 
 
 def torchtitan_comparison(torchtitan_args: str, model: str, cluster: Cluster, *,

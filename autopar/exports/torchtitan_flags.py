@@ -4,10 +4,11 @@ overrides (tyro's syntax: ``-`` or ``_`` in names, booleans as ``--section.name`
 ``--section.no-name``, the activation-checkpointing policy as the subcommand
 ``activation-checkpoint:<policy>`` after every flag).
 
-``PARALLELISM`` and ``TRAINING`` are every field of torchtitan 0.3.0's ``ParallelismConfig``
-and ``TrainingConfig`` (``torchtitan/config/configs.py``) with its kind and default, so a
-misspelt field of those sections is refused; the other sections of ``Trainer.Config``
-(optimizer, data, checkpointing, ...) are accepted and not read.
+``PARALLELISM``, ``TRAINING`` and ``COMPILE`` are every field of torchtitan 0.3.0's
+``ParallelismConfig``, ``TrainingConfig`` and ``CompileConfig`` (``torchtitan/config/configs.py``)
+with its kind and default, so a misspelt field of those sections is refused; the other
+sections of ``Trainer.Config`` (optimizer, data, checkpointing, ...) are accepted and not
+read.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 
 from autopar.errors import ConfigError
 
-INT, FLOAT, STR, BOOL, FQN_LISTS = "int", "float", "str", "bool", "fqn_lists"
+INT, FLOAT, STR, BOOL, FQN_LISTS, STR_LIST = "int", "float", "str", "bool", "fqn_lists", "str_list"
 OPTIONAL_INT, OPTIONAL_STR = "int|None", "str|None"
 
 PARALLELISM: dict[str, tuple[str, object]] = {
@@ -61,11 +62,23 @@ TRAINING: dict[str, tuple[str, object]] = {
 }
 """torchtitan 0.3.0's TrainingConfig: field -> (kind or choices, default)."""
 
-SECTIONS = {"parallelism": PARALLELISM, "training": TRAINING}
+COMPILE: dict[str, tuple[str, object]] = {
+    "enable": (BOOL, False),
+    "enable_async_tensor_parallel": (BOOL, False),
+    "components": (STR_LIST, ["model", "loss"]),
+    "backend": (STR, "inductor"),
+}
+"""torchtitan 0.3.0's CompileConfig: read for async TP, which torchtitan 0.3 moved here from
+``parallelism`` (it runs only with ``enable`` and 'model' in ``components``)."""
+
+SECTIONS = {"parallelism": PARALLELISM, "training": TRAINING, "compile": COMPILE}
 OTHER_SECTIONS = ("hf_assets_path", "dump_folder", "profiler", "metrics", "tokenizer",
                   "dataloader", "optimizer", "lr_scheduler", "checkpoint", "activation_checkpoint",
-                  "compile", "comm", "validator", "debug", "override", "loss")
+                  "comm", "validator", "debug", "override", "loss")
 """The rest of torchtitan 0.3.0's Trainer.Config: accepted, not read."""
+MOVED = {"parallelism.enable_async_tensor_parallel":
+         "--compile.enable --compile.enable_async_tensor_parallel"}
+"""Flags of earlier torchtitan releases that 0.3 spells otherwise."""
 AC_POLICIES = ("selective", "full", "memory-budget", "none")
 _SUBCOMMAND = re.compile(r"activation[-_]checkpoint:(.*)")
 
@@ -137,6 +150,9 @@ def _field(section: str, key: str, values: list[str]) -> tuple[str, object]:
     table = SECTIONS[section]
     negated = key.startswith("no_") and table.get(key[3:], ("",))[0] == BOOL
     name = key[3:] if negated else key
+    if f"{section}.{name}" in MOVED:
+        raise ConfigError(f"--{section}.{key} is not a torchtitan 0.3 option: 0.3 spells it "
+                          f"{MOVED[section + '.' + name]}")
     if name not in table:
         raise ConfigError(f"--{section}.{key} is not a field of torchtitan 0.3's {section} "
                           f"config; its fields: {', '.join(table)}")
@@ -147,7 +163,7 @@ def _field(section: str, key: str, values: list[str]) -> tuple[str, object]:
             raise ConfigError(f"{flag} is a switch and takes no value (got {values}); use "
                               f"--{section}.{name} or --{section}.no-{name}")
         return name, not negated
-    if kind != FQN_LISTS and len(values) != 1:
+    if kind not in (FQN_LISTS, STR_LIST) and len(values) != 1:
         raise ConfigError(f"{flag} takes one value, got {values}")
     return name, _parse(flag, kind, values)
 
@@ -156,6 +172,8 @@ def _parse(flag: str, kind: object, values: list[str]) -> object:
     text = values[0] if values else ""
     if kind == FQN_LISTS:
         return None if values == ["None"] else [v.split(",") for v in values]
+    if kind == STR_LIST:
+        return list(values)
     if isinstance(kind, tuple):
         if text not in kind:
             raise ConfigError(f"{flag} {text}: one of {', '.join(kind)}")

@@ -48,6 +48,15 @@ class TorchtitanJob:
     activation_checkpoint: str
     world_size: int
     notes: tuple[str, ...] = field(default_factory=tuple)
+    compile: dict[str, object] = field(default_factory=dict)
+    """The ``compile`` section (async TP's switch and what it needs)."""
+
+    @property
+    def async_tp(self) -> bool:
+        """torchtitan runs async TP: switched on, on a compiled model, with tp > 1."""
+        c = self.compile
+        return bool(c.get("enable_async_tensor_parallel") and c.get("enable")
+                    and "model" in (c.get("components") or ()) and self.degrees["tp"] > 1)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -86,7 +95,8 @@ def read_torchtitan_args(argv: str | Sequence[str], world_size: int) -> Torchtit
     registry_policy = values.pop("activation_checkpoint")
     policy = args.activation_checkpoint or registry_policy
     job = TorchtitanJob(parallelism=values["parallelism"], training=values["training"],
-                        activation_checkpoint=policy, world_size=world_size, notes=tuple(notes))
+                        compile=values["compile"], activation_checkpoint=policy,
+                        world_size=world_size, notes=tuple(notes))
     _check(job)
     return job
 
@@ -313,8 +323,26 @@ def plan_from_torchtitan(job: TorchtitanJob, graph: LayerGraph, *, model: str = 
         if kept:
             notes.append(f"CPU offload is priced on the sharded layers only; {kept} layer(s) "
                          "cannot offload in autopar")
+    layers = _with_async_tp(job, layers, notes)
     pipeline = plan.pipeline
     if pipeline is not None:
         pipeline = dataclasses.replace(pipeline, schedule=_schedule(
             job.parallelism["pipeline_parallel_schedule"], pipeline.virtual_stages, notes))
     return dataclasses.replace(plan, layers=layers, pipeline=pipeline), notes
+
+
+def _with_async_tp(job: TorchtitanJob, layers: tuple, notes: list[str]) -> tuple:
+    """The job's async TP on its sequence-parallel layers (the ones it overlaps)."""
+    c = job.compile
+    if c.get("enable_async_tensor_parallel") and not job.async_tp:
+        notes.append("compile.enable_async_tensor_parallel is set but torchtitan runs no async "
+                     "TP without compile.enable, 'model' in compile.components and tp > 1: "
+                     "priced without it")
+        return layers
+    if not job.async_tp:
+        return layers
+    if not any(la.sequence_parallel for la in layers):
+        notes.append("async TP without sequence parallelism fuses no collective (PyTorch's "
+                      "pass overlaps SP's all-gathers and reduce-scatters): priced without it")
+        return layers
+    return tuple(dataclasses.replace(la, async_tp=la.sequence_parallel) for la in layers)
