@@ -107,7 +107,8 @@ def _recompute(layer: LayerPlan) -> str:
 
 def _strategy(layer: LayerPlan) -> str:
     """The strategy column: the strategy with +sp and +offload (recompute has its own)."""
-    return option_label(layer.strategy, "none", layer.offload, layer.sequence_parallel)
+    return option_label(layer.strategy, "none", layer.offload, layer.sequence_parallel,
+                        async_tp=layer.async_tp)
 
 
 def shard_degrees(layer: LayerPlan, plan: Plan) -> tuple[int, int]:
@@ -146,7 +147,8 @@ def comm_lines(plan: Plan) -> list[str]:
         share = f" ({exposed / step:.1%} of the step)" if step > 0 else ""
         rows.append((layer_class, str(len(costs)), option, ms(exposed + hidden), ms(hidden),
                      ms(exposed) + share, why_exposed(spec(parse_option(option)["strategy"]),
-                                                      plan.mesh)))
+                                                      plan.mesh,
+                                                      parse_option(option)["async_tp"])))
     if len(rows) == 1:
         return []
     src = plan.prediction.source
@@ -159,10 +161,14 @@ def comm_lines(plan: Plan) -> list[str]:
     return lines
 
 
-def why_exposed(s: StrategySpec, mesh: Mesh) -> str:
-    """Why a strategy's communication is not all hidden (costs.py's overlap conventions)."""
+def why_exposed(s: StrategySpec, mesh: Mesh, async_tp: bool = False) -> str:
+    """Why a strategy's communication is not all hidden (costs.py's overlap conventions);
+    ``async_tp``: its sequence-parallel collectives overlap its matmuls."""
     parts = []
-    if s.tensor_parallel and mesh.tp > 1:
+    if async_tp:
+        parts.append("async TP: what the matmuls' chunks do not hide, the last chunk, the "
+                     "splitting's cost, and gradients summed over several Linears")
+    elif s.tensor_parallel and mesh.tp > 1:
         parts.append("TP collectives wait (the next op needs them)")
     if s.sharded and s.gather == "per_use":
         parts.append("gathered for the first forward, reduced after the last backward: not "

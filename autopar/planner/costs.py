@@ -352,6 +352,7 @@ def layer_cost(
     bwd_compute = compute.bwd_s
 
     tp_fwd, tp_bwd = estimators.tp_comm(layer, ctx)
+    tp_hidden = _async_tp_hidden_s(layer, ctx, estimators, tp_fwd, tp_bwd) if overlap else 0.0
     ring = estimators.ring_attention(layer, ctx, fwd_compute)
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     batch_norm = batch_norm_sync_s(layer, mesh, cluster)
@@ -409,7 +410,7 @@ def layer_cost(
         buffers_bytes=states[3] + rematerialized + ring.buffers_bytes + loss_transient,
         output_bytes=layer.output_bytes * act_scale / (dp * m) / (tp if sp else 1),
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
-        hidden_comm_s=m * (hidden.fwd + hidden.bwd) + hidden.step,
+        hidden_comm_s=m * (hidden.fwd + hidden.bwd + tp_hidden) + hidden.step,
         loss_buffer_bytes=loss_transient,
         fsdp_only_s=(m * (cluster.device.fsdp_overhead_s + copies_micro) + engine_step
                      + copies_step),
@@ -417,6 +418,16 @@ def layer_cost(
         gathered_bytes=states[4],
         collective_buffer_bytes=states[3] if mesh.pp > 1 else 0.0,
     )
+
+
+def _async_tp_hidden_s(layer: LayerInfo, ctx: CostContext, estimators: Estimators,
+                       fwd: float, bwd: float) -> float:
+    """Per micro-batch, the TP collectives async TP hides (net of what splitting costs): the
+    plain collectives' time less the exposed ``fwd`` and ``bwd``, the forward's twice under
+    full recomputation (its rerun repeats them)."""
+    plain_fwd, plain_bwd = estimators.tp_comm(layer, replace(ctx, async_tp=False))
+    reruns = 2 if ctx.recompute == "full" else 1
+    return reruns * (plain_fwd - fwd) + (plain_bwd - bwd)
 
 
 @dataclass(frozen=True)

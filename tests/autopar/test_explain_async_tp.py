@@ -32,6 +32,8 @@ def test_explain_says_async_tp_was_chosen_on_h100s():
     e = explain(plan, "h.1")
     assert e.async_tp.startswith(f"chosen ({block.option}): ")
     assert f"async TP: chosen ({block.option})" in format_explanation(e)
+    report = plan.report()
+    assert "+sp+async" in report and "async TP: what the matmuls' chunks do not hide" in report
 
 
 def test_explain_says_why_a_layer_without_sequence_parallelism_has_none():

@@ -139,6 +139,12 @@ def test_async_options_are_offered_on_hopper_nodes_only_and_beat_vanilla_sp_ther
     vanilla = layer_cost(big, "tp+sp", mesh, H100, BF16)
     assert costs["tp+sp+async"].comm_s < 0.5 * vanilla.comm_s
     assert costs["tp+sp+async"].compute_s == vanilla.compute_s
+    for mode in ("", "+full"):  # the same collectives issued: what async does not expose, it hides
+        overlapped = layer_cost(big, f"tp+sp+async{mode}", mesh, H100, BF16)
+        plain = layer_cost(big, f"tp+sp{mode}", mesh, H100, BF16)
+        assert overlapped.comm_s + overlapped.hidden_comm_s == pytest.approx(
+            plain.comm_s + plain.hidden_comm_s, rel=1e-12)
+        assert overlapped.hidden_comm_s > plain.hidden_comm_s
     with pytest.raises(ValueError, match="asks for async TP, but the cluster's device "
                                          "'A100-SXM4-80GB' has compute capability 8.0"):
         layer_cost(layer, "tp+sp+async", mesh, Cluster.preset("dgx-a100-80g"), BF16)
