@@ -2,14 +2,16 @@
 ranks that cannot run it, and what the runtime does to turn it on.
 
 Async TP itself runs on CUDA GPUs only; here (CPU ranks, gloo) the tests check everything
-short of running it: which layers may ask for it, that CPU/gloo ranks refuse it by name
-before any collective, and, with the rank check stood in for, that exactly the async layers
-are compiled, symmetric memory is enabled on the tp group and Inductor's micro-pipeline
-pass is switched on.
+short of its fused kernels: which layers may ask for it, that CPU/gloo ranks refuse it by
+name before any collective, and, with the rank check stood in for, that exactly the async
+layers are compiled, symmetric memory is enabled on the tp group and Inductor's
+micro-pipeline pass is switched on, and that the compiled layers train like one process
+(the pass fuses nothing without NCCL, so the numbers are the compiled layers' own).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -151,3 +153,39 @@ def test_enabling_compiles_exactly_the_async_layers_on_a_symmetric_memory_group(
     for rank in pool2.run(enable_job, GPT, plan.to_json()):
         assert rank == {"compiled": ["h.0"], "micro_pipeline_tp": True,
                         "symmetric_memory": True, "sharded": True}
+
+
+def compiled_train_job(model: tuple, plan_json: str) -> dict:
+    """``train_job`` with the rank checks answering as on capable GPU ranks: the async
+    layers are compiled with Inductor and the micro-pipeline pass switched on, which on CPU
+    ranks fuses nothing (it needs NCCL), so this runs the compiled layers as they are."""
+    import torch._inductor.config as inductor_config
+    from test_runtime_numerics import train_job
+    from torch._dynamo.utils import counters
+
+    import runtime.tensor_parallel as tensor_parallel
+    import runtime.validate as validate
+
+    real = tensor_parallel.rank_problem, validate.rank_problem
+    tensor_parallel.rank_problem = validate.rank_problem = lambda *args: None
+    try:
+        before = counters["stats"]["unique_graphs"]
+        result = train_job(model, plan_json)
+        return {**result, "graphs": counters["stats"]["unique_graphs"] - before}
+    finally:
+        tensor_parallel.rank_problem, validate.rank_problem = real
+        inductor_config._micro_pipeline_tp = False
+
+
+def test_compiled_async_layers_train_like_one_process_on_cpu(pool2):
+    """What async TP does to the program short of the fused kernels: each async layer
+    compiled, after TP and SP, under recomputation (h.1) and FSDP2's hooks, trains like one
+    process (3 AdamW steps, test_runtime_numerics' tolerances)."""
+    from test_runtime_numerics import assert_matches_reference
+
+    full = dataclasses.replace(_block("h.1"), recompute="full")
+    plan = _plan(LayerPlan(module="wte"), LayerPlan(module="wpe"), _block("h.0"), full,
+                 LayerPlan(module="ln_f"), LayerPlan(module="lm_head"))
+    results = pool2.run(compiled_train_job, GPT, plan.to_json(), timeout_s=600)
+    assert all(r.pop("graphs") > 0 for r in results)  # compiled, not run eagerly
+    assert_matches_reference(results, GPT)
