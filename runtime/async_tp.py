@@ -33,7 +33,7 @@ Requirements, the one place they are written (``LayerPlan.async_tp`` asks for it
 6. ``torch.compile`` (Inductor) of the layer: the pass runs on compiled graphs only.
    ``enable_async_tp`` compiles each async layer's module (``nn.Module.compile``).
 
-It has never run here (no GPU); README lists it with the other paths that have not.
+It has not run on a GPU yet; README lists it with the other paths that have not.
 """
 
 from __future__ import annotations
