@@ -29,7 +29,7 @@ summarises repeated timings (min / median / max) so a profile says how repeatabl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -265,3 +265,32 @@ def fit_overlap_slowdown(compute_alone_s: float, compute_beside_s: float,
             f"compute beside communication lost {t - p:.4g} s, more than the communication "
             f"ran ({c:.4g} s): not the overlap model's slowdown (noise on a busy machine?)")
     return max(1.0, sigma)
+
+
+def fit_software_efficiency(ratios: Callable[[float], Sequence[float]], *,
+                            low: float = 0.05, high: float = 1.0, rel_tol: float = 1e-7
+                            ) -> float:
+    """A software generation's efficiency factor s (``cost_models.software``), fitted on
+    its calibration rows: the s at which predicted / published throughput of those rows has
+    a geometric mean of 1. ``ratios(s)`` gives that ratio per row with the factor s applied.
+
+    Predicted throughput grows with s (compute time is proportional to 1/s, communication
+    and memory-bound kernels do not depend on it), so the mean log-ratio is increasing in s
+    and bisection finds its root. A CalibrationError when no s in (low, high] reaches the
+    published rows (the rows are slower than ``low`` or faster than ``high`` allows)."""
+    def mean_log(s: float) -> float:
+        values = np.asarray(ratios(s), dtype=float)
+        if values.size == 0 or np.any(values <= 0) or not np.all(np.isfinite(values)):
+            raise CalibrationError(f"calibration ratios must be positive, got {values}")
+        return float(np.mean(np.log(values)))
+
+    lo, hi = low, high
+    if mean_log(hi) < 0 or mean_log(lo) > 0:
+        raise CalibrationError(
+            f"no software efficiency in ({low}, {high}] reproduces the calibration rows: "
+            f"predicted/published is {np.exp(mean_log(lo)):.3g} at {low} and "
+            f"{np.exp(mean_log(hi)):.3g} at {high}")
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_log(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2

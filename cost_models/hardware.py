@@ -22,6 +22,7 @@ import numpy as np
 
 from cost_models.errors import ConfigError
 from cost_models.optimizer import ADAM_KERNELS, DEFAULT_OPTIMIZER, AdamKernels
+from cost_models.software import software_names, with_software
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16")
 LINK_KINDS = ("nvlink", "pcie", "network", "loopback")
@@ -90,7 +91,14 @@ class Device:
     """Main-memory bandwidth (HBM or DRAM), GB/s."""
     matmul_efficiency: float = 0.7
     """Achievable fraction of peak for large matrix multiplies: the asymptote of the GEMM
-    efficiency curve (``cost_models.compute.gemm_efficiency``)."""
+    efficiency curve (``cost_models.compute.gemm_efficiency``). In the GPU presets, what
+    the device's largest GEMMs reach alone (a published GEMM benchmark); a training step
+    keeps ``software_efficiency`` of it."""
+    software_efficiency: float = 1.0
+    """Fraction of the GEMM rate the training software keeps (launch gaps, unfused kernels,
+    its attention kernel, clocks under sustained load): set from the cluster's software
+    generation (``cost_models.software``). 1: the device's figures are the whole rate, as a
+    calibrated profile measures them through the stack that runs it."""
     matmul_half_dim: dict[str, float] = field(default_factory=dict)
     """Per compute dtype: the smallest GEMM dimension at which efficiency is half the
     asymptote; dtypes not listed use DEFAULT_MATMUL_HALF_DIM."""
@@ -242,6 +250,9 @@ class Cluster:
     """NVLink SHARP (NVLS): the NVSwitch reduces in the switch, and NCCL runs a node's
     all_reduce on it where that is faster than its ring (cost_models.comm). The all_reduce
     bus bandwidth nccl-tests measure on it inside one node, GB/s; 0: the node has none."""
+    software: str = ""
+    """The software generation applied (``cost_models.software``): its efficiency is in
+    ``device.software_efficiency``, its exposed patterns in ``overlap.exposed``. '' if none."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -408,10 +419,18 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
         raise ConfigError(f"{source}: [extra] must be a table, got {top['extra']!r}")
     if "nvls_bus_GBps" in top:
         _check_range("nvls_bus_GBps", top["nvls_bus_GBps"], source, "nvls_bus_GBps")
+    chosen = top.pop("software", None)
+    if chosen is not None and not isinstance(chosen, str):
+        raise ConfigError(f"{source}: software must be a generation's name, got {chosen!r}; "
+                          f"valid: {', '.join(software_names())}")
     margin = top.get("memory_margin_fraction", 0.1)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")
-    return Cluster(device=device, intra_node=intra, inter_node=inter, **top)
+    cluster = Cluster(device=device, intra_node=intra, inter_node=inter, **top)
+    try:
+        return with_software(cluster, chosen) if chosen is not None else cluster
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _device_from_dict(data: Any, where: str) -> Device:
@@ -445,9 +464,10 @@ def _device_from_dict(data: Any, where: str) -> Device:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 0 < value <= 10):
             raise ConfigError(f"{where}: {key} must be in (0, 10], got {value!r}")
-    eff = d.get("matmul_efficiency", 0.7)
-    if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
-        raise ConfigError(f"{where}: matmul_efficiency must be in (0, 1], got {eff!r}")
+    for key, default in (("matmul_efficiency", 0.7), ("software_efficiency", 1.0)):
+        eff = d.get(key, default)
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+            raise ConfigError(f"{where}: {key} must be in (0, 1], got {eff!r}")
     if "matmul_half_dim" in d:
         d["matmul_half_dim"] = _half_dims(d["matmul_half_dim"], where)
     return Device(**d)
