@@ -32,11 +32,12 @@ MiB = 1024**2
 DEFAULT_MATMUL_HALF_DIM = 0.0
 """Smallest GEMM dimension (elements) at which a GEMM runs at half the large-GEMM efficiency,
 for dtypes a device does not list: none, i.e. every GEMM at ``matmul_efficiency``, until
-``autopar calibrate`` fits the curve on the device. A preset's efficiency is a blend over
-the GEMM sizes of real training runs (0.7 on the A100 reproduces Megatron-LM's published
-throughput within 5%); a curve on top of it, with a half-dimension taken from cuBLAS's tile
-width (128) rather than measured, counted the small-GEMM loss twice and put those
-predictions 3-15% low (bench/megatron_table.py, BENCHMARKS.md)."""
+``autopar calibrate`` fits the curve on the device. No published GEMM-by-size curve for the
+presets' GPUs was found as numbers, and the software generations' factors
+(cost_models/software.py) are fitted on whole training steps, whose small GEMMs they hold: a
+curve on top, with a half-dimension taken from cuBLAS's tile width (128) rather than
+measured, counted the small-GEMM loss twice and put Megatron-LM's rows 3-15% low
+(bench/megatron_table.py, BENCHMARKS.md)."""
 
 DEFAULT_OVERLAP_SLOWDOWN = 1.1
 """Compute slows by this factor while a collective runs beside it. An assumed default (NCCL
