@@ -294,3 +294,30 @@ def fit_software_efficiency(ratios: Callable[[float], Sequence[float]], *,
         mid = (lo + hi) / 2
         lo, hi = (mid, hi) if mean_log(mid) < 0 else (lo, mid)
     return (lo + hi) / 2
+
+
+def split_software_efficiency(rates_flops: dict[str, float], datasheet_peaks: dict[str, float],
+                              ceiling: float) -> tuple[dict[str, float], float, str]:
+    """A GPU's measured large-GEMM rates split into the hardware its preset publishes and
+    the share the software that measured them keeps (``cost_models.software``).
+
+    ``rates_flops``: R∞ per dtype, measured through the training stack (torch's eager
+    autograd); ``datasheet_peaks`` and ``ceiling``: the preset's peak FLOP/s and published
+    GEMM ceiling (``Device.matmul_efficiency``). On the reference dtype (bfloat16 where both
+    have it, else the first they share) software_efficiency = R∞ / (peak · ceiling), at most
+    1 (a rate above the published ceiling is the ceiling's error, not the software's gain).
+    Returns (peaks, software_efficiency, reference dtype): the reference dtype keeps its
+    datasheet peak; any other measured dtype folds its rate into its peak, so that
+    peak · ceiling · software_efficiency is each dtype's measured rate."""
+    shared = [d for d in rates_flops if d in datasheet_peaks]
+    if not shared:
+        raise CalibrationError(
+            f"no measured dtype ({', '.join(rates_flops) or 'none'}) has a datasheet peak "
+            f"({', '.join(datasheet_peaks) or 'none'}) to split against")
+    if not 0 < ceiling <= 1:
+        raise CalibrationError(f"a GEMM ceiling must be in (0, 1], got {ceiling}")
+    ref = "bfloat16" if "bfloat16" in shared else shared[0]
+    software = min(1.0, rates_flops[ref] / (datasheet_peaks[ref] * ceiling))
+    peaks = {d: r / (ceiling * software) for d, r in rates_flops.items()}
+    peaks[ref] = datasheet_peaks[ref]
+    return peaks, software, ref

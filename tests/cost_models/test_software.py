@@ -8,7 +8,11 @@ import math
 import pytest
 
 from autopar.planner.fsdp_published import fit_software, fsdp_rows
-from cost_models.calibrate import CalibrationError, fit_software_efficiency
+from cost_models.calibrate import (
+    CalibrationError,
+    fit_software_efficiency,
+    split_software_efficiency,
+)
 from cost_models.compute import gemm_efficiency
 from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster
@@ -107,3 +111,19 @@ def test_each_fitted_value_is_the_fit_on_its_named_calibration_rows(key):
     fitted = fit_software([rows[i] for i in CALIBRATION_ROWS[key]])
     assert math.isclose(software(generation).efficiency_by_device[device], fitted,
                         rel_tol=2e-3)
+
+
+def test_a_gpus_measured_gemm_rate_splits_into_published_hardware_and_software():
+    """``autopar calibrate --topology dgx-h100`` on an H100: bf16 GEMMs through eager
+    autograd at 600 TFLOP/s are 600 / (989 · 0.801) = 75.7% of the published ceiling; the
+    bf16 peak stays the datasheet's, float32's measured rate folds into its peak."""
+    h100 = Cluster.preset("dgx-h100").device
+    peaks, share, ref = split_software_efficiency(
+        {"float32": 40e12, "bfloat16": 600e12}, h100.peak_flops, h100.matmul_efficiency)
+    assert ref == "bfloat16" and share == pytest.approx(600 / (989 * 0.801))
+    assert peaks["bfloat16"] == 989e12
+    assert peaks["float32"] * 0.801 * share == pytest.approx(40e12)
+    _, capped, _ = split_software_efficiency({"bfloat16": 950e12}, h100.peak_flops, 0.801)
+    assert capped == 1.0  # above the published ceiling: the ceiling's error, not a gain
+    with pytest.raises(CalibrationError, match="no measured dtype"):
+        split_software_efficiency({"float64": 1e12}, h100.peak_flops, 0.801)
