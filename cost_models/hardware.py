@@ -424,6 +424,10 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     if chosen is not None and not isinstance(chosen, str):
         raise ConfigError(f"{source}: software must be a generation's name, got {chosen!r}; "
                           f"valid: {', '.join(software_names())}")
+    if chosen is not None and "software_efficiency" in data["device"]:
+        raise ConfigError(f"{source}: software = {chosen!r} sets the device's "
+                          "software_efficiency; give either it or [device] "
+                          "software_efficiency (a measured one), not both")
     margin = top.get("memory_margin_fraction", 0.1)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")

@@ -87,6 +87,10 @@ latency_us = 10
         Cluster.from_toml_text('software = "titan"\n' + base)
     with pytest.raises(ConfigError, match="software must be a generation's name"):
         Cluster.from_toml_text("software = 3\n" + base)
+    measured = base.replace("matmul_efficiency = 0.8", "software_efficiency = 0.9")
+    assert Cluster.from_toml_text(measured).device.software_efficiency == 0.9
+    with pytest.raises(ConfigError, match="either it or \\[device\\] software_efficiency"):
+        Cluster.from_toml_text('software = "torch-eager"\n' + measured)
     with pytest.raises(ConfigError, match=r"software_efficiency must be in \(0, 1\]"):
         Cluster.from_toml_text(base.replace("matmul_efficiency = 0.8",
                                             "software_efficiency = 1.5"))
