@@ -9,9 +9,11 @@ ran on the same kind of GPU at different shares of it. A ``Software`` profile st
 generation's efficiency factor (the GEMM rate is peak × matmul_efficiency × this factor)
 and which communication its software never overlaps with compute.
 
-The generations live in ``software.toml`` beside this module. Each efficiency is fitted on
-NAMED calibration rows of its own published source (``calibrated_on``), never on the rows
-that check it (tests/cost_models/test_software.py, test_fsdp_scaling.py). A generation
+The generations live in ``software.toml`` beside this module. A fitted efficiency is
+fitted on NAMED calibration rows of its own published source (``calibrated_on``), never on
+the rows that check it (tests/cost_models/test_software.py, test_fsdp_scaling.py);
+torch-eager and megatron-lm-2021 keep the 0.7 of A100 peak the cost model was tuned with,
+and ``calibrated_on`` says so. A generation
 measured on several GPUs may carry one value per device (``efficiency_by_device``): the same
 software keeps a different share of a different chip (on the H100, FlashAttention-2 ran at
 35% of peak against the A100's 50-73%: Shah et al., FlashAttention-3, 2024, abstract; Dao,
