@@ -14,7 +14,11 @@ between ranks 0 and 1, then the overlap slowdown σ of each pattern of
 communication). Each number is the median of repeats after a warm-up; a rank's result is
 the slowest rank's median. GEMM windows are repeated and their spread recorded: on a
 shared machine the rate moves by tens of percent between runs. ``cost_models.calibrate``
-fits them; ``write_profile`` writes a TOML file that ``Cluster.from_toml`` loads. The
+fits them; ``write_profile`` writes a TOML file that ``Cluster.from_toml`` loads. Its
+``software_efficiency`` (``cost_models.software``) is 1 where the device is measured whole
+(the GEMM rates through torch's eager autograd are already the runtime's rate); a GPU
+calibrated with ``--topology`` keeps that preset's published hardware (datasheet peak, GEMM
+ceiling) and gets the measured share of it as its software efficiency. The
 measuring itself is ``autopar.calibration_measure``'s; the kernels besides GEMMs and
 collectives are ``autopar.calibration_kernels``'.
 """
@@ -56,6 +60,7 @@ from cost_models.calibrate import (
     nondecreasing_fit,
     predict_s,
     relative_error,
+    split_software_efficiency,
     spread,
 )
 from cost_models.hardware import Cluster, Device, GiB, Host, Link
@@ -182,10 +187,20 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
     # peak x efficiency is each dtype's fitted large-GEMM rate.
     eff = _efficiency(curves.get("float32"), m.gemm_s.get("float32", {}))
     peaks = {d: c.asymptote_flops / eff for d, c in curves.items()}
+    software, split = 1.0, None
+    gpu = m.backend == "nccl"
+    if gpu and topology is not None:  # a GPU of a preset's kind: its published hardware
+        eff = topology.device.matmul_efficiency
+        peaks, software, ref = split_software_efficiency(
+            {d: c.asymptote_flops for d, c in curves.items()}, topology.device.peak_flops, eff)
+        split = (f"# software_efficiency: measured. {ref} GEMMs through torch's eager autograd "
+                 f"(the stack autopar's runtime is) reached {software:.1%} of",
+                 f"# {topology.name}'s published ceiling (peak x matmul_efficiency, its "
+                 "datasheet and GEMM benchmark): matmul_efficiency and that peak are the",
+                 "# preset's; other dtypes fold their measured rates into their peaks.")
     bandwidth = kernel_mix_bandwidth_GBps(*zip(*m.memory_kernels.values(), strict=True))
     attention = _attention_efficiency(m.attention, curves)
     loss = _loss_efficiency(m.loss, bandwidth)
-    gpu = m.backend == "nccl"
     memory = (torch.cuda.get_device_properties(0).total_memory if gpu
               else _ram_bytes() // m.nproc)
     gemm_sizes = sorted({n for t in m.gemm_s.values() for n in t})
@@ -233,6 +248,10 @@ def profile_text(m: Measurements, settings: Settings, fits: dict[str, AlphaBeta]
         f"memory_gib = {memory / GiB:.3f}",
         f"memory_bandwidth_GBps = {bandwidth:.4g}",
         f"matmul_efficiency = {eff:.4f}",
+        *(split or ("# software_efficiency: the GEMM rates were measured through torch's eager",
+                    "# autograd (the stack autopar's runtime is): they are already its rate, and",
+                    "# no software generation's factor (cost_models/software.py) applies on top.")),
+        f"software_efficiency = {software:.4f}",
         f"kernel_floor_us = {m.floor_s * 1e6:.3f}",
         *([f"attention_efficiency = {attention:.4g}"] if attention is not None else []),
         *([f"loss_efficiency = {loss:.4g}"] if loss is not None else []),

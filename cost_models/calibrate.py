@@ -29,7 +29,7 @@ summarises repeated timings (min / median / max) so a profile says how repeatabl
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -265,3 +265,59 @@ def fit_overlap_slowdown(compute_alone_s: float, compute_beside_s: float,
             f"compute beside communication lost {t - p:.4g} s, more than the communication "
             f"ran ({c:.4g} s): not the overlap model's slowdown (noise on a busy machine?)")
     return max(1.0, sigma)
+
+
+def fit_software_efficiency(ratios: Callable[[float], Sequence[float]], *,
+                            low: float = 0.05, high: float = 1.0, rel_tol: float = 1e-7
+                            ) -> float:
+    """A software generation's efficiency factor s (``cost_models.software``), fitted on
+    its calibration rows: the s at which predicted / published throughput of those rows has
+    a geometric mean of 1. ``ratios(s)`` gives that ratio per row with the factor s applied.
+
+    Predicted throughput grows with s (compute time is proportional to 1/s, communication
+    and memory-bound kernels do not depend on it), so the mean log-ratio is increasing in s
+    and bisection finds its root. A CalibrationError when no s in (low, high] reaches the
+    published rows (the rows are slower than ``low`` or faster than ``high`` allows)."""
+    def mean_log(s: float) -> float:
+        values = np.asarray(ratios(s), dtype=float)
+        if values.size == 0 or np.any(values <= 0) or not np.all(np.isfinite(values)):
+            raise CalibrationError(f"calibration ratios must be positive, got {values}")
+        return float(np.mean(np.log(values)))
+
+    lo, hi = low, high
+    if mean_log(hi) < 0 or mean_log(lo) > 0:
+        raise CalibrationError(
+            f"no software efficiency in ({low}, {high}] reproduces the calibration rows: "
+            f"predicted/published is {np.exp(mean_log(lo)):.3g} at {low} and "
+            f"{np.exp(mean_log(hi)):.3g} at {high}")
+    while hi - lo > rel_tol * hi:
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if mean_log(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def split_software_efficiency(rates_flops: dict[str, float], datasheet_peaks: dict[str, float],
+                              ceiling: float) -> tuple[dict[str, float], float, str]:
+    """A GPU's measured large-GEMM rates split into the hardware its preset publishes and
+    the share the software that measured them keeps (``cost_models.software``).
+
+    ``rates_flops``: R∞ per dtype, measured through the training stack (torch's eager
+    autograd); ``datasheet_peaks`` and ``ceiling``: the preset's peak FLOP/s and published
+    GEMM ceiling (``Device.matmul_efficiency``). On the reference dtype (bfloat16 where both
+    have it, else the first they share) software_efficiency = R∞ / (peak · ceiling), at most
+    1 (a rate above the published ceiling is the ceiling's error, not the software's gain).
+    Returns (peaks, software_efficiency, reference dtype): the reference dtype keeps its
+    datasheet peak; any other measured dtype folds its rate into its peak, so that
+    peak · ceiling · software_efficiency is each dtype's measured rate."""
+    shared = [d for d in rates_flops if d in datasheet_peaks]
+    if not shared:
+        raise CalibrationError(
+            f"no measured dtype ({', '.join(rates_flops) or 'none'}) has a datasheet peak "
+            f"({', '.join(datasheet_peaks) or 'none'}) to split against")
+    if not 0 < ceiling <= 1:
+        raise CalibrationError(f"a GEMM ceiling must be in (0, 1], got {ceiling}")
+    ref = "bfloat16" if "bfloat16" in shared else shared[0]
+    software = min(1.0, rates_flops[ref] / (datasheet_peaks[ref] * ceiling))
+    peaks = {d: r / (ceiling * software) for d, r in rates_flops.items()}
+    peaks[ref] = datasheet_peaks[ref]
+    return peaks, software, ref

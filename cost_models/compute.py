@@ -7,7 +7,9 @@ the GEMM's smallest dimension d (elements), per compute dtype:
 
     efficiency(d) = E∞ · d / (d + d½)
 
-E∞ is ``Device.matmul_efficiency`` (the large-GEMM asymptote), d½ is
+E∞ is ``Device.matmul_efficiency`` (the large-GEMM asymptote: what the device's GEMMs
+reach alone) times ``Device.software_efficiency`` (what the training software keeps of it,
+``cost_models.software``), d½ is
 ``Device.half_dim(dtype)``: the dimension at which a GEMM reaches half of it. The smallest
 dimension is what tiling sees: a GEMM narrower than a few tiles (cuBLAS's tensor-core tiles
 are 64 to 256 wide) leaves SMs idle or short of data reuse (NVIDIA, "Matrix Multiplication
@@ -31,7 +33,7 @@ from cost_models.hardware import Device
 def gemm_efficiency(device: Device, dtype: str, min_dim: float | None = None) -> float:
     """Achievable fraction of ``dtype``'s peak for a GEMM whose smallest dimension is
     ``min_dim`` (None: a large GEMM, the asymptote)."""
-    asymptote = device.matmul_efficiency
+    asymptote = device.matmul_efficiency * device.software_efficiency
     if min_dim is None:
         return asymptote
     if min_dim <= 0:

@@ -23,6 +23,7 @@ import numpy as np
 
 from cost_models.errors import ConfigError
 from cost_models.optimizer import ADAM_KERNELS, DEFAULT_OPTIMIZER, AdamKernels
+from cost_models.software import software_names, with_software
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16")
 LINK_KINDS = ("nvlink", "pcie", "network", "loopback")
@@ -32,11 +33,12 @@ MiB = 1024**2
 DEFAULT_MATMUL_HALF_DIM = 0.0
 """Smallest GEMM dimension (elements) at which a GEMM runs at half the large-GEMM efficiency,
 for dtypes a device does not list: none, i.e. every GEMM at ``matmul_efficiency``, until
-``autopar calibrate`` fits the curve on the device. A preset's efficiency is a blend over
-the GEMM sizes of real training runs (0.7 on the A100 reproduces Megatron-LM's published
-throughput within 5%); a curve on top of it, with a half-dimension taken from cuBLAS's tile
-width (128) rather than measured, counted the small-GEMM loss twice and put those
-predictions 3-15% low (bench/megatron_table.py, BENCHMARKS.md)."""
+``autopar calibrate`` fits the curve on the device. No published GEMM-by-size curve for the
+presets' GPUs was found as numbers, and the software generations' factors
+(cost_models/software.py) are fitted on whole training steps, whose small GEMMs they hold: a
+curve on top, with a half-dimension taken from cuBLAS's tile width (128) rather than
+measured, counted the small-GEMM loss twice and put Megatron-LM's rows 3-15% low
+(bench/megatron_table.py, BENCHMARKS.md)."""
 
 DEFAULT_OVERLAP_SLOWDOWN = 1.1
 """Compute slows by this factor while a collective runs beside it. An assumed default (NCCL
@@ -91,7 +93,14 @@ class Device:
     """Main-memory bandwidth (HBM or DRAM), GB/s."""
     matmul_efficiency: float = 0.7
     """Achievable fraction of peak for large matrix multiplies: the asymptote of the GEMM
-    efficiency curve (``cost_models.compute.gemm_efficiency``)."""
+    efficiency curve (``cost_models.compute.gemm_efficiency``). In the GPU presets, what
+    the device's largest GEMMs reach alone (a published GEMM benchmark); a training step
+    keeps ``software_efficiency`` of it."""
+    software_efficiency: float = 1.0
+    """Fraction of the GEMM rate the training software keeps (launch gaps, unfused kernels,
+    its attention kernel, clocks under sustained load): set from the cluster's software
+    generation (``cost_models.software``). 1: the device's figures are the whole rate, as a
+    calibrated profile measures them through the stack that runs it."""
     matmul_half_dim: dict[str, float] = field(default_factory=dict)
     """Per compute dtype: the smallest GEMM dimension at which efficiency is half the
     asymptote; dtypes not listed use DEFAULT_MATMUL_HALF_DIM."""
@@ -257,6 +266,9 @@ class Cluster:
     """NVLink SHARP (NVLS): the NVSwitch reduces in the switch, and NCCL runs a node's
     all_reduce on it where that is faster than its ring (cost_models.comm). The all_reduce
     bus bandwidth nccl-tests measure on it inside one node, GB/s; 0: the node has none."""
+    software: str = ""
+    """The software generation applied (``cost_models.software``): its efficiency is in
+    ``device.software_efficiency``, its exposed patterns in ``overlap.exposed``. '' if none."""
     source: str = ""
     """Where the numbers came from."""
     provenance: str = "modelled"
@@ -423,10 +435,22 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
         raise ConfigError(f"{source}: [extra] must be a table, got {top['extra']!r}")
     if "nvls_bus_GBps" in top:
         _check_range("nvls_bus_GBps", top["nvls_bus_GBps"], source, "nvls_bus_GBps")
+    chosen = top.pop("software", None)
+    if chosen is not None and not isinstance(chosen, str):
+        raise ConfigError(f"{source}: software must be a generation's name, got {chosen!r}; "
+                          f"valid: {', '.join(software_names())}")
+    if chosen is not None and "software_efficiency" in data["device"]:
+        raise ConfigError(f"{source}: software = {chosen!r} sets the device's "
+                          "software_efficiency; give either it or [device] "
+                          "software_efficiency (a measured one), not both")
     margin = top.get("memory_margin_fraction", 0.1)
     if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not 0 <= margin < 1:
         raise ConfigError(f"{source}: memory_margin_fraction must be in [0, 1), got {margin!r}")
-    return Cluster(device=device, intra_node=intra, inter_node=inter, **top)
+    cluster = Cluster(device=device, intra_node=intra, inter_node=inter, **top)
+    try:
+        return with_software(cluster, chosen) if chosen is not None else cluster
+    except ConfigError as e:
+        raise ConfigError(f"{source}: {e}") from None
 
 
 def _device_from_dict(data: Any, where: str) -> Device:
@@ -465,9 +489,10 @@ def _device_from_dict(data: Any, where: str) -> Device:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
                 0 < value <= 10):
             raise ConfigError(f"{where}: {key} must be in (0, 10], got {value!r}")
-    eff = d.get("matmul_efficiency", 0.7)
-    if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
-        raise ConfigError(f"{where}: matmul_efficiency must be in (0, 1], got {eff!r}")
+    for key, default in (("matmul_efficiency", 0.7), ("software_efficiency", 1.0)):
+        eff = d.get(key, default)
+        if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not 0 < eff <= 1:
+            raise ConfigError(f"{where}: {key} must be in (0, 1], got {eff!r}")
     if "matmul_half_dim" in d:
         d["matmul_half_dim"] = _half_dims(d["matmul_half_dim"], where)
     return Device(**d)

@@ -12,7 +12,11 @@ float8, no ``torch.compile``), on the presets' GPUs:
   ``fully_shard``): Llama captured from Hugging Face transformers' ``LlamaForCausalLM`` at
   the row's shape (grouped-query attention, SwiGLU, RoPE, SDPA attention). torchtitan
   reduces gradients in float32 (its ``MixedPrecisionPolicy``): 4-byte gradients. Its H100s
-  are 96 GB / 500 W parts, priced on the dgx-h100 preset (80 GB / 700 W) with 96 GiB.
+  are 96 GB / 500 W parts: the grand-teton-h100 preset.
+
+Each source runs its own software generation (``SOFTWARE``; cost_models/software.toml): the
+share of the GPU's GEMM ceiling its steps keep, fitted on named calibration rows of that
+source and checked on the others (tests/cost_models/test_software.py).
 
 Not priced, and why: the other torchtitan rows and fms-fsdp's use ``torch.compile``, float8
 or TP/PP/HSDP, which a bf16 model of eager kernels on a pure data-parallel mesh does not
@@ -37,20 +41,25 @@ import torch
 from autopar.planner.costs import layer_cost
 from autopar.whatif import repeat_blocks
 from autopar.zoo import GPT, GPTConfig
+from cost_models.calibrate import fit_software_efficiency
 from cost_models.hardware import Cluster, GiB
 from cost_models.memory import precision
+from cost_models.software import with_software
 from passes.layer_graph import build_layer_graph
 from passes.records import LayerGraph
 from runtime.plan import Mesh
 
 FSDP_TABLE_PATH = resources.files("autopar") / "data" / "fsdp_scaling.csv"
 PRICED_SOURCES = ("LF-MPT", "TT-A100-2404", "TT-H100-2412")
+SOFTWARE = {"LF-MPT": "llm-foundry-2023", "TT-A100-2404": "torchtitan-2024",
+            "TT-H100-2412": "torchtitan-2024"}
+"""Source -> the software generation that ran it (cost_models/software.toml)."""
 CLUSTERS = {"H100-80GB": ("dgx-h100", 80), "A100-40GB": ("dgx-a100-80g", 40),
-            "A100-80GB": ("dgx-a100-80g", 80), "H100-96GB-500W": ("dgx-h100", 96)}
+            "A100-80GB": ("dgx-a100-80g", 80), "H100-96GB-500W": ("grand-teton-h100", 96)}
 """Hardware (``hardware_name``) -> (preset, memory GiB). llm-foundry's A100 tables state
 1,600 Gb/s per node (RoCE): 25 GB/s per GPU, the dgx-a100-80g preset's network.
-torchtitan's H100s (Grand Teton: 96 GB of HBM2e, power capped at 500 W) get the dgx-h100
-preset with 96 GiB; its 700 W peak FLOP/s and HBM3 bandwidth overstate them."""
+torchtitan's H100s are Grand Teton parts (96 GB of HBM2e at 2.4 TB/s, power capped at
+500 W): the grand-teton-h100 preset."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -159,7 +168,8 @@ def _llama(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq_len
 def fsdp_cluster(row: FsdpRow) -> Cluster:
     preset, memory_gib = CLUSTERS[row.hardware]
     cluster = Cluster.preset(preset, nodes=max(1, row.gpus // 8))
-    return replace(cluster, device=replace(cluster.device, memory_bytes=memory_gib * GiB))
+    cluster = replace(cluster, device=replace(cluster.device, memory_bytes=memory_gib * GiB))
+    return with_software(cluster, SOFTWARE[row.source])
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -174,12 +184,17 @@ class FsdpPrediction:
 
 
 def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
-            float32_grads: bool | None = None) -> FsdpPrediction:
+            float32_grads: bool | None = None,
+            software_efficiency: float | None = None) -> FsdpPrediction:
     """The cost model's step of the row's published configuration (module docstring).
     ``float32_grads``: reduce gradients in float32 (default: as the row ran); False prices
-    it as the planner's bf16 plans run, to compare with them like for like."""
+    it as the planner's bf16 plans run, to compare with them like for like.
+    ``software_efficiency``: instead of its generation's (to fit that, ``fit_software``)."""
     graph = graph if graph is not None else fsdp_graph(row)
     cluster, prec = fsdp_cluster(row), precision("bfloat16")
+    if software_efficiency is not None:
+        cluster = replace(cluster, device=replace(cluster.device,
+                                                  software_efficiency=software_efficiency))
     if row.float32_grads if float32_grads is None else float32_grads:
         prec = replace(prec, grad_bytes=4)
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
@@ -192,3 +207,16 @@ def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
                           compute_s=sum(c.compute_s for c in costs),
                           exposed_comm_s=sum(c.comm_s for c in costs),
                           hidden_comm_s=sum(c.hidden_comm_s for c in costs))
+
+
+def fit_software(rows: list[FsdpRow]) -> float:
+    """The software efficiency at which ``rows`` (calibration rows of one generation on one
+    device) are predicted at their published throughput, in geometric mean
+    (``cost_models.calibrate.fit_software_efficiency``)."""
+    graphs = [fsdp_graph(r) for r in rows]
+
+    def ratios(s: float) -> list[float]:
+        return [predict(r, g, software_efficiency=s).tokens_per_s_per_gpu(r)
+                / r.tokens_per_s_per_gpu for r, g in zip(rows, graphs, strict=True)]
+
+    return fit_software_efficiency(ratios, rel_tol=1e-5)  # software.toml keeps 4 digits

@@ -12,7 +12,7 @@ costs, and for pipelines the schedule simulator. TFLOP/s per GPU are counted the
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 
 import torch
@@ -23,6 +23,7 @@ from autopar.planner.one_stage import plan_memory
 from autopar.zoo import GPT, GPTConfig
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
+from cost_models.software import with_software
 from passes.layer_graph import build_layer_graph
 from passes.records import LayerGraph
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
@@ -144,10 +145,10 @@ def megatron_cluster(row: MegatronRow) -> Cluster:
     all-reduced data-parallel gradients after backward (whichever engine autopar would run
     the layer on: DDP's 'dp' or FSDP2's 'fsdp' pattern) and waited for each pipeline
     send/recv (its schedules' blocking ``send_forward_recv_backward`` pairs). Its optimizer
-    is apex's fused Adam."""
-    cluster = Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8)
-    return replace(cluster, overlap=replace(cluster.overlap, exposed=("dp", "fsdp", "pp")),
-                   optimizer="fused-adam")
+    is apex's fused Adam. All three are its software generation's
+    (cost_models/software.toml, megatron-lm-2021), with its fitted efficiency."""
+    return with_software(Cluster.preset("dgx-a100-80g", nodes=row.gpus // 8),
+                         "megatron-lm-2021")
 
 
 def predicted_tflops(row: MegatronRow, step_time_s: float) -> float:
