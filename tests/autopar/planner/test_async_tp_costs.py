@@ -79,7 +79,8 @@ def test_exposed_collectives_by_hand(peak):
     nbytes = tokens * h * 2
     device = replace(H100.device, peak_flops={**H100.device.peak_flops, "bfloat16": peak})
     cluster = replace(H100, device=device)
-    rate, floor = peak * device.matmul_efficiency, device.kernel_floor_s
+    rate = peak * device.matmul_efficiency * device.software_efficiency  # the GEMM asymptote
+    floor = device.kernel_floor_s
     hbm = device.memory_bandwidth_GBps * 1e9
     group = Group(tp, 1)
 
