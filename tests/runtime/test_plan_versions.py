@@ -34,6 +34,11 @@ def test_a_version_1_plan_loads_as_the_current_version_with_every_field_kept():
             # version 1 recorded no hidden communication; it reads as none
             assert migrated == {**option, "hidden_comm_s": 0.0}
         assert {**after, "options": None} == {**before, "options": None}
+    # Pipeline sections gained ``scatter_sends`` after version 2 was fixed; off, as the
+    # runtime ran them then.
+    for alt in new["rationale"]["alternatives"]:
+        if alt["pipeline"] is not None:
+            assert alt["pipeline"].pop("scatter_sends") is False
     assert {**new["rationale"], "classes": None} == {**old["rationale"], "classes": None}
     for before, after in zip(old["layers"], new["layers"], strict=True):
         assert {k: v for k, v in after.items() if k != "expert_parallel"} == before
