@@ -211,6 +211,16 @@ def p2p_s(nbytes: float, link: Link) -> float:
     return nbytes / _bytes_per_s(link) + link.latency_s
 
 
+def scattered_p2p_s(nbytes: float, link: Link, tp: int, cluster: Cluster) -> float:
+    """A send of ``nbytes`` that every rank of a tp group holds, scattered (Narayanan et
+    al., SC'21, section 4.1; runtime/pipeline_sends.py): each tp rank sends its 1/tp over
+    ``link``, and the receiving ranks all-gather the slices over their own tp group
+    (consecutive ranks: NVLink inside a node). Gradients come back the same way."""
+    if nbytes <= 0:
+        return 0.0
+    return p2p_s(nbytes / tp, link) + all_gather_s(nbytes, Group(tp, 1), cluster)
+
+
 def collective_s(kind: str, nbytes: float, group: Group, cluster: Cluster) -> float:
     """Any of COLLECTIVES; 'p2p' is one send between members ``group.stride`` ranks apart."""
     if kind == "all_reduce":

@@ -150,6 +150,7 @@ class LayerCosts:
         self.memory_bound_bytes = memory_bound_bytes(calls)
         self.num_ops = sum(1 for n in calls if n.meta[K.OP_KIND].is_kernel)
         self.output_bytes = _output_bytes(nodes)
+        self.output_last_dims = _output_last_dims(nodes)
         self.input_bytes = _input_bytes(nodes)
         self.inplace_input_bytes = inplace_input_bytes(nodes)
         self.attention_kv_bytes = kv_bytes(nodes)
@@ -206,6 +207,7 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
         tp=tp,
         loss_bytes=loss_bytes,
         batch_norm_channels=costs.batch_norm_channels,
+        output_last_dims=costs.output_last_dims,
     )
 
 
@@ -323,6 +325,14 @@ def _output_bytes(nodes: list[Node]) -> int:
     inside = set(nodes)
     out = [n for n in nodes if n.op != "get_attr" and any(u not in inside for u in n.users)]
     return int(sum(n.meta[K.TENSOR].nbytes for n in out if K.TENSOR in n.meta))
+
+
+def _output_last_dims(nodes: list[Node]) -> tuple[int, ...]:
+    """``LayerInfo.output_last_dims``: of the floating tensors ``_output_bytes`` counts."""
+    inside = set(nodes)
+    out = [n for n in nodes if n.op != "get_attr" and any(u not in inside for u in n.users)]
+    return tuple(t.shape[-1] if t.shape else 1 for n in out if K.TENSOR in n.meta
+                 for t in n.meta[K.TENSOR].tensors if getattr(torch, t.dtype).is_floating_point)
 
 
 def _input_bytes(nodes: list[Node]) -> int:

@@ -210,6 +210,10 @@ class LayerInfo:
     moe: tuple[MoEInfo, ...] = ()
     """The mixture-of-experts blocks inside this layer (passes/moe.py): the layer can take
     an expert-parallel degree (``runtime.plan.LayerPlan.expert_parallel``)."""
+    output_last_dims: tuple[int, ...] = ()
+    """The last dim of each floating tensor the layer hands to later layers: what a
+    pipeline send scattered over tp splits (``runtime.pipeline_sends``), so the planner
+    scatters only where every one divides by tp."""
 
     @property
     def saved(self) -> SavedSplit:

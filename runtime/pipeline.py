@@ -10,7 +10,10 @@ The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
     5. data parallel   FSDP2 per layer, then each stage module as a root, on the stage's
                        (dp, tp) sub-meshes, with the plan's precision (runtime.data_parallel,
                        runtime.precision)
-    6. schedule        one manual ``PipelineStage`` per local stage (``Pipe.build_stage``
+    6. sends           with ``pipeline.scatter_sends``, each stage sends its tp rank's slice
+                       to another pipeline rank and gathers what it receives over tp
+                       (runtime.pipeline_sends)
+    7. schedule        one manual ``PipelineStage`` per local stage (``Pipe.build_stage``
                        hangs with V schedules on gloo: the rank holding two adjacent stages
                        sends to itself), and the plan's ``Schedule*`` class over the pp axis
 
@@ -65,6 +68,7 @@ from runtime.materialize import (
     on_meta,
 )
 from runtime.mesh import build_mesh, data_parallel_meshes
+from runtime.pipeline_sends import add_scattered_sends
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
 from runtime.recompute import apply_recompute
@@ -267,6 +271,8 @@ class PipelineTrainer(Trainer):
         apply_fsdp(module, layers, meshes, mp_policy=layer_policy,
                    root_mp_policy=root_policy if last else layer_policy)
         _keep_unsharded_through_step(module)
+        add_scattered_sends(module, stage_id, plan, self.mesh.get_group("tp"),
+                            self.mesh.get_local_rank("tp"))
         if plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
             module.register_forward_hook(_outputs_own_their_storage)
 

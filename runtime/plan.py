@@ -199,12 +199,21 @@ class PipelineSpec:
     """Micro-batches per optimizer step (per data-parallel replica)."""
     virtual_stages: int = 1
     """Stages per pipeline rank (v): 1, or >= 2 for interleaved and V schedules."""
+    scatter_sends: bool = False
+    """With mesh.tp > 1: each tp rank sends only its 1/tp slice (of the last dim) of what
+    crosses to a stage on another pipeline rank, and the receiving stage all-gathers the
+    slices over its tp group (Megatron-LM's scatter/gather; runtime.pipeline_sends). The
+    last dim of every tensor sent must divide by tp. False: every tp rank sends the whole
+    activation (plans written before this field)."""
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise PlanError(
                 f"pipeline.schedule {self.schedule!r} is not one of {', '.join(SCHEDULES)}"
             )
+        if not isinstance(self.scatter_sends, bool):
+            raise PlanError(f"pipeline.scatter_sends must be true or false, got "
+                            f"{self.scatter_sends!r}")
         for name in ("num_microbatches", "virtual_stages"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -545,6 +554,9 @@ class Plan:
         if self.pipeline is None:
             return
         self._check_schedule_microbatches()
+        if self.pipeline.scatter_sends and self.mesh.tp == 1:
+            raise PlanError("pipeline.scatter_sends splits stage sends over the tensor-parallel "
+                            "group, but mesh.tp is 1; set scatter_sends false or mesh.tp > 1")
         m = self.pipeline.num_microbatches
         if self.global_batch % (self.mesh.dp * m):
             raise PlanError(

@@ -14,13 +14,14 @@ annotate pass counted, attention included), not from the 6N + 12·L·H·Q·T clo
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from runtime.plan import (
     LayerPlan,
     MemoryBreakdown,
     Mesh,
     OptionCost,
+    PipelineSpec,
     Plan,
     option_label,
     parse_option,
@@ -239,9 +240,17 @@ def chosen_alternative(plan: Plan) -> int | None:
     if r is None or pred is None:
         return None
     return next((i for i, alt in enumerate(r.alternatives)
-                 if alt.mesh == plan.mesh and alt.pipeline == plan.pipeline
+                 if alt.mesh == plan.mesh and same_shape(alt.pipeline, plan.pipeline)
                  and alt.step_time_s is not None
                  and math.isclose(alt.step_time_s, pred.step_time_s, rel_tol=1e-9)), None)
+
+
+def same_shape(a: PipelineSpec | None, b: PipelineSpec | None) -> bool:
+    """Two pipeline sections with the same schedule, micro-batches and virtual stages (an
+    alternative records its shape, not how its sends go)."""
+    if a is None or b is None:
+        return a is b
+    return replace(a, scatter_sends=False) == replace(b, scatter_sends=False)
 
 
 def why_lost(plan: Plan, alt, *, is_plan: bool = False) -> str:
@@ -317,6 +326,9 @@ def header_lines(plan: Plan) -> list[str]:
         lines.append(f"pipeline {pl.schedule}: {pl.num_microbatches} micro-batches of "
                      f"{plan.global_batch // (plan.mesh.dp * pl.num_microbatches)} samples, "
                      f"{plan.num_stages} stages ({pl.virtual_stages} per rank)")
+        sends = sends_line(plan)
+        if sends:
+            lines.append(sends)
     if plan.solver:
         s = plan.solver
         lines.append(
@@ -325,6 +337,21 @@ def header_lines(plan: Plan) -> list[str]:
             f"{s.candidates} candidate(s) searched in {s.solve_time_s:.2f} s"
         )
     return lines
+
+
+def sends_line(plan: Plan) -> str:
+    """How stage sends use the pipeline link when tp ranks hold the same activation."""
+    tp = plan.mesh.tp
+    if plan.pipeline is None or plan.mesh.pp == 1 or tp == 1:
+        return ""
+    if plan.pipeline.scatter_sends:
+        return (f"sends    scattered over tp={tp}: each tp rank sends 1/{tp} of a boundary "
+                f"activation to the next pipeline rank, which all-gathers the slices over "
+                f"its tp group ({tp - 1}/{tp} of the pipeline link's bytes saved, for one "
+                "all-gather inside the node)")
+    return (f"sends    whole from each of the tp={tp} ranks (pipeline.scatter_sends off; the "
+            "planner leaves it off where scattering is not faster, as when the pipeline "
+            f"link is NVLink too, or where a tensor's last dim does not divide by {tp})")
 
 
 def totals_lines(plan: Plan) -> list[str]:

@@ -184,6 +184,11 @@ def _pipeline(plan: Plan, warnings: list[str]) -> list[Setting]:
     if plan.mesh.pp == 1:
         return settings
     assert plan.pipeline is not None  # Plan requires it when pp > 1
+    if plan.pipeline.scatter_sends:
+        warnings.append(f"the plan scatters pipeline sends over tp = {plan.mesh.tp} (each tp "
+                        "rank sends its slice, the next stage all-gathers them); torchtitan "
+                        "sends the whole activation from every tp rank, so its sends take "
+                        "longer than the plan predicts")
     return settings + [
         _flag("parallelism.pipeline_parallel_schedule", plan.pipeline.schedule),
         _flag("parallelism.pipeline_parallel_microbatch_size", micro_batch_size(plan)),

@@ -92,7 +92,7 @@ from autopar.planner.ties import (
     with_copy,
     with_sync,
 )
-from cost_models.comm import Group, group_link, p2p_s
+from cost_models.comm import Group, group_link, p2p_s, scattered_p2p_s
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from cost_models.schedule import (
@@ -148,6 +148,8 @@ class Outcome:
     """Pipelines: gradient reduction and optimizer step after the flush (slowest rank)."""
     choice: dict[str, dict[str, int]] = field(default_factory=dict)
     """pp = 1: layer class -> {option: number of its layers}."""
+    scatter_sends: bool = False
+    """Pipelines: stage sends scattered over tp (``PipelineSpec.scatter_sends``)."""
 
     def peak_bytes(self) -> float:
         """The fullest rank's memory, allocator margin included."""
@@ -178,6 +180,8 @@ class _Prepared:
     stage_of_layer: tuple[int, ...]
     costs: tuple[LayerCost, ...]
     lower_bound_s: float
+    scatter_sends: bool | None = None
+    """What a given plan says (``PipelineSpec.scatter_sends``); None: whichever is faster."""
 
 
 class Engine:
@@ -284,7 +288,8 @@ class Engine:
             return self._one_stage(config, costs, runs_on_ddp(costs, self.prec, config.mesh),
                                    0.0, choice)
         prepared = _Prepared(config=config, stage_of_layer=stage_of, costs=tuple(costs),
-                             lower_bound_s=self.bound(config, stage_of, costs))
+                             lower_bound_s=self.bound(config, stage_of, costs),
+                             scatter_sends=plan.pipeline.scatter_sends)
         return self.finish(prepared)
 
     def _given(self, index: int, option: str, config: Config, stage_of: tuple[int, ...]
@@ -350,7 +355,8 @@ class Engine:
             hsdp_shard_size=hsdp_shard_size(cluster, config.mesh.pp) if uses_hsdp else None,
             prediction=prediction, solver=report,
             pipeline=PipelineSpec(schedule=config.schedule, num_microbatches=config.microbatches,
-                                  virtual_stages=config.virtual_stages)
+                                  virtual_stages=config.virtual_stages,
+                                  scatter_sends=outcome.scatter_sends)
             if pipelined and config.schedule is not None else None)
 
     # -- pipelines (pp > 1) ---------------------------------------------------------------
@@ -779,10 +785,11 @@ class Engine:
                                     wgrad_s=sum(c.wgrad_s for c in members),
                                     activation_bytes=sum(c.activations_bytes for c in members)))
         overlap = self.cluster.overlap
+        p2p, scatter = self._p2p_s(prepared)
         timeline = simulate(config.schedule, pp, config.microbatches, times,
                             orders=runtime_orders(config.schedule, pp, config.virtual_stages,
                                                   config.microbatches),
-                            p2p_s=self._p2p_s(prepared), p2p_slowdown=overlap.pp_slowdown,
+                            p2p_s=p2p, p2p_slowdown=overlap.pp_slowdown,
                             p2p_blocking="pp" in overlap.exposed)
         sync = [0.0] * pp
         for cost, s in zip(prepared.costs, prepared.stage_of_layer, strict=True):
@@ -803,16 +810,33 @@ class Engine:
                        compute_s=sum(c.compute_s for c in mine),
                        comm_s=sum(c.comm_s for c in mine),
                        rank_memory=tuple(memory_breakdown(p, margin) for p in peaks),
-                       timeline=timeline, sync_s=max(sync))
+                       timeline=timeline, sync_s=max(sync), scatter_sends=scatter)
 
-    def _p2p_s(self, prepared: _Prepared) -> float:
-        """The slowest stage-boundary transfer: neighbouring pipeline ranks are dp·tp apart."""
+    def _p2p_s(self, prepared: _Prepared) -> tuple[float, bool]:
+        """The slowest stage-boundary transfer (neighbouring pipeline ranks are dp·tp apart),
+        and whether it is scattered over tp (runtime/pipeline_sends.py): as the plan says,
+        else where the last dim of every floating tensor that may cross divides by tp and
+        scattering is faster (over the network, not where pp stays inside a node)."""
         mesh = prepared.config.mesh
         link = group_link(self.cluster, Group(2, mesh.dp * mesh.tp))
-        boundary = [c.output_bytes for c, s, nxt in zip(
-            prepared.costs, prepared.stage_of_layer, prepared.stage_of_layer[1:] + (-1,),
-            strict=True) if nxt != s and nxt != -1]
-        return p2p_s(max(boundary, default=0.0), link)
+        # What the runtime sends: a sequence-parallel layer's output is gathered whole
+        # before its stage ends (runtime/tensor_parallel.py), though its cost divides it.
+        boundary = [c.output_bytes * (mesh.tp if c.sequence_parallel else 1)
+                    for c, s, nxt in zip(prepared.costs, prepared.stage_of_layer,
+                                         prepared.stage_of_layer[1:] + (-1,), strict=True)
+                    if nxt != s and nxt != -1]
+        nbytes = max(boundary, default=0.0)
+        whole = p2p_s(nbytes, link)
+        if mesh.tp == 1 or prepared.scatter_sends is False:
+            return whole, False
+        scattered = scattered_p2p_s(nbytes, link, mesh.tp, self.cluster)
+        if prepared.scatter_sends:
+            return scattered, True
+        last = prepared.stage_of_layer[-1]
+        splits = all(d % mesh.tp == 0 for layer, s in zip(
+            self.graph.layers, prepared.stage_of_layer, strict=True) if s != last
+            for d in layer.output_last_dims)
+        return (scattered, True) if splits and scattered < whole else (whole, False)
 
 
 def _rank_key(config: Config, options: list[ClassOptions]) -> tuple:

@@ -5,7 +5,7 @@ Megatron-LM" (SC'21), Table 1, reports end-to-end TFLOP/s per GPU for ten GPT mo
 to 3,072 A100s. For each row ``megatron_plan`` writes the published configuration as an
 autopar plan (its TP, PP and DP, micro-batch size, interleaving, full recomputation, fp16
 with dynamic loss scaling, plain data parallelism: the 2021 runs kept the optimizer
-unsharded) and ``evaluate`` prices it exactly as the planner prices its own plans: per-layer
+unsharded; pipeline sends scattered over the TP group) and ``evaluate`` prices it exactly as the planner prices its own plans: per-layer
 costs, and for pipelines the schedule simulator. TFLOP/s per GPU are counted the paper's way
 (``paper_flops``), so predicted and published figures compare directly.
 """
@@ -117,9 +117,11 @@ def megatron_plan(graph: LayerGraph, row: MegatronRow) -> Plan:
             recompute="full" if is_block else "none"))
     pipeline = None
     if row.pp > 1:
+        # Megatron-LM scattered its pipeline sends over the TP group by default
+        # (--no-scatter-gather-tensors-in-pipeline turns it off; the paper's section 4.1).
         pipeline = PipelineSpec(schedule="Interleaved1F1B" if row.interleave > 1 else "1F1B",
                                 num_microbatches=row.microbatches,
-                                virtual_stages=row.interleave)
+                                virtual_stages=row.interleave, scatter_sends=row.tp > 1)
     return Plan(model=f"gpt-{row.params_b}b", cluster="dgx-a100-80g",
                 global_batch=row.global_batch, seq_len=SEQ_LEN, mesh=mesh,
                 layers=tuple(layers), param_dtype="float16", reduce_dtype="float16",

@@ -183,6 +183,16 @@ def test_torchtitan_places_each_stage_on_the_plans_rank(schedule, v):
             assert stage_rank(s, 2, plan.pipeline) == rank
 
 
+def test_scattered_pipeline_sends_are_named_as_what_torchtitan_does_not_do():
+    fields = dict(INTERLEAVED, pipeline=dataclasses.replace(INTERLEAVED["pipeline"],
+                                                            scatter_sends=True))
+    export = export_torchtitan(plan_of(**fields), "plan.json", nodes=1, nproc_per_node=8)
+    assert any("scatters pipeline sends over tp = 2" in w and "whole activation" in w
+               for w in export.warnings), export.warnings
+    plain = export_torchtitan(plan_of(**INTERLEAVED), "plan.json", nodes=1, nproc_per_node=8)
+    assert not any("scatters" in w for w in plain.warnings)
+
+
 def test_fsdp_with_offload_and_accumulation_and_no_recompute():
     """The plan recomputes nothing: torchtitan's default (and the job's) selective
     checkpointing is switched off, not left on."""
