@@ -599,8 +599,13 @@ class Engine:
         """Per stage, the most micro-batches whose activations it holds at once."""
         if config.schedule == "GPipe":
             return (config.microbatches,) * config.num_stages
-        # Peaks stop growing by m = 3p (SATURATION_MICROBATCHES_PER_RANK).
-        m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
+        # Peaks stop growing by m = 2p (SATURATION_MICROBATCHES_PER_RANK) when m is a
+        # multiple of p, as every searched m of a multi-stage schedule is; other counts (a
+        # given plan's) are counted as they are: InterleavedZeroBubble's peaks at m = 10,
+        # p = 4 exceed those at 8.
+        m, pp = config.microbatches, config.mesh.pp
+        if m % pp == 0:
+            m = min(m, SATURATION_MICROBATCHES_PER_RANK * pp)
         key = (config.schedule, config.mesh.pp, config.virtual_stages, m)
         if key not in self._inflight:
             self._inflight[key] = unit_peaks(*key)

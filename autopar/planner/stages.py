@@ -12,11 +12,15 @@ from collections.abc import Iterable
 from cost_models.schedule import SCHEDULES, Timeline
 from runtime.schedule_orders import runtime_orders
 
-SATURATION_MICROBATCHES_PER_RANK = 3
-"""In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, the interleaved
-and zero-bubble tables by 2p to 3p; tests/autopar/planner/test_fast_paths.py checks p up
-to 16 on the runtime's orders): peaks are counted on m = min(m, 3p), whose tables are
-shorter and shared by every larger m."""
+SATURATION_MICROBATCHES_PER_RANK = 2
+"""In-flight peaks of every schedule stop growing by m = 2p: 1F1B's by m = p (rank r holds
+p - r), the interleaved and zero-bubble tables' (which take m in multiples of p) by their
+second round of p micro-batches. An observation on torch's tables, not a theorem: it holds
+for every m = 2p … 8p at p ≤ 16 and v ≤ 8, for v up to 16 at p = 4, 6, 8, and for m = 3p,
+4p at p = 24 … 64 and v ≤ 4 (tests/autopar/planner/test_inflight_saturation.py checks
+the small shapes and the planner's largest). Peaks are counted on m = min(m, 2p), whose
+tables are shorter and shared by every larger m."""
+
 
 def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
                ) -> tuple[int, ...]:
