@@ -46,7 +46,7 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from autopar.planner.bounds import rank_bound
+from autopar.planner.bounds import Hulls, rank_bound
 from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.costs import (
     LayerCost,
@@ -203,6 +203,7 @@ class Engine:
         self._layer_costs: dict[tuple, list[dict[str, LayerCost]]] = {}
         self._summaries: dict[int, tuple[LayerCost, float, float, float, float]] = {}
         self._balanced: dict[tuple, tuple[int, ...]] = {}
+        self._hulls: dict[int, Hulls] = {}  # per micro-batch count: the rank bounds' hulls
 
     # -- one stage (pp = 1) ---------------------------------------------------------------
 
@@ -745,9 +746,11 @@ class Engine:
         key = _rank_key(config, options)
         if key not in self._bounds:
             m = config.microbatches
+            if m not in self._hulls:  # the ranks' options are the dicts ``costs`` keeps
+                self._hulls[m] = Hulls(lambda c: m * (c.fwd_s + c.bwd_s + c.wgrad_s) + c.step_s)
             self._bounds[key] = rank_bound(
                 options, self.cluster.device.memory_bytes, self.cluster.memory_margin_fraction,
-                value=lambda c: m * (c.fwd_s + c.bwd_s + c.wgrad_s) + c.step_s)
+                self._hulls[m].value, self._hulls[m])
         return self._bounds[key]
 
     def _fastest_if_it_fits(self, options: list[ClassOptions]) -> list[dict[str, int]] | None:
