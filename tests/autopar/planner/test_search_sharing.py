@@ -1,0 +1,89 @@
+"""What the planner shares between configurations gives what it would compute for each
+alone (issue 17, part 7): rank bounds from a shared hull store, and layer options priced
+once for both recomputation modes."""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from autopar.planner.bounds import Hulls, greedy, lower_hull, rank_bound
+from autopar.planner.costs import LayerCost
+from autopar.planner.ilp import GIB, ClassOptions
+
+
+def option(time_s: float, states_gib: float, buffer_gib: float, host_gib: float = 0.0
+           ) -> LayerCost:
+    return LayerCost(option="o", strategy="replicate", recompute="none", offload=False,
+                     sequence_parallel=False, microbatches=1, fwd_s=time_s / 2,
+                     bwd_s=time_s / 3, wgrad_s=time_s / 6, step_s=time_s / 5,
+                     compute_s=time_s, comm_s=0.0, params_bytes=states_gib * GIB,
+                     grads_bytes=0.0, optimizer_bytes=0.0,
+                     activations_bytes=states_gib * GIB / 4, buffers_bytes=buffer_gib * GIB,
+                     output_bytes=0.0, host_bytes=host_gib * GIB)
+
+
+def plain_rank_bound(classes: list[ClassOptions], capacity: float, margin: float,
+                     value) -> float:
+    """The least per-cap LP bound, every class's hull built from scratch at every cap (the
+    lower bound ignores host memory)."""
+    out = math.inf
+    for cap in sorted({x.buffers_bytes for c in classes for x in c.costs.values()}):
+        hulls = []
+        for c in classes:
+            allowed = [x for x in c.costs.values() if x.buffers_bytes <= cap]
+            if not allowed:
+                break
+            hulls.append((c.count, lower_hull((x.resident_with(c.inflight), value(x))
+                                              for x in allowed)))
+        else:
+            out = min(out, greedy(hulls, capacity / (1 + margin) - cap)[0])
+    return out
+
+
+options_st = st.lists(
+    st.builds(option, st.sampled_from([0.5, 1.0, 2.0, 3.0]), st.floats(0.0, 4.0),
+              st.sampled_from([0.0, 0.5, 1.0, 2.0]), st.sampled_from([0.0, 0.0, 300.0])),
+    min_size=1, max_size=5)
+
+
+def value(cost: LayerCost) -> float:
+    return 3 * (cost.fwd_s + cost.bwd_s + cost.wgrad_s) + cost.step_s
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(options_st, min_size=1, max_size=3),
+       st.lists(st.lists(st.tuples(st.integers(0, 2), st.integers(1, 3), st.integers(1, 4)),
+                         min_size=1, max_size=3), min_size=1, max_size=6),
+       st.floats(1.0, 24.0))
+def test_rank_bounds_from_a_shared_hull_store_equal_those_built_alone(pool, programs,
+                                                                      capacity_gib):
+    # Programs draw their classes from a few shared option dicts at various counts and
+    # in-flight counts, as a pipeline's ranks do; one store serves them all.
+    dicts = [{f"s{j}": x for j, x in enumerate(opts)} for opts in pool]
+    store = Hulls(value)
+    for program in programs:
+        classes = [ClassOptions(name=f"c{i}", count=n, inflight=k,
+                                costs=dicts[d % len(dicts)])
+                   for i, (d, n, k) in enumerate(program)]
+        shared = rank_bound(classes, capacity_gib * GIB, 0.1, value, store)
+        assert shared == rank_bound(classes, capacity_gib * GIB, 0.1, value)
+        assert shared == plain_rank_bound(classes, capacity_gib * GIB, 0.1, value)
+
+
+def test_a_store_never_serves_a_dead_dicts_hull_to_a_new_dict_at_its_address():
+    store = Hulls(value)
+    first = {"a": option(1.0, 1.0, 0.0), "b": option(3.0, 0.5, 0.0)}
+    classes = [ClassOptions(name="c", count=2, inflight=1, costs=first)]
+    before = rank_bound(classes, 8 * GIB, 0.1, value, store)
+    # A new dict at the same id (as after the first is freed): its own options count.
+    second = {"a": option(2.0, 1.0, 0.0)}
+    store._sorted[id(second)] = store._sorted.pop(id(first))
+    for key in [k for k in store._hulls if k[0] == id(first)]:
+        store._hulls[(id(second), *key[1:])] = store._hulls.pop(key)
+    again = [ClassOptions(name="c", count=2, inflight=1, costs=second)]
+    assert rank_bound(again, 8 * GIB, 0.1, value, store) == rank_bound(again, 8 * GIB, 0.1,
+                                                                        value)
+    assert rank_bound(again, 8 * GIB, 0.1, value) != before
