@@ -195,6 +195,7 @@ class Engine:
         self.time_limit_s = time_limit_s
         self.prune = prune
         self._costs: dict[tuple, dict[str, LayerCost]] = {}
+        self._priced: dict[tuple, dict[str, LayerCost]] = {}  # every option, unpruned
         self._inflight: dict[tuple, tuple[int, ...]] = {}
         self._ilp: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
@@ -470,11 +471,12 @@ class Engine:
         role = self.role(layer_index, config, stage_of)
         key = (layer.layer_class, mesh.pp > 1, mesh.dp, mesh.cp, mesh.tp, m, selective, role)
         if key not in self._costs:
-            if role is None:
+            if role is None:  # both recomputation modes' options priced once
+                priced = self._priced.setdefault(key[:-2], {})
                 self._costs[key] = layer_options(layer, self.graph.seq_len, mesh,
                                                  self.cluster, self.prec, m,
                                                  selective=selective,
-                                                 estimators=self.estimators)
+                                                 estimators=self.estimators, priced=priced)
             else:
                 self._costs[key] = self._tied_costs(layer, config, role, selective)
         return self._costs[key]

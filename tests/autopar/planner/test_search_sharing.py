@@ -87,3 +87,34 @@ def test_a_store_never_serves_a_dead_dicts_hull_to_a_new_dict_at_its_address():
     assert rank_bound(again, 8 * GIB, 0.1, value, store) == rank_bound(again, 8 * GIB, 0.1,
                                                                         value)
     assert rank_bound(again, 8 * GIB, 0.1, value) != before
+
+
+def test_options_priced_once_for_both_recomputation_modes_equal_those_priced_alone():
+    from autopar.planner.costs import layer_options
+    from autopar.zoo import get_model
+    from cost_models.hardware import Cluster
+    from cost_models.memory import precision
+    from passes.layer_graph import build_layer_graph
+    from runtime.plan import Mesh
+
+    spec = get_model("gpt2-small")
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(64, device="meta"),
+                              model_name="gpt2-small")
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2)
+    prec = precision("bfloat16")
+    selective_seen = False
+    for mesh, m in [(Mesh(pp=2, dp=4, tp=2), 4), (Mesh(pp=4, dp=4, tp=1), 8),
+                    (Mesh(pp=1, dp=4, tp=4), 2)]:
+        for layer in {layer.layer_class: layer for layer in graph.layers}.values():
+            alone = {s: layer_options(layer, graph.seq_len, mesh, cluster, prec, m,
+                                      selective=s) for s in (False, True)}
+            for first in (False, True):  # either mode may be asked first
+                priced: dict = {}
+                shared = {s: layer_options(layer, graph.seq_len, mesh, cluster, prec, m,
+                                           selective=s, priced=priced)
+                          for s in (first, not first)}
+                for s in (False, True):
+                    assert list(shared[s]) == list(alone[s])
+                    assert shared[s] == alone[s]
+            selective_seen |= any("selective" in o for o in alone[True])
+    assert selective_seen  # the two modes differ somewhere
