@@ -40,6 +40,7 @@ the search is exact with respect to steps 1-3 while simulating few configuration
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
@@ -203,6 +204,7 @@ class Engine:
         self._roles: dict[tuple, dict[int, TieRole]] = {}
         self._layer_costs: dict[tuple, list[dict[str, LayerCost]]] = {}
         self._summaries: dict[int, tuple[LayerCost, float, float, float, float]] = {}
+        self._least: dict[tuple[int, int], tuple[float, float]] = {}
         self._balanced: dict[tuple, tuple[int, ...]] = {}
         self._hulls: dict[int, Hulls] = {}  # per micro-batch count: the rank bounds' hulls
 
@@ -493,7 +495,7 @@ class Engine:
         key = (config.schedule, pp, v, config.mesh.dp * config.mesh.tp, stage_of)
         if key not in self._roles:
             self._roles[key] = pipeline_roles(self.graph, stage_of,
-                                              stage_ranks(config.schedule, pp, pp * v),
+                                              _stage_ranks(config.schedule, pp, pp * v),
                                               config.mesh.dp * config.mesh.tp)
         return config.tie_strategy, self._roles[key][layer_index]
 
@@ -536,7 +538,7 @@ class Engine:
                 self._balanced[key] = stage_assignment(
                     n, balanced_bounds(list(weights), stages, self.graph.uncuttable))
             cuts = [self._balanced[key]]
-        owner = stage_ranks(config.schedule, config.mesh.pp, stages)
+        owner = _stage_ranks(config.schedule, config.mesh.pp, stages)
         return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
 
     def fastest(self, config: Config, stage_of: tuple[int, ...]) -> list[LayerCost]:
@@ -549,7 +551,7 @@ class Engine:
         first stage, nor (unless weight gradients are deferred past it) finish before the
         last backward has run back through them; the gradient sync follows the flush."""
         pp, v, m = config.mesh.pp, config.virtual_stages, config.microbatches
-        owner = stage_ranks(config.schedule, pp, pp * v)
+        owner = _stage_ranks(config.schedule, pp, pp * v)
         busy, sync = [0.0] * pp, [0.0] * pp
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
         for cost, s in zip(costs, stage_of, strict=True):
@@ -558,7 +560,7 @@ class Engine:
             fwd[s] += cost.fwd_s
             bwd[s] += cost.bwd_s
         split_w = SCHEDULES[config.schedule].split_backward
-        first = [min(s for s in range(pp * v) if owner[s] == r) for r in range(pp)]
+        first = [owner.index(r) for r in range(pp)]  # each rank's first stage
         return max(sum(fwd[:first[r]]) + busy[r] + (0.0 if split_w else sum(bwd[:first[r]]))
                    for r in range(pp)) + max(sync)
 
@@ -569,7 +571,7 @@ class Engine:
         everything else follows that backward."""
         config = prepared.config
         pp, num_stages, m = config.mesh.pp, config.num_stages, config.microbatches
-        owner = stage_ranks(config.schedule, pp, num_stages)
+        owner = _stage_ranks(config.schedule, pp, num_stages)
         split_w = SCHEDULES[config.schedule].split_backward
         fwd, bwd, busy, sync = [0.0] * num_stages, [0.0] * num_stages, [0.0] * pp, [0.0] * pp
         for cost, s in zip(prepared.costs, prepared.stage_of_layer, strict=True):
@@ -621,7 +623,7 @@ class Engine:
         prepare's bound is never below it (the ranks' ILP answers lie inside the LPs), so
         skipping on it loses nothing; inf when a rank cannot fit at all."""
         pp, v = config.mesh.pp, config.virtual_stages
-        owner = stage_ranks(config.schedule, pp, pp * v)
+        owner = _stage_ranks(config.schedule, pp, pp * v)
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
         for options, s in zip(self.layer_costs(config, stage_of), stage_of, strict=True):
             _, _, least_fwd, least_bwd, _ = self.summary(options)
@@ -657,10 +659,21 @@ class Engine:
         """Memory no assignment of these options goes below, margin included: each class
         at its least resident option, and the largest of the classes' least buffers
         (min_memory, without the search over buffer caps that makes it exact)."""
-        resident = sum(o.count * min(c.resident_with(o.inflight) for c in o.costs.values())
-                       for o in options)
-        buffer = max(min(c.buffers_bytes for c in o.costs.values()) for o in options)
+        least = [self._least_memory(o.costs, o.inflight) for o in options]
+        resident = sum(o.count * r for o, (r, _) in zip(options, least, strict=True))
+        buffer = max(b for _, b in least)
         return (1 + self.cluster.memory_margin_fraction) * (resident + buffer)
+
+    def _least_memory(self, options: dict[str, LayerCost], inflight: int
+                      ) -> tuple[float, float]:
+        """Of one layer's options (a dict ``costs`` keeps, as for ``summary``): the least
+        resident memory at ``inflight`` micro-batches, and the least buffer."""
+        key = (id(options), inflight)
+        if key not in self._least:
+            values = options.values()
+            self._least[key] = (min(c.resident_with(inflight) for c in values),
+                                min(c.buffers_bytes for c in values))
+        return self._least[key]
 
     def _fullest_stage_floor(self, config: Config, stage_of: tuple[int, ...]) -> float:
         """The memory floor of the fullest rank under this cut at one micro-batch in flight
@@ -706,7 +719,7 @@ class Engine:
                ) -> list[tuple[list[int], list[ClassOptions]]]:
         """Per pipeline rank, its layers and their classes' options."""
         pp, v = config.mesh.pp, config.virtual_stages
-        owner = stage_ranks(config.schedule, pp, pp * v)
+        owner = _stage_ranks(config.schedule, pp, pp * v)
         inflight = inflight or self.inflight(config)
         members: list[list[int]] = [[] for _ in range(pp)]
         for i, s in enumerate(stage_of):  # one pass, each rank's layers in order
@@ -777,7 +790,7 @@ class Engine:
     def finish(self, prepared: _Prepared) -> Outcome:
         config = prepared.config
         pp, stages = config.mesh.pp, config.num_stages
-        owner = stage_ranks(config.schedule, pp, stages)
+        owner = _stage_ranks(config.schedule, pp, stages)
         times = []
         for s in range(stages):
             members = [c for c, st in zip(prepared.costs, prepared.stage_of_layer, strict=True)
@@ -800,8 +813,10 @@ class Engine:
         peaks = [r.peak for r in pipeline_liveness(
             prepared.costs, [layer.name for layer in self.graph.layers],
             prepared.stage_of_layer, owner, timeline.slots, pp, peak_only=True)]
-        busiest = max(range(pp), key=lambda r: sum(
-            slot.end_s - slot.start_s for slot in timeline.slots if slot.rank == r))
+        busy = [0.0] * pp  # each rank's slots summed in timeline order, in one pass
+        for slot in timeline.slots:
+            busy[slot.rank] += slot.end_s - slot.start_s
+        busiest = max(range(pp), key=busy.__getitem__)
         mine = [c for c, st in zip(prepared.costs, prepared.stage_of_layer, strict=True)
                 if owner[st] == busiest]
         margin = self.cluster.memory_margin_fraction
@@ -821,6 +836,12 @@ class Engine:
             prepared.costs, prepared.stage_of_layer, prepared.stage_of_layer[1:] + (-1,),
             strict=True) if nxt != s and nxt != -1]
         return p2p_s(max(boundary, default=0.0), link)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_ranks(schedule: str, num_ranks: int, num_stages: int) -> tuple[int, ...]:
+    """``stage_ranks``, asked thousands of times for a few dozen shapes."""
+    return tuple(stage_ranks(schedule, num_ranks, num_stages))
 
 
 def _rank_key(config: Config, options: list[ClassOptions]) -> tuple:

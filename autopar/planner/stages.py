@@ -73,7 +73,7 @@ def _balanced(weights: list[float], stages: int) -> tuple[int, ...]:
     lo, hi = max(weights), sum(weights)
     for _ in range(60):
         mid = (lo + hi) / 2
-        if len(_greedy_cuts(weights, mid)) + 1 <= stages:
+        if _greedy_fits(weights, mid, stages):
             hi = mid
         else:
             lo = mid
@@ -91,6 +91,20 @@ def _balanced(weights: list[float], stages: int) -> tuple[int, ...]:
                 break
         cuts = sorted([*cuts, split])
     return tuple(cuts)
+
+
+def _greedy_fits(weights: list[float], limit: float, stages: int) -> bool:
+    """Whether ``_greedy_cuts(weights, limit)`` makes at most ``stages`` runs: the same
+    walk, stopped at the first run too many."""
+    runs, acc, most = 1, 0.0, limit * (1 + 1e-12)
+    for w in weights:
+        if acc + w > most and acc > 0:
+            runs += 1
+            if runs > stages:
+                return False
+            acc = 0.0
+        acc += w
+    return True
 
 
 def _greedy_cuts(weights: list[float], limit: float) -> list[int]:

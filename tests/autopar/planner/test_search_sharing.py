@@ -118,3 +118,14 @@ def test_options_priced_once_for_both_recomputation_modes_equal_those_priced_alo
                     assert shared[s] == alone[s]
             selective_seen |= any("selective" in o for o in alone[True])
     assert selective_seen  # the two modes differ somewhere
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from([0.5, 1.0, 1.5, 2.0, 3.0]), min_size=1, max_size=12),
+       st.floats(0.5, 20.0), st.integers(1, 12))
+def test_the_balanced_cut_search_stops_each_walk_where_the_full_walk_decides(weights, limit,
+                                                                             stages):
+    from autopar.planner.stages import _greedy_cuts, _greedy_fits
+
+    assert _greedy_fits(weights, limit, stages) == (len(_greedy_cuts(weights, limit)) + 1
+                                                    <= stages)
