@@ -98,7 +98,7 @@ def rank_bound(classes: list[ClassOptions], capacity_bytes: float, margin_fracti
     a store shared with other programs priced by the same ``value``."""
     caps = sorted({x.buffers_bytes for c in classes for x in c.costs.values()})
     bounds = CapBounds(classes, capacity_bytes, margin_fraction, value, hulls)
-    return min((bounds.at(cap)[0] for cap in caps), default=math.inf)
+    return min((bounds.lower_at(cap) for cap in caps), default=math.inf)
 
 
 class Hulls:
@@ -117,10 +117,11 @@ class Hulls:
         """The options sorted by buffer size (stable), and their buffers."""
         entry = self._sorted.get(id(costs))
         if entry is None or entry[0] is not costs:
+            if entry is not None:  # a dead dict's id, reused: its hulls are not these
+                self._hulls = {k: h for k, h in self._hulls.items() if k[0] != id(costs)}
             options = sorted(costs.values(), key=lambda x: x.buffers_bytes)
             entry = (costs, options, [x.buffers_bytes for x in options])
             self._sorted[id(costs)] = entry
-            self._hulls = {k: h for k, h in self._hulls.items() if k[0] != id(costs)}
         return entry[1], entry[2]
 
     def hull(self, costs: dict[str, LayerCost], inflight: int, allowed: int
@@ -151,6 +152,16 @@ class CapBounds:
         self.classes = []  # (count, inflight, costs, their buffers in increasing order)
         for c in classes:
             self.classes.append((c.count, c.inflight, c.costs, hulls.by_buffer(c.costs)[1]))
+
+    def lower_at(self, cap: float) -> float:
+        """``at(cap)``'s lower bound alone (no second greedy for the integer point)."""
+        hulls = []
+        for count, inflight, costs, buffers in self.classes:
+            allowed = bisect.bisect_right(buffers, cap)
+            if not allowed:
+                return math.inf
+            hulls.append((count, self.hulls.hull(costs, inflight, allowed)[0]))
+        return greedy(hulls, self.capacity_bytes / (1 + self.margin_fraction) - cap)[0]
 
     def at(self, cap: float) -> tuple[float, float]:
         hulls, host = [], 0.0

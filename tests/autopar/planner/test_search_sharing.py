@@ -129,3 +129,35 @@ def test_the_balanced_cut_search_stops_each_walk_where_the_full_walk_decides(wei
 
     assert _greedy_fits(weights, limit, stages) == (len(_greedy_cuts(weights, limit)) + 1
                                                     <= stages)
+
+
+def plain_min_device_memory(classes: list[ClassOptions], margin: float):
+    """The least memory by its definition: every cap, every class its least option under it."""
+    best, best_choice = math.inf, {}
+    caps = sorted({0.0} | {x.buffers_bytes for c in classes for x in c.costs.values()})
+    for cap in caps:
+        total, choice = cap, {}
+        for c in classes:
+            allowed = [(x.resident_with(c.inflight), s) for s, x in c.costs.items()
+                       if x.buffers_bytes <= cap]
+            if not allowed:
+                break
+            resident, strategy = min(allowed)
+            total += c.count * resident
+            choice[c.name] = {strategy: c.count}
+        else:
+            if total < best:
+                best, best_choice = total, choice
+    return (1 + margin) * best, best_choice
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 3), options_st), min_size=1,
+                max_size=4))
+def test_least_memory_by_running_minima_equals_the_definition(raw):
+    from autopar.planner.ilp import _min_device_memory
+
+    classes = [ClassOptions(name=f"c{i}", count=n, inflight=k,
+                            costs={f"s{j}": x for j, x in enumerate(opts)})
+               for i, (n, k, opts) in enumerate(raw)]
+    assert _min_device_memory(classes, 0.1) == plain_min_device_memory(classes, 0.1)
