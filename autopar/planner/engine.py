@@ -206,6 +206,7 @@ class Engine:
         self._summaries: dict[int, tuple[LayerCost, float, float, float, float]] = {}
         self._least: dict[tuple[int, int], tuple[float, float]] = {}
         self._balanced: dict[tuple, tuple[int, ...]] = {}
+        self._shapes: dict[tuple, list[tuple[list[int], list[tuple[str, int, int]]]]] = {}
         self._hulls: dict[int, Hulls] = {}  # per micro-batch count: the rank bounds' hulls
 
     # -- one stage (pp = 1) ---------------------------------------------------------------
@@ -718,26 +719,38 @@ class Engine:
                inflight: tuple[int, ...] | None = None
                ) -> list[tuple[list[int], list[ClassOptions]]]:
         """Per pipeline rank, its layers and their classes' options."""
-        pp, v = config.mesh.pp, config.virtual_stages
-        owner = _stage_ranks(config.schedule, pp, pp * v)
         inflight = inflight or self.inflight(config)
-        members: list[list[int]] = [[] for _ in range(pp)]
-        for i, s in enumerate(stage_of):  # one pass, each rank's layers in order
-            members[owner[s]].append(i)
-        return [(mine, self._rank_options(config, mine, stage_of, inflight)) for mine in members]
+        return [(mine, [ClassOptions(name=name, count=count,
+                                     costs=self.costs(first, config, stage_of),
+                                     inflight=inflight[stage_of[first]])
+                        for name, count, first in classes])
+                for mine, classes in self._rank_classes(config, stage_of)]
 
-    def _rank_options(self, config: Config, members: list[int],
-                      stage_of: tuple[int, ...], inflight: tuple[int, ...]) -> list[ClassOptions]:
-        counts: dict[str, int] = {}
-        first: dict[str, int] = {}
-        for i in members:
-            name = self._class_key(i, config, stage_of)
-            counts[name] = counts.get(name, 0) + 1
-            first.setdefault(name, i)
-        return [ClassOptions(name=name, count=counts[name],
-                             costs=self.costs(first[name], config, stage_of),
-                             inflight=inflight[stage_of[first[name]]])
-                for name in counts]
+    def _rank_classes(self, config: Config, stage_of: tuple[int, ...]
+                      ) -> list[tuple[list[int], list[tuple[str, int, int]]]]:
+        """Per pipeline rank, its layers (in order) and its classes: (ILP name, number of
+        layers, first layer). Without ties they depend on the cut and the stages' placement
+        alone, so configurations on other meshes and micro-batch counts share them."""
+        pp, v = config.mesh.pp, config.virtual_stages
+        key = (config.schedule, pp, v, stage_of)
+        if config.tie_strategy or key not in self._shapes:
+            owner = _stage_ranks(config.schedule, pp, pp * v)
+            members: list[list[int]] = [[] for _ in range(pp)]
+            for i, s in enumerate(stage_of):  # one pass, each rank's layers in order
+                members[owner[s]].append(i)
+            out = []
+            for mine in members:
+                counts: dict[str, int] = {}
+                first: dict[str, int] = {}
+                for i in mine:
+                    name = self._class_key(i, config, stage_of)
+                    counts[name] = counts.get(name, 0) + 1
+                    first.setdefault(name, i)
+                out.append((mine, [(name, counts[name], first[name]) for name in counts]))
+            if config.tie_strategy:
+                return out  # the names carry the tie's roles under this configuration
+            self._shapes[key] = out
+        return self._shapes[key]
 
     def _class_key(self, layer_index: int, config: Config,
                    stage_of: tuple[int, ...]) -> str:
