@@ -206,6 +206,7 @@ class Engine:
         self._summaries: dict[int, tuple[LayerCost, float, float, float, float]] = {}
         self._least: dict[tuple[int, int], tuple[float, float]] = {}
         self._balanced: dict[tuple, tuple[int, ...]] = {}
+        self._weight_lists: dict[int, tuple[list, tuple[float, ...]]] = {}
         self._shapes: dict[tuple, list[tuple[list[int], list[tuple[str, int, int]]]]] = {}
         self._hulls: dict[int, Hulls] = {}  # per micro-batch count: the rank bounds' hulls
 
@@ -533,7 +534,7 @@ class Engine:
             cuts = [stage_assignment(n, bounds)
                     for bounds in itertools.combinations(allowed, stages - 1)]
         else:
-            weights = tuple(self.summary(options)[1] for options in self.layer_costs(config))
+            weights = self._weights(self.layer_costs(config))
             key = (weights, stages)  # schedules and micro-batch counts often share both
             if key not in self._balanced:
                 self._balanced[key] = stage_assignment(
@@ -541,6 +542,16 @@ class Engine:
             cuts = [self._balanced[key]]
         owner = _stage_ranks(config.schedule, config.mesh.pp, stages)
         return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
+
+    def _weights(self, options: list[dict[str, LayerCost]]) -> tuple[float, ...]:
+        """Each layer's least F + B + W, the balanced cut's weights; per list of options
+        (``layer_costs`` keeps one per mesh, micro-batch count and recomputation modes,
+        kept here too so that its id is not reused)."""
+        entry = self._weight_lists.get(id(options))
+        if entry is None or entry[0] is not options:
+            entry = (options, tuple(self.summary(o)[1] for o in options))
+            self._weight_lists[id(options)] = entry
+        return entry[1]
 
     def fastest(self, config: Config, stage_of: tuple[int, ...]) -> list[LayerCost]:
         return [self.summary(options)[0] for options in self.layer_costs(config, stage_of)]
