@@ -197,6 +197,7 @@ class Engine:
         self.prune = prune
         self._costs: dict[tuple, dict[str, LayerCost]] = {}
         self._priced: dict[tuple, dict[str, LayerCost]] = {}  # every option, unpruned
+        self._one_stage_priced: dict[tuple, dict[str, LayerCost]] = {}  # one_stage.cost_mesh
         self._inflight: dict[tuple, tuple[int, ...]] = {}
         self._ilp: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
@@ -217,7 +218,7 @@ class Engine:
         one option, and the program of the plan the runtime would run on DDP (where one
         can be, ``ddp_programs``)."""
         options = class_options(self.graph, config.mesh, self.cluster, self.prec,
-                                config.microbatches, self.estimators)
+                                config.microbatches, self.estimators, self._one_stage_priced)
         return [join_ties(self.graph, p)
                 for p in [options, *ddp_programs(options, self.prec, config.mesh)]]
 

@@ -161,3 +161,64 @@ def test_least_memory_by_running_minima_equals_the_definition(raw):
                             costs={f"s{j}": x for j, x in enumerate(opts)})
                for i, (n, k, opts) in enumerate(raw)]
     assert _min_device_memory(classes, 0.1) == plain_min_device_memory(classes, 0.1)
+
+
+def test_layers_without_ring_attention_cost_on_dp_x_cp_what_they_cost_on_dp_cp_replicas():
+    # one_stage.cost_mesh: such layers' options are shared between meshes that split their
+    # replicas differently between dp and cp; pricing each mesh gives the same options.
+    from autopar.planner.costs import layer_options
+    from autopar.planner.estimators import ANALYTIC
+    from autopar.planner.one_stage import cost_mesh
+    from autopar.zoo import get_model
+    from cost_models.hardware import Cluster
+    from cost_models.memory import precision
+    from passes.layer_graph import build_layer_graph
+    from runtime.plan import Mesh
+
+    spec = get_model("gpt2-small")
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(64, device="meta"),
+                              model_name="gpt2-small")
+    assert graph.context_parallel_problem is None  # the search offers it cp meshes
+    cluster = Cluster.preset("dgx-a100-80g", nodes=4)
+    shared = attention = 0
+    for prec in (precision("float32"), precision("bfloat16")):
+        for mesh, m in [(Mesh(dp=16, cp=2, tp=1), 1), (Mesh(dp=4, cp=4, tp=2), 2),
+                        (Mesh(dp=1, cp=8, tp=4), 1), (Mesh(dp=8, cp=4, tp=1), 4)]:
+            for layer in {layer.layer_class: layer for layer in graph.layers}.values():
+                seen = cost_mesh(layer, mesh, ANALYTIC)
+                if seen == mesh:
+                    attention += 1
+                    continue
+                shared += 1
+                assert seen == Mesh(dp=mesh.replicas, cp=1, tp=mesh.tp)
+                as_seen = layer_options(layer, graph.seq_len, seen, cluster, prec, m)
+                assert as_seen == layer_options(layer, graph.seq_len, mesh, cluster, prec, m)
+                assert list(as_seen) == list(layer_options(layer, graph.seq_len, mesh,
+                                                           cluster, prec, m))
+    assert shared and attention  # embeddings, norm and head shared; the blocks not
+
+
+def test_one_stage_programs_with_shared_options_equal_those_priced_per_mesh():
+    from autopar.planner.configs import Config, accumulation_steps, candidate_meshes
+    from autopar.planner.engine import Engine
+    from autopar.planner.one_stage import class_options
+    from autopar.zoo import get_model
+    from cost_models.hardware import Cluster
+    from cost_models.memory import precision
+    from passes.layer_graph import build_layer_graph
+
+    spec = get_model("gpt2-small")
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(32, device="meta"),
+                              model_name="gpt2-small")
+    cluster = Cluster.preset("dgx-a100-80g", nodes=2)
+    prec = precision("bfloat16")
+    engine = Engine(graph, cluster, prec)
+    meshes = [m for m, reason in candidate_meshes(cluster, 32, seq_len=graph.seq_len,
+                                                  context_parallel=True) if not reason]
+    assert any(m.cp > 1 for m in meshes)
+    for mesh in meshes:
+        for k in accumulation_steps(graph, mesh):
+            (program,) = engine.programs(Config(mesh=mesh, microbatches=k))
+            alone = class_options(graph, mesh, cluster, prec, k)
+            assert [(c.name, c.count, c.costs) for c in program] == [
+                (c.name, c.count, c.costs) for c in alone]
