@@ -15,10 +15,11 @@ from runtime.schedule_orders import runtime_orders
 SATURATION_MICROBATCHES_PER_RANK = 2
 """In-flight peaks of every schedule stop growing by m = 2p: 1F1B's by m = p (rank r holds
 p - r), the interleaved and zero-bubble tables' (which take m in multiples of p) by their
-second round of p micro-batches. An observation on torch's tables, not a theorem: it holds
-for every m = 2p … 8p at p ≤ 16 and v ≤ 8, for v up to 16 at p = 4, 6, 8, and for m = 3p,
-4p at p = 24 … 64 and v ≤ 4 (tests/autopar/planner/test_inflight_saturation.py checks
-the small shapes and the planner's largest). Peaks are counted on m = min(m, 2p), whose
+second round of p micro-batches. An observation on torch's tables, not a theorem: the
+peaks at m = 3p, 4p, 5p, 6p and 8p equal those at 2p for every p ≤ 16 and v ≤ 8, at 3p,
+4p and 6p for v up to 16 at p = 4, 6, 8, and at 3p and 4p for p = 24, 32, 48, 64 and v ≤ 4
+(tests/autopar/planner/test_inflight_saturation.py checks the small shapes and the
+planner's largest). Peaks are counted on m = min(m, 2p), whose
 tables are shorter and shared by every larger m."""
 
 
