@@ -1,6 +1,8 @@
-"""What the planner shares between configurations gives what it would compute for each
-alone (issue 17, part 7): rank bounds from a shared hull store, and layer options priced
-once for both recomputation modes."""
+"""What the planner shares between configurations, and the shorter scans it runs, give
+what it would compute for each alone or by the definition (issue 17, part 7): rank bounds
+from a shared hull store, layer options priced once for both recomputation modes and once
+for all dp × cp splits of a layer without ring attention, the balanced cut search's
+stopped walks, and the least memory of a program by running minima."""
 
 from __future__ import annotations
 
