@@ -93,48 +93,83 @@ def bounds_at_cap(classes: list[ClassOptions], cap: float, capacity_bytes: float
 
 
 def rank_bound(classes: list[ClassOptions], capacity_bytes: float, margin_fraction: float,
-               value: Value = time_value) -> float:
-    """A lower bound on the rank ILP's optimum (inf: nothing fits the device)."""
+               value: Value = time_value, hulls: Hulls | None = None) -> float:
+    """A lower bound on the rank ILP's optimum (inf: nothing fits the device); ``hulls``:
+    a store shared with other programs priced by the same ``value``."""
     caps = sorted({x.buffers_bytes for c in classes for x in c.costs.values()})
-    bounds = CapBounds(classes, capacity_bytes, margin_fraction, value)
-    return min((bounds.at(cap)[0] for cap in caps), default=math.inf)
+    bounds = CapBounds(classes, capacity_bytes, margin_fraction, value, hulls)
+    return min((bounds.lower_at(cap) for cap in caps), default=math.inf)
 
 
-class CapBounds:
-    """``bounds_at_cap`` for many caps of one program. A class's allowed options, and so
-    its hull, change only at its own buffer sizes: each class's options are sorted by
-    buffer once and its hull is built once per distinct allowed set, not once per cap."""
+class Hulls:
+    """Per class of options, its options by buffer size and the lower hull of its allowed
+    lightest-buffer ones at an in-flight count, under one ``value``: shared by programs
+    whose classes hold the same options (a pipeline's ranks, and configurations on one
+    mesh, hold one layer class's options at a handful of in-flight counts). Keyed by the
+    identity of a class's costs dict, which is kept here so that its id is not reused."""
 
-    def __init__(self, classes: list[ClassOptions], capacity_bytes: float,
-                 margin_fraction: float, value: Value) -> None:
-        self.capacity_bytes, self.margin_fraction = capacity_bytes, margin_fraction
-        self.classes = []  # (count, inflight, options by buffer, their buffers)
-        for c in classes:
-            options = sorted(c.costs.values(), key=lambda x: x.buffers_bytes)
-            self.classes.append((c.count, c.inflight, options,
-                                 [x.buffers_bytes for x in options]))
+    def __init__(self, value: Value) -> None:
         self.value = value
-        self._hulls: dict[tuple[int, int], tuple[Hull, float]] = {}
+        self._sorted: dict[int, tuple[dict, list[LayerCost], list[float]]] = {}
+        self._hulls: dict[tuple[int, int, int], tuple[Hull, float]] = {}
 
-    def _hull(self, index: int, allowed: int) -> tuple[Hull, float]:
-        """The class's hull over its ``allowed`` lightest-buffer options, and their most
-        host bytes."""
-        key = (index, allowed)
+    def by_buffer(self, costs: dict[str, LayerCost]) -> tuple[list[LayerCost], list[float]]:
+        """The options sorted by buffer size (stable), and their buffers."""
+        entry = self._sorted.get(id(costs))
+        if entry is None or entry[0] is not costs:
+            if entry is not None:  # a dead dict's id, reused: its hulls are not these
+                self._hulls = {k: h for k, h in self._hulls.items() if k[0] != id(costs)}
+            options = sorted(costs.values(), key=lambda x: x.buffers_bytes)
+            entry = (costs, options, [x.buffers_bytes for x in options])
+            self._sorted[id(costs)] = entry
+        return entry[1], entry[2]
+
+    def hull(self, costs: dict[str, LayerCost], inflight: int, allowed: int
+             ) -> tuple[Hull, float]:
+        """The hull over the ``allowed`` lightest-buffer options, and their most host
+        bytes."""
+        key = (id(costs), inflight, allowed)
         if key not in self._hulls:
-            _, inflight, options, _ = self.classes[index]
-            kept = options[:allowed]
+            kept = self.by_buffer(costs)[0][:allowed]
             self._hulls[key] = (
                 lower_hull((x.resident_with(inflight), self.value(x)) for x in kept),
                 max(x.host_bytes for x in kept))
         return self._hulls[key]
 
+
+class CapBounds:
+    """``bounds_at_cap`` for many caps of one program. A class's allowed options, and so
+    its hull, change only at its own buffer sizes: each class's options are sorted by
+    buffer once and its hull is built once per distinct allowed set, not once per cap
+    (nor once per program, with a ``hulls`` store shared among programs)."""
+
+    def __init__(self, classes: list[ClassOptions], capacity_bytes: float,
+                 margin_fraction: float, value: Value, hulls: Hulls | None = None) -> None:
+        self.capacity_bytes, self.margin_fraction = capacity_bytes, margin_fraction
+        if hulls is None or hulls.value is not value:
+            hulls = Hulls(value)
+        self.hulls = hulls
+        self.classes = []  # (count, inflight, costs, their buffers in increasing order)
+        for c in classes:
+            self.classes.append((c.count, c.inflight, c.costs, hulls.by_buffer(c.costs)[1]))
+
+    def lower_at(self, cap: float) -> float:
+        """``at(cap)``'s lower bound alone (no second greedy for the integer point)."""
+        hulls = []
+        for count, inflight, costs, buffers in self.classes:
+            allowed = bisect.bisect_right(buffers, cap)
+            if not allowed:
+                return math.inf
+            hulls.append((count, self.hulls.hull(costs, inflight, allowed)[0]))
+        return greedy(hulls, self.capacity_bytes / (1 + self.margin_fraction) - cap)[0]
+
     def at(self, cap: float) -> tuple[float, float]:
         hulls, host = [], 0.0
-        for index, (count, _, _, buffers) in enumerate(self.classes):
+        for count, inflight, costs, buffers in self.classes:
             allowed = bisect.bisect_right(buffers, cap)
             if not allowed:
                 return math.inf, math.inf
-            hull, most_host = self._hull(index, allowed)
+            hull, most_host = self.hulls.hull(costs, inflight, allowed)
             hulls.append((count, hull))
             host += count * most_host
         lower, _ = greedy(hulls, self.capacity_bytes / (1 + self.margin_fraction) - cap)

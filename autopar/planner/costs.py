@@ -525,15 +525,20 @@ def hsdp_shard_size(cluster: Cluster, pp: int = 1) -> int | None:
 
 def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cluster,
                   prec: Precision, microbatches: int = 1, *, selective: bool = True,
-                  estimators: Estimators = ANALYTIC) -> dict[str, LayerCost]:
+                  estimators: Estimators = ANALYTIC,
+                  priced: dict[str, LayerCost] | None = None) -> dict[str, LayerCost]:
     """Every option of one layer with its cost (composed from ``estimators``), dominated
-    options removed."""
+    options removed. ``priced``: costs of this layer's options on this mesh and micro-batch
+    count already known, filled with those priced here (so the options of both
+    recomputation modes are priced once)."""
     hsdp = hsdp_shard_size(cluster, mesh.pp)
     labels = runnable(allowed_options(
         layer, mesh, seq_len=seq_len, hsdp_shard_size=hsdp, microbatches=microbatches,
         selective=selective, offload=cluster.host.offload,
         async_tp=async_tp_offered(cluster, mesh)), prec.name)
-    return prune_dominated({
-        o: layer_cost(layer, o, mesh, cluster, prec, microbatches, hsdp_shard_size=hsdp,
-                      estimators=estimators)
-        for o in labels})
+    priced = {} if priced is None else priced
+    for o in labels:
+        if o not in priced:
+            priced[o] = layer_cost(layer, o, mesh, cluster, prec, microbatches,
+                                   hsdp_shard_size=hsdp, estimators=estimators)
+    return prune_dominated({o: priced[o] for o in labels})

@@ -40,13 +40,14 @@ the search is exact with respect to steps 1-3 while simulating few configuration
 
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
 import time
 from dataclasses import dataclass, field, replace
 
-from autopar.planner.bounds import rank_bound
+from autopar.planner.bounds import Hulls, rank_bound
 from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.costs import (
     LayerCost,
@@ -200,6 +201,8 @@ class Engine:
         self.time_limit_s = time_limit_s
         self.prune = prune
         self._costs: dict[tuple, dict[str, LayerCost]] = {}
+        self._priced: dict[tuple, dict[str, LayerCost]] = {}  # every option, unpruned
+        self._one_stage_priced: dict[tuple, dict[str, LayerCost]] = {}  # one_stage.cost_mesh
         self._inflight: dict[tuple, tuple[int, ...]] = {}
         self._ilp: dict[tuple, object] = {}
         self._bounds: dict[tuple, float] = {}
@@ -207,7 +210,11 @@ class Engine:
         self._roles: dict[tuple, dict[int, TieRole]] = {}
         self._layer_costs: dict[tuple, list[dict[str, LayerCost]]] = {}
         self._summaries: dict[int, tuple[LayerCost, float, float, float, float]] = {}
+        self._least: dict[tuple[int, int], tuple[float, float]] = {}
         self._balanced: dict[tuple, tuple[int, ...]] = {}
+        self._weight_lists: dict[int, tuple[list, tuple[float, ...]]] = {}
+        self._shapes: dict[tuple, list[tuple[list[int], list[tuple[str, int, int]]]]] = {}
+        self._hulls: dict[int, Hulls] = {}  # per micro-batch count: the rank bounds' hulls
 
     # -- one stage (pp = 1) ---------------------------------------------------------------
 
@@ -216,7 +223,7 @@ class Engine:
         one option, and the program of the plan the runtime would run on DDP (where one
         can be, ``ddp_programs``)."""
         options = class_options(self.graph, config.mesh, self.cluster, self.prec,
-                                config.microbatches, self.estimators)
+                                config.microbatches, self.estimators, self._one_stage_priced)
         return [join_ties(self.graph, p)
                 for p in [options, *ddp_programs(options, self.prec, config.mesh)]]
 
@@ -477,11 +484,12 @@ class Engine:
         role = self.role(layer_index, config, stage_of)
         key = (layer.layer_class, mesh.pp > 1, mesh.dp, mesh.cp, mesh.tp, m, selective, role)
         if key not in self._costs:
-            if role is None:
+            if role is None:  # both recomputation modes' options priced once
+                priced = self._priced.setdefault(key[:-2], {})
                 self._costs[key] = layer_options(layer, self.graph.seq_len, mesh,
                                                  self.cluster, self.prec, m,
                                                  selective=selective,
-                                                 estimators=self.estimators)
+                                                 estimators=self.estimators, priced=priced)
             else:
                 self._costs[key] = self._tied_costs(layer, config, role, selective)
         return self._costs[key]
@@ -498,7 +506,7 @@ class Engine:
         key = (config.schedule, pp, v, config.mesh.dp * config.mesh.tp, stage_of)
         if key not in self._roles:
             self._roles[key] = pipeline_roles(self.graph, stage_of,
-                                              stage_ranks(config.schedule, pp, pp * v),
+                                              _stage_ranks(config.schedule, pp, pp * v),
                                               config.mesh.dp * config.mesh.tp)
         return config.tie_strategy, self._roles[key][layer_index]
 
@@ -535,14 +543,24 @@ class Engine:
             cuts = [stage_assignment(n, bounds)
                     for bounds in itertools.combinations(allowed, stages - 1)]
         else:
-            weights = tuple(self.summary(options)[1] for options in self.layer_costs(config))
+            weights = self._weights(self.layer_costs(config))
             key = (weights, stages)  # schedules and micro-batch counts often share both
             if key not in self._balanced:
                 self._balanced[key] = stage_assignment(
                     n, balanced_bounds(list(weights), stages, self.graph.uncuttable))
             cuts = [self._balanced[key]]
-        owner = stage_ranks(config.schedule, config.mesh.pp, stages)
+        owner = _stage_ranks(config.schedule, config.mesh.pp, stages)
         return [c for c in cuts if not copies_share_a_rank(self.graph, c, owner)]
+
+    def _weights(self, options: list[dict[str, LayerCost]]) -> tuple[float, ...]:
+        """Each layer's least F + B + W, the balanced cut's weights; per list of options
+        (``layer_costs`` keeps one per mesh, micro-batch count and recomputation modes,
+        kept here too so that its id is not reused)."""
+        entry = self._weight_lists.get(id(options))
+        if entry is None or entry[0] is not options:
+            entry = (options, tuple(self.summary(o)[1] for o in options))
+            self._weight_lists[id(options)] = entry
+        return entry[1]
 
     def fastest(self, config: Config, stage_of: tuple[int, ...]) -> list[LayerCost]:
         return [self.summary(options)[0] for options in self.layer_costs(config, stage_of)]
@@ -554,7 +572,7 @@ class Engine:
         first stage, nor (unless weight gradients are deferred past it) finish before the
         last backward has run back through them; the gradient sync follows the flush."""
         pp, v, m = config.mesh.pp, config.virtual_stages, config.microbatches
-        owner = stage_ranks(config.schedule, pp, pp * v)
+        owner = _stage_ranks(config.schedule, pp, pp * v)
         busy, sync = [0.0] * pp, [0.0] * pp
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
         for cost, s in zip(costs, stage_of, strict=True):
@@ -563,7 +581,7 @@ class Engine:
             fwd[s] += cost.fwd_s
             bwd[s] += cost.bwd_s
         split_w = SCHEDULES[config.schedule].split_backward
-        first = [min(s for s in range(pp * v) if owner[s] == r) for r in range(pp)]
+        first = [owner.index(r) for r in range(pp)]  # each rank's first stage
         return max(sum(fwd[:first[r]]) + busy[r] + (0.0 if split_w else sum(bwd[:first[r]]))
                    for r in range(pp)) + max(sync)
 
@@ -574,7 +592,7 @@ class Engine:
         everything else follows that backward."""
         config = prepared.config
         pp, num_stages, m = config.mesh.pp, config.num_stages, config.microbatches
-        owner = stage_ranks(config.schedule, pp, num_stages)
+        owner = _stage_ranks(config.schedule, pp, num_stages)
         split_w = SCHEDULES[config.schedule].split_backward
         fwd, bwd, busy, sync = [0.0] * num_stages, [0.0] * num_stages, [0.0] * pp, [0.0] * pp
         for cost, s in zip(prepared.costs, prepared.stage_of_layer, strict=True):
@@ -607,8 +625,13 @@ class Engine:
         """Per stage, the most micro-batches whose activations it holds at once."""
         if config.schedule == "GPipe":
             return (config.microbatches,) * config.num_stages
-        # Peaks stop growing by m = 3p (SATURATION_MICROBATCHES_PER_RANK).
-        m = min(config.microbatches, SATURATION_MICROBATCHES_PER_RANK * config.mesh.pp)
+        # Peaks stop growing by m = 2p (SATURATION_MICROBATCHES_PER_RANK) when m is a
+        # multiple of p, as every searched m of a multi-stage schedule is; other counts (a
+        # given plan's) are counted as they are: InterleavedZeroBubble's peaks at m = 10,
+        # p = 4 exceed those at 8.
+        m, pp = config.microbatches, config.mesh.pp
+        if m % pp == 0:
+            m = min(m, SATURATION_MICROBATCHES_PER_RANK * pp)
         key = (config.schedule, config.mesh.pp, config.virtual_stages, m)
         if key not in self._inflight:
             self._inflight[key] = unit_peaks(*key)
@@ -621,7 +644,7 @@ class Engine:
         prepare's bound is never below it (the ranks' ILP answers lie inside the LPs), so
         skipping on it loses nothing; inf when a rank cannot fit at all."""
         pp, v = config.mesh.pp, config.virtual_stages
-        owner = stage_ranks(config.schedule, pp, pp * v)
+        owner = _stage_ranks(config.schedule, pp, pp * v)
         fwd, bwd = [0.0] * (pp * v), [0.0] * (pp * v)
         for options, s in zip(self.layer_costs(config, stage_of), stage_of, strict=True):
             _, _, least_fwd, least_bwd, _ = self.summary(options)
@@ -657,10 +680,21 @@ class Engine:
         """Memory no assignment of these options goes below, margin included: each class
         at its least resident option, and the largest of the classes' least buffers
         (min_memory, without the search over buffer caps that makes it exact)."""
-        resident = sum(o.count * min(c.resident_with(o.inflight) for c in o.costs.values())
-                       for o in options)
-        buffer = max(min(c.buffers_bytes for c in o.costs.values()) for o in options)
+        least = [self._least_memory(o.costs, o.inflight) for o in options]
+        resident = sum(o.count * r for o, (r, _) in zip(options, least, strict=True))
+        buffer = max(b for _, b in least)
         return (1 + self.cluster.memory_margin_fraction) * (resident + buffer)
+
+    def _least_memory(self, options: dict[str, LayerCost], inflight: int
+                      ) -> tuple[float, float]:
+        """Of one layer's options (a dict ``costs`` keeps, as for ``summary``): the least
+        resident memory at ``inflight`` micro-batches, and the least buffer."""
+        key = (id(options), inflight)
+        if key not in self._least:
+            values = options.values()
+            self._least[key] = (min(c.resident_with(inflight) for c in values),
+                                min(c.buffers_bytes for c in values))
+        return self._least[key]
 
     def _fullest_stage_floor(self, config: Config, stage_of: tuple[int, ...]) -> float:
         """The memory floor of the fullest rank under this cut at one micro-batch in flight
@@ -705,26 +739,38 @@ class Engine:
                inflight: tuple[int, ...] | None = None
                ) -> list[tuple[list[int], list[ClassOptions]]]:
         """Per pipeline rank, its layers and their classes' options."""
-        pp, v = config.mesh.pp, config.virtual_stages
-        owner = stage_ranks(config.schedule, pp, pp * v)
         inflight = inflight or self.inflight(config)
-        members: list[list[int]] = [[] for _ in range(pp)]
-        for i, s in enumerate(stage_of):  # one pass, each rank's layers in order
-            members[owner[s]].append(i)
-        return [(mine, self._rank_options(config, mine, stage_of, inflight)) for mine in members]
+        return [(mine, [ClassOptions(name=name, count=count,
+                                     costs=self.costs(first, config, stage_of),
+                                     inflight=inflight[stage_of[first]])
+                        for name, count, first in classes])
+                for mine, classes in self._rank_classes(config, stage_of)]
 
-    def _rank_options(self, config: Config, members: list[int],
-                      stage_of: tuple[int, ...], inflight: tuple[int, ...]) -> list[ClassOptions]:
-        counts: dict[str, int] = {}
-        first: dict[str, int] = {}
-        for i in members:
-            name = self._class_key(i, config, stage_of)
-            counts[name] = counts.get(name, 0) + 1
-            first.setdefault(name, i)
-        return [ClassOptions(name=name, count=counts[name],
-                             costs=self.costs(first[name], config, stage_of),
-                             inflight=inflight[stage_of[first[name]]])
-                for name in counts]
+    def _rank_classes(self, config: Config, stage_of: tuple[int, ...]
+                      ) -> list[tuple[list[int], list[tuple[str, int, int]]]]:
+        """Per pipeline rank, its layers (in order) and its classes: (ILP name, number of
+        layers, first layer). Without ties they depend on the cut and the stages' placement
+        alone, so configurations on other meshes and micro-batch counts share them."""
+        pp, v = config.mesh.pp, config.virtual_stages
+        key = (config.schedule, pp, v, stage_of)
+        if config.tie_strategy or key not in self._shapes:
+            owner = _stage_ranks(config.schedule, pp, pp * v)
+            members: list[list[int]] = [[] for _ in range(pp)]
+            for i, s in enumerate(stage_of):  # one pass, each rank's layers in order
+                members[owner[s]].append(i)
+            out = []
+            for mine in members:
+                counts: dict[str, int] = {}
+                first: dict[str, int] = {}
+                for i in mine:
+                    name = self._class_key(i, config, stage_of)
+                    counts[name] = counts.get(name, 0) + 1
+                    first.setdefault(name, i)
+                out.append((mine, [(name, counts[name], first[name]) for name in counts]))
+            if config.tie_strategy:
+                return out  # the names carry the tie's roles under this configuration
+            self._shapes[key] = out
+        return self._shapes[key]
 
     def _class_key(self, layer_index: int, config: Config,
                    stage_of: tuple[int, ...]) -> str:
@@ -748,9 +794,11 @@ class Engine:
         key = _rank_key(config, options)
         if key not in self._bounds:
             m = config.microbatches
+            if m not in self._hulls:  # the ranks' options are the dicts ``costs`` keeps
+                self._hulls[m] = Hulls(lambda c: m * (c.fwd_s + c.bwd_s + c.wgrad_s) + c.step_s)
             self._bounds[key] = rank_bound(
                 options, self.cluster.device.memory_bytes, self.cluster.memory_margin_fraction,
-                value=lambda c: m * (c.fwd_s + c.bwd_s + c.wgrad_s) + c.step_s)
+                self._hulls[m].value, self._hulls[m])
         return self._bounds[key]
 
     def _fastest_if_it_fits(self, options: list[ClassOptions]) -> list[dict[str, int]] | None:
@@ -775,7 +823,7 @@ class Engine:
     def finish(self, prepared: _Prepared) -> Outcome:
         config = prepared.config
         pp, stages = config.mesh.pp, config.num_stages
-        owner = stage_ranks(config.schedule, pp, stages)
+        owner = _stage_ranks(config.schedule, pp, stages)
         times = []
         for s in range(stages):
             members = [c for c, st in zip(prepared.costs, prepared.stage_of_layer, strict=True)
@@ -799,8 +847,10 @@ class Engine:
         peaks = [r.peak for r in pipeline_liveness(
             prepared.costs, [layer.name for layer in self.graph.layers],
             prepared.stage_of_layer, owner, timeline.slots, pp, peak_only=True)]
-        busiest = max(range(pp), key=lambda r: sum(
-            slot.end_s - slot.start_s for slot in timeline.slots if slot.rank == r))
+        busy = [0.0] * pp  # each rank's slots summed in timeline order, in one pass
+        for slot in timeline.slots:
+            busy[slot.rank] += slot.end_s - slot.start_s
+        busiest = max(range(pp), key=busy.__getitem__)
         mine = [c for c, st in zip(prepared.costs, prepared.stage_of_layer, strict=True)
                 if owner[st] == busiest]
         margin = self.cluster.memory_margin_fraction
@@ -837,6 +887,12 @@ class Engine:
             self.graph.layers, prepared.stage_of_layer, strict=True) if s != last
             for d in layer.output_last_dims)
         return (scattered, True) if splits and scattered < whole else (whole, False)
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_ranks(schedule: str, num_ranks: int, num_stages: int) -> tuple[int, ...]:
+    """``stage_ranks``, asked thousands of times for a few dozen shapes."""
+    return tuple(stage_ranks(schedule, num_ranks, num_stages))
 
 
 def _rank_key(config: Config, options: list[ClassOptions]) -> tuple:

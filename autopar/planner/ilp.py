@@ -444,18 +444,24 @@ def min_memory(classes: list[ClassOptions], margin_fraction: float
 def _min_device_memory(classes: list[ClassOptions], margin_fraction: float
                        ) -> tuple[float, dict[str, dict[str, int]]]:
     caps = sorted({0.0} | {cost.buffers_bytes for c in classes for cost in c.costs.values()})
+    # Per class, its options by buffer: as the cap grows, the least (resident, option) among
+    # those under it is a running minimum (the same pair as the minimum over all of them).
+    by_buffer = [sorted((cost.buffers_bytes, (cost.resident_with(c.inflight), s))
+                        for s, cost in c.costs.items()) for c in classes]
+    seen, least = [0] * len(classes), [None] * len(classes)
     best, best_choice = float("inf"), {}
     for cap in caps:
+        for i, options in enumerate(by_buffer):
+            while seen[i] < len(options) and options[seen[i]][0] <= cap:
+                pair = options[seen[i]][1]
+                least[i] = pair if least[i] is None or pair < least[i] else least[i]
+                seen[i] += 1
+        if any(pair is None for pair in least):
+            continue
         total, choice = cap, {}
-        for c in classes:
-            allowed = [(cost.resident_with(c.inflight), s) for s, cost in c.costs.items()
-                       if cost.buffers_bytes <= cap]
-            if not allowed:
-                break
-            resident, strategy = min(allowed)
+        for c, (resident, strategy) in zip(classes, least, strict=True):
             total += c.count * resident
             choice[c.name] = {strategy: c.count}
-        else:
-            if total < best:
-                best, best_choice = total, choice
+        if total < best:
+            best, best_choice = total, choice
     return (1 + margin_fraction) * best, best_choice

@@ -7,6 +7,8 @@ the sum of the layers' times and the memory the liveness walk's peak
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from autopar.planner.costs import LayerCost, layer_options, on_ddp
 from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.ilp import ClassOptions, expand_counts
@@ -14,18 +16,45 @@ from autopar.planner.liveness import Usage, step_liveness
 from autopar.planner.ties import tied_costs
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
-from passes.records import LayerGraph
+from passes.records import LayerGraph, LayerInfo
 from runtime.plan import MemoryBreakdown, Mesh
 from runtime.strategies import spec
 
 
 def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precision,
-                  microbatches: int = 1, estimators: Estimators = ANALYTIC
+                  microbatches: int = 1, estimators: Estimators = ANALYTIC,
+                  priced: dict[tuple, dict[str, LayerCost]] | None = None
                   ) -> list[ClassOptions]:
-    return [ClassOptions(name=name, count=len(members),
-                         costs=layer_options(members[0], graph.seq_len, mesh, cluster, prec,
-                                             microbatches, estimators=estimators))
-            for name, members in graph.classes.items()]
+    """Every layer class's options. ``priced``: a store of option sets shared with other
+    meshes, by (class, the mesh as its costs see it, micro-batches); see ``cost_mesh``."""
+    out = []
+    for name, members in graph.classes.items():
+        seen = cost_mesh(members[0], mesh, estimators)
+        key = (name, seen, microbatches)
+        if priced is None or key not in priced:
+            costs = layer_options(members[0], graph.seq_len, seen, cluster, prec,
+                                  microbatches, estimators=estimators)
+            if priced is None:
+                out.append(ClassOptions(name=name, count=len(members), costs=costs))
+                continue
+            priced[key] = costs
+        out.append(ClassOptions(name=name, count=len(members), costs=priced[key]))
+    return out
+
+
+def cost_mesh(layer: LayerInfo, mesh: Mesh, estimators: Estimators) -> Mesh:
+    """The mesh as the analytic costs of this layer see it. By costs.py's conventions a
+    context-parallel rank's share of a sample is a batch split, and its parameters are
+    replicated and reduced over all dp × cp replicas: only ring attention
+    (``LayerInfo.attention_kv_bytes``), expert parallelism (over dp) and BatchNorm's
+    statistics (over dp) tell cp from dp. A layer with none of them costs on dp × cp
+    what it costs on dp·cp data-parallel replicas, so meshes that differ only in how their
+    replicas split between dp and cp share its options (tested against pricing each mesh:
+    tests/autopar/planner/test_search_sharing.py). Other estimators see the mesh as is."""
+    if (mesh.cp == 1 or estimators is not ANALYTIC or layer.attention_kv_bytes
+            or layer.moe or layer.batch_norm_channels):
+        return mesh
+    return replace(mesh, dp=mesh.replicas, cp=1)
 
 
 def ddp_programs(options: list[ClassOptions], prec: Precision, mesh: Mesh

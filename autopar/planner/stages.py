@@ -12,11 +12,16 @@ from collections.abc import Iterable
 from cost_models.schedule import SCHEDULES, Timeline
 from runtime.schedule_orders import runtime_orders
 
-SATURATION_MICROBATCHES_PER_RANK = 3
-"""In-flight peaks of every schedule stop growing by m = 3p (1F1B by p, the interleaved
-and zero-bubble tables by 2p to 3p; tests/autopar/planner/test_fast_paths.py checks p up
-to 16 on the runtime's orders): peaks are counted on m = min(m, 3p), whose tables are
-shorter and shared by every larger m."""
+SATURATION_MICROBATCHES_PER_RANK = 2
+"""In-flight peaks of every schedule stop growing by m = 2p: 1F1B's by m = p (rank r holds
+p - r), the interleaved and zero-bubble tables' (which take m in multiples of p) by their
+second round of p micro-batches. An observation on torch's tables, not a theorem: the
+peaks at m = 3p, 4p, 5p, 6p and 8p equal those at 2p for every p ≤ 16 and v ≤ 8, at 3p,
+4p and 6p for v up to 16 at p = 4, 6, 8, and at 3p and 4p for p = 24, 32, 48, 64 and v ≤ 4
+(tests/autopar/planner/test_inflight_saturation.py checks the small shapes and the
+planner's largest). Peaks are counted on m = min(m, 2p), whose
+tables are shorter and shared by every larger m."""
+
 
 def unit_peaks(schedule: str, pp: int, virtual_stages: int, microbatches: int
                ) -> tuple[int, ...]:
@@ -69,7 +74,7 @@ def _balanced(weights: list[float], stages: int) -> tuple[int, ...]:
     lo, hi = max(weights), sum(weights)
     for _ in range(60):
         mid = (lo + hi) / 2
-        if len(_greedy_cuts(weights, mid)) + 1 <= stages:
+        if _greedy_fits(weights, mid, stages):
             hi = mid
         else:
             lo = mid
@@ -87,6 +92,20 @@ def _balanced(weights: list[float], stages: int) -> tuple[int, ...]:
                 break
         cuts = sorted([*cuts, split])
     return tuple(cuts)
+
+
+def _greedy_fits(weights: list[float], limit: float, stages: int) -> bool:
+    """Whether ``_greedy_cuts(weights, limit)`` makes at most ``stages`` runs: the same
+    walk, stopped at the first run too many."""
+    runs, acc, most = 1, 0.0, limit * (1 + 1e-12)
+    for w in weights:
+        if acc + w > most and acc > 0:
+            runs += 1
+            if runs > stages:
+                return False
+            acc = 0.0
+        acc += w
+    return True
 
 
 def _greedy_cuts(weights: list[float], limit: float) -> list[int]:

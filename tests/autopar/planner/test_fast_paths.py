@@ -135,9 +135,9 @@ def test_peak_only_liveness_finds_the_full_walks_peak(schedule, v):
 @pytest.mark.parametrize("schedule, v", [("1F1B", 1), ("Interleaved1F1B", 2),
                                          ("InterleavedZeroBubble", 2), ("ZBVZeroBubble", 2)])
 @pytest.mark.parametrize("p", [2, 3, 4, 5, 8, 16])
-def test_in_flight_peaks_stop_growing_by_3p_micro_batches(schedule, v, p):
-    # The planner runs unit-time schedules at min(m, 3p) micro-batches (interleaved
-    # schedules take m in multiples of p).
+def test_in_flight_peaks_stop_growing_by_2p_micro_batches(schedule, v, p):
+    # The planner counts peaks at min(m, 2p) micro-batches when m is a multiple of p
+    # (interleaved schedules take m in multiples of p).
     from autopar.planner.stages import SATURATION_MICROBATCHES_PER_RANK
 
     saturated = SATURATION_MICROBATCHES_PER_RANK * p
