@@ -102,6 +102,13 @@ def _pipeline(plan: Plan, first: int, last: int, warnings: list[str]) -> list[st
     if plan.mesh.pp == 1:
         return []
     assert plan.pipeline is not None  # Plan requires it when pp > 1
+    if plan.pipeline.scatter_sends and not any(la.sequence_parallel for la in plan.layers):
+        # Megatron-LM dropped SC'21's scatter/gather of pipeline tensors (no flag for it at
+        # the commit megatron_flags reads); with sequence parallelism its sends are already
+        # the 1/tp sequence shards, without it they are whole.
+        warnings.append(f"the plan scatters pipeline sends over tp = {plan.mesh.tp}; "
+                        "Megatron-LM sends each tp rank's whole activation without sequence "
+                        "parallelism, so its sends take longer than the plan predicts")
     blocks = [0] * plan.num_stages
     for layer in plan.layers[first:last + 1]:
         blocks[layer.stage] += 1

@@ -132,6 +132,21 @@ def test_block_recompute_takes_the_first_blocks_of_each_stage():
     transformer_config(a, plan, layout)
 
 
+def test_scattered_sends_are_said_not_carried_without_sequence_parallelism():
+    """Megatron-LM has no scatter/gather of pipeline tensors: a plan that scatters them is
+    warned about unless its layers are sequence-parallel (whose sends are the 1/tp shards)."""
+    base = dict(mesh=Mesh(pp=2, dp=2, tp=2), stages=(0, 0, 0, 0, 1, 1, 1, 1))
+    pipeline = PipelineSpec(schedule="1F1B", num_microbatches=4, scatter_sends=True)
+    whole = export_megatron(plan_of(**base, pipeline=pipeline), "plan.json")
+    assert any("scatters pipeline sends over tp = 2" in w for w in whole.warnings)
+    sp = export_megatron(plan_of(**base, pipeline=pipeline, sequence_parallel=True), "plan.json")
+    assert not any("scatters pipeline sends" in w for w in sp.warnings)
+    unscattered = dataclasses.replace(pipeline, scatter_sends=False)
+    assert not any("scatters pipeline sends" in w
+                   for w in export_megatron(plan_of(**base, pipeline=unscattered),
+                                            "plan.json").warnings)
+
+
 def test_selective_recompute_is_megatrons_selective():
     plan = plan_of(mesh=Mesh(dp=2, tp=4), recompute=("selective",) * 4, sequence_parallel=True)
     a = parsed(plan)
