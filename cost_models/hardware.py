@@ -23,7 +23,7 @@ import numpy as np
 
 from cost_models.errors import ConfigError
 from cost_models.optimizer import ADAM_KERNELS, DEFAULT_OPTIMIZER, AdamKernels
-from cost_models.software import software_names, with_software
+from cost_models.software import OVERLAP_PATTERNS, software_names, with_software
 
 DTYPES = ("float32", "tf32", "bfloat16", "float16")
 LINK_KINDS = ("nvlink", "pcie", "network", "loopback")
@@ -178,8 +178,6 @@ class Device:
 
 
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "p2p")
-OVERLAP_PATTERNS = ("dp", "fsdp", "pp")
-"""Data-parallel gradient reduction (DDP), FSDP gathers and reduce-scatters, pipeline p2p."""
 
 
 @dataclass(frozen=True, kw_only=True)

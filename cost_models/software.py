@@ -39,8 +39,10 @@ if TYPE_CHECKING:  # hardware imports this module to parse a cluster's ``softwar
 
 DEFAULT_SOFTWARE = "torch-eager"
 """The planner's default: the eager PyTorch stack autopar's runtime is."""
-PATTERNS = ("dp", "fsdp", "pp")
-"""cost_models.hardware.OVERLAP_PATTERNS (repeated: hardware imports this module)."""
+OVERLAP_PATTERNS = ("dp", "fsdp", "pp")
+"""The communication patterns whose overlap with compute a software or a cluster can deny:
+data-parallel gradient reduction, FSDP's gathers and reduce-scatters, pipeline sends
+(cost_models/overlap.py). Here, not in hardware.py, because hardware imports this module."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,7 +56,7 @@ class Software:
     efficiency_by_device: dict[str, float] = field(default_factory=dict)
     """Device name (``Device.name``) -> the factor fitted on that device's rows."""
     exposed: tuple[str, ...] = ()
-    """Communication patterns (cost_models.hardware.OVERLAP_PATTERNS) this software waits
+    """Communication patterns (``OVERLAP_PATTERNS``) this software waits
     for: it never overlaps them with compute."""
     optimizer: str | None = None
     """The Adam kernels it runs (cost_models.optimizer.ADAM_KERNELS), if it fixes them."""
@@ -119,9 +121,9 @@ def software_from_dict(name: str, data: Any, where: str) -> Software:
     for key, value in [("efficiency", data["efficiency"]), *by_device.items()]:
         _check_factor(key, value, where)
     exposed = data.get("exposed", [])
-    if not isinstance(exposed, list) or any(p not in PATTERNS for p in exposed):
+    if not isinstance(exposed, list) or any(p not in OVERLAP_PATTERNS for p in exposed):
         raise ConfigError(f"{where}: exposed must be a list of patterns from "
-                          f"{', '.join(PATTERNS)}, got {exposed!r}")
+                          f"{', '.join(OVERLAP_PATTERNS)}, got {exposed!r}")
     return Software(name=name, efficiency=float(data["efficiency"]),
                     efficiency_by_device={k: float(v) for k, v in by_device.items()},
                     exposed=tuple(exposed), optimizer=data.get("optimizer"),
