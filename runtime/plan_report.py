@@ -129,18 +129,27 @@ def table(rows: list[tuple[str, ...]], indent: str = "  ") -> list[str]:
 
 def comm_lines(plan: Plan) -> list[str]:
     """Per class of layers, the communication its option issues in a step, what hides behind
-    compute and what is exposed, with why (``why_exposed``). Needs the rationale."""
+    compute and what is exposed, with why (``why_exposed``). Needs the rationale.
+
+    A pipeline's ranks each run only their stages' layers, so there the figures are one
+    rank's: the pipeline rank whose layers of that class expose the most (``n`` counts
+    them), which is what a share of the step can be taken of."""
     if plan.rationale is None or plan.prediction is None:
         return []
-    groups: dict[tuple[str, str], list[OptionCost]] = {}
+    groups: dict[tuple[str, str], dict[int, list[OptionCost]]] = {}
     for layer in plan.layers:
         cost = option_cost(plan, layer)
         if cost is not None:
-            groups.setdefault((layer.layer_class, layer.option), []).append(cost)
+            rank = (0 if plan.pipeline is None
+                    else stage_rank(layer.stage, plan.mesh.pp, plan.pipeline))
+            groups.setdefault((layer.layer_class, layer.option), {}).setdefault(
+                rank, []).append(cost)
     rows = [("class", "n", "option", "issued", "hidden", "exposed", "why exposed")]
     step = plan.prediction.step_time_s
+    busiest = {key: max(by_rank.values(), key=lambda costs: sum(c.comm_s for c in costs))
+               for key, by_rank in groups.items()}
     for (layer_class, option), costs in sorted(
-            groups.items(), key=lambda kv: -sum(c.comm_s for c in kv[1])):
+            busiest.items(), key=lambda kv: -sum(c.comm_s for c in kv[1])):
         exposed = sum(c.comm_s for c in costs)
         hidden = sum(c.hidden_comm_s for c in costs)
         if exposed + hidden <= 0:
@@ -153,7 +162,9 @@ def comm_lines(plan: Plan) -> list[str]:
     if len(rows) == 1:
         return []
     src = plan.prediction.source
-    lines = ["", f"Communication per step  [{src}; issued = hidden + exposed; hidden time is "
+    per = ("per step" if plan.pipeline is None
+           else "per step, on the pipeline rank that exposes the most of each class")
+    lines = ["", f"Communication {per}  [{src}; issued = hidden + exposed; hidden time is "
              "net of the compute it slows]", *table(rows)]
     if plan.mesh.pp == 1 and any(spec(x.strategy).gather == "per_use" for x in plan.layers):
         lines.append("  not in these numbers: each micro-batch's first all-gather and the "

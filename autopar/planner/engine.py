@@ -368,9 +368,10 @@ class Engine:
 
     # -- pipelines (pp > 1) ---------------------------------------------------------------
 
-    def pipelines(self, best_known_s: float = math.inf, *, deadline: float = math.inf
-                  ) -> tuple[Outcome | None, list[Outcome | Infeasible]]:
-        """The fastest pipeline outcome (or None), and every configuration's outcome.
+    def pipelines(self, best_known_s: float = math.inf, *, deadline: float = math.inf,
+                  mesh: Mesh | None = None) -> tuple[Outcome | None, list[Outcome | Infeasible]]:
+        """The fastest pipeline outcome (or None), and every configuration's outcome; only
+        the configurations on ``mesh`` when one is given.
 
         ``deadline`` (a ``time.perf_counter()`` value): every loop stops once it has passed
         and raises TimeLimitReached with what it has (each step between checks is one
@@ -384,7 +385,8 @@ class Engine:
         queue = []
         results: list[Outcome | Infeasible] = []
         too_big: set[tuple[Mesh, int]] = set()  # (mesh, micro-batches) no rank can hold
-        configs = pipeline_configs(self.graph, self.cluster)
+        configs = [c for c in pipeline_configs(self.graph, self.cluster)
+                   if mesh is None or c.mesh == mesh]
         most: dict[Mesh, int] = {}  # the most micro-batches searched on each mesh
         for config in configs:
             most[config.mesh] = max(most.get(config.mesh, 0), config.microbatches)

@@ -172,15 +172,13 @@ def search(
         try:
             pipe_best, outcomes = engine.pipelines(
                 best.step_time_s if best else float("inf"),
-                deadline=start if cut_short else deadline)
+                deadline=start if cut_short else deadline, mesh=mesh)
         except TimeLimitReached as stop:
             cut_short = True
             pipe_best, outcomes = stop.best, stop.results
         if check is not None:
             pipe_best, outcomes = _checked(engine, outcomes, check)
-        candidates += [_candidate(o) for o in outcomes if mesh is None or o.config.mesh == mesh]
-        if mesh is not None and pipe_best is not None and pipe_best.config.mesh != mesh:
-            pipe_best = None  # a fixed mesh was asked for
+        candidates += [_candidate(o) for o in outcomes]
         _tell(progress, candidates, len(candidates))
     if pipe_best is not None and (best is None or pipe_best.step_time_s < best.step_time_s):
         best = pipe_best

@@ -13,7 +13,7 @@ from autopar.planner.published import MegatronRow, megatron_graph
 from autopar.planner.search import search
 from cost_models.comm import Group, all_gather_s
 from cost_models.hardware import Cluster
-from runtime.plan import Mesh, Plan
+from runtime.plan import Mesh, Plan, stage_rank
 from runtime.plan_report import comm_lines, format_report
 
 
@@ -71,3 +71,31 @@ def test_the_sharded_blocks_issue_their_collectives_at_nccl_s_ring_cost_and_hide
         collectives = 3 if o.strategy.startswith("fsdp") else 2
         assert issued == pytest.approx(collectives * gather, rel=1e-3)
         assert o.comm_s == pytest.approx(issued * (1 - 1 / cluster.overlap.fsdp_slowdown))
+
+
+def test_a_pipeline_s_communication_is_one_rank_s():
+    """Each pipeline rank runs only its stages' blocks: the table's figures are the rank
+    whose blocks of a class expose the most (n of them), a share of the step that can be
+    taken, not the whole model's sum."""
+    row = MegatronRow(params_b=1.7, heads=24, hidden=2304, layers=24, tp=2, pp=4, gpus=64,
+                      global_batch=512, tflops_per_gpu=0.0, microbatch=1, interleave=1)
+    graph = megatron_graph(row)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=8)
+    result = search(graph, cluster, precision_name="bfloat16", mesh=Mesh(pp=4, dp=8, tp=2))
+    plan = attach_rationale(result, graph, cluster, "bfloat16").plan
+    assert plan.pipeline is not None
+    lines = comm_lines(plan)
+    assert lines[1].startswith("Communication per step, on the pipeline rank")
+    block_rows = [line.split() for line in lines[3:] if line.split()[0] == "Block#0"]
+    assert block_rows
+    per_rank = collections.Counter(
+        (stage_rank(x.stage, plan.mesh.pp, plan.pipeline), x.option)
+        for x in plan.layers if x.layer_class == "Block#0")
+    for cells in block_rows:
+        n, option, exposed = int(cells[1]), cells[2], float(cells[7])
+        assert n == max(count for (_, o), count in per_rank.items() if o == option)
+        assert n < sum(count for (_, o), count in per_rank.items() if o == option)
+        cost = next(o for c in plan.rationale.classes if c.layer_class == "Block#0"
+                    for o in c.options if o.strategy == option)
+        assert exposed == pytest.approx(n * cost.comm_s * 1e3, abs=2e-3)
+        assert exposed <= plan.prediction.step_time_s * 1e3

@@ -15,7 +15,7 @@ from autopar.planner import search
 from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.engine import Engine, _Prepared
 from autopar.planner.ilp import FEASIBILITY_SLACK_GIB, GIB
-from autopar.planner.published import MegatronRow, megatron_rows
+from autopar.planner.published import MegatronRow, megatron_graph, megatron_rows
 from autopar.planner.stages import balanced_bounds, stage_assignment
 from autopar.zoo import GPTConfig, ModelSpec, get_model
 from cost_models.hardware import OVERLAP_PATTERNS, Cluster, Overlap
@@ -227,3 +227,20 @@ def test_a_pipelined_layers_least_memory_never_grows_with_the_micro_batch_count(
             Config(mesh=mesh, schedule="1F1B", microbatches=m))] for m in sorted(ms)]
         for fewer, more in itertools.pairwise(least):
             assert all(b <= a * (1 + 1e-12) for a, b in zip(fewer, more, strict=True)), mesh
+
+
+def test_a_fixed_pipeline_mesh_is_planned_even_where_another_mesh_is_faster():
+    """Asked for pp = 4 × dp = 8 × tp = 2, the search weighs only that mesh's configurations:
+    it once searched every pipeline mesh and dropped the others' winners afterwards, so a
+    mesh the others' bounds pruned came back as no plan at all, with no reason."""
+    row = MegatronRow(params_b=1.7, heads=24, hidden=2304, layers=24, tp=2, pp=4, gpus=64,
+                      global_batch=512, tflops_per_gpu=0.0, microbatch=1, interleave=1)
+    graph = megatron_graph(row)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=8)
+    fixed = Mesh(pp=4, dp=8, tp=2)
+    result = search(graph, cluster, precision_name="bfloat16", mesh=fixed)
+    assert result.plan.mesh == fixed and result.plan.pipeline is not None
+    assert {c.mesh for c in result.candidates} == {fixed}
+    free = search(graph, cluster, precision_name="bfloat16")
+    assert free.plan.mesh != fixed  # the case the old search lost
+    assert free.plan.prediction.step_time_s < result.plan.prediction.step_time_s
