@@ -123,6 +123,13 @@ def search(
                               f"cannot be pipelined: {pipeline_problem(graph)}; use pp=1")
         meshes = [(m, r) for m, r in meshes if m == mesh]
         pipeline = pipeline and mesh.pp > 1
+        if pipeline and not any(c.mesh == mesh for c in pipeline_configs(graph, cluster)):
+            raise ConfigError(
+                f"mesh {mesh.describe()} is not a pipeline layout of {cluster.name} with "
+                f"{cluster.world_size} devices for this model and batch: pp × dp × tp must "
+                "equal the device count with tp dividing the devices per node, pp at most "
+                f"the {len(graph.layers) - len(graph.uncuttable)} places a stage may start, "
+                f"and dp dividing the global batch {graph.batch_size}")
         if not meshes and mesh.pp == 1:
             raise ConfigError(
                 f"mesh {mesh.describe()} does not fit {cluster.name} with "

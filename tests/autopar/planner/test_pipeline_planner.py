@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_cases import GiB, graph_of, make_cluster, make_layer
 
+from autopar.errors import ConfigError
 from autopar.planner import search
 from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.engine import Engine, _Prepared
@@ -244,3 +245,12 @@ def test_a_fixed_pipeline_mesh_is_planned_even_where_another_mesh_is_faster():
     free = search(graph, cluster, precision_name="bfloat16")
     assert free.plan.mesh != fixed  # the case the old search lost
     assert free.plan.prediction.step_time_s < result.plan.prediction.step_time_s
+
+
+def test_a_fixed_pipeline_mesh_the_cluster_cannot_hold_is_refused_with_the_rules():
+    row = MegatronRow(params_b=1.7, heads=24, hidden=2304, layers=24, tp=2, pp=4, gpus=64,
+                      global_batch=512, tflops_per_gpu=0.0, microbatch=1, interleave=1)
+    graph = megatron_graph(row)
+    cluster = Cluster.preset("dgx-a100-80g", nodes=8)
+    with pytest.raises(ConfigError, match=r"pp=32.*not a pipeline layout.*pp at most the 27 places"):
+        search(graph, cluster, mesh=Mesh(pp=32, dp=1, tp=2))
