@@ -107,7 +107,8 @@ class Timeline:
 #
 # Each rank runs its actions in a fixed order (the schedule); an action starts when its rank
 # is free and its inputs have arrived (previous stage's F plus a point-to-point transfer,
-# next stage's B likewise). Zero-bubble schedules split the backward into B (input
+# next stage's B likewise); a rank also waits on its own sends where its schedule class
+# does (ScheduleSpec.sends_waited). Zero-bubble schedules split the backward into B (input
 # gradients, on the critical path) and W (weight gradients), and run a pending W whenever
 # the rank would otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
@@ -168,26 +169,14 @@ def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
     return order
 
 
-WAIT_NEVER, WAIT_NOW, WAIT_AFTER_NEXT = 0, 1, 2
-"""When a rank waits on the send an action makes (send_waits): at the step's end, before
-the rank's next action starts, or once that next action ends."""
-
-
-def send_waits(schedule: str, orders: list[list[tuple[str, int, int]]]
-               ) -> list[list[int]] | None:
-    """Per rank and position in its order, when the rank waits on the send that action
-    makes, if it makes one (WAIT_*, from the schedule's ``sends_waited``); None where no
-    send is waited before the step's end."""
+def waits_on_sends(schedule: str) -> bool | None:
+    """How the schedule's ranks wait on a send followed by an action of the same pass (F
+    then F, B or W then B or W): True once that next action ends, False not before the
+    step's end; None when no send is waited before the step's end. A send followed by an
+    action of the other pass is then waited before that action starts (ScheduleSpec.
+    sends_waited)."""
     rule = SCHEDULES[schedule].sends_waited
-    if rule == "at_step_end":
-        return None
-    same = WAIT_NEVER if rule == "before_other_pass" else WAIT_AFTER_NEXT
-    out = []
-    for order in orders:
-        forward = [action == "F" for action, _, _ in order]
-        out.append([WAIT_NOW if forward[i] != forward[i + 1] else same
-                    for i in range(len(order) - 1)] + [WAIT_NEVER] * bool(order))
-    return out
+    return None if rule == "at_step_end" else rule == "with_next_recv"
 
 
 def simulate(
@@ -271,7 +260,7 @@ def run_actions(
     sends_f = [st < last and owner[st + 1] != owner[st] for st in range(num_stages)]
     sends_b = [st > 0 and owner[st - 1] != owner[st] for st in range(num_stages)]
     # Without a transfer time, or with every send waited at once, the waits are moot.
-    waits = None if p2p_s == 0.0 or p2p_blocking or greedy else send_waits(schedule, orders)
+    waits = None if p2p_s == 0.0 or p2p_blocking or greedy else waits_on_sends(schedule)
 
     if in_order and (explicit or not split_w):  # each rank's order is fixed
         ran = _run_in_order(orders, owner, fwd, bwd, wgrad, hop_f, hop_b, sends_f, sends_b,
@@ -294,7 +283,7 @@ def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
                 hop_b: list[float], sends_f: list[bool], sends_b: list[bool], p2p_s: float,
                 p2p_slowdown: float, p2p_blocking: bool, m: int, *, explicit: bool,
                 greedy: bool, split_w: bool, schedule: str,
-                waits: list[list[int]] | None = None) -> list[Action]:
+                waits: bool | None = None) -> list[Action]:
     """The event loop (run_actions' arguments, unpacked): each rank's next action and its
     start are chosen from what has completed so far; the earliest start runs next (ties:
     the lower rank). A rank's choice changes only when it runs something or an action
@@ -447,12 +436,11 @@ def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
             sent_until[r] = made + p2p_s
             if p2p_blocking:
                 clock[r] = sent_until[r]
-            elif waits is not None:
-                wait = waits[r][pos[r]]
-                if wait == WAIT_NOW:
-                    clock[r] = sent_until[r]
-                elif wait == WAIT_AFTER_NEXT:
-                    after_next[r] = True
+            elif waits is not None and pos[r] + 1 < len(orders[r]):
+                if (orders[r][pos[r] + 1][0] == "F") != (action == "F"):
+                    clock[r] = sent_until[r]  # with the next action's receive
+                else:
+                    after_next[r] = waits
         woken = -1  # the other rank whose candidate this action may have fed
         if action == "W":
             if explicit:  # the table says which; each comes after its own B
@@ -495,7 +483,7 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
                   fwd: list[float], bwd: list[float], wgrad: list[float],
                   hop_f: list[float], hop_b: list[float],
                   sends_f: list[bool], sends_b: list[bool], p2p_s: float, p2p_slowdown: float,
-                  p2p_blocking: bool, m: int, waits: list[list[int]] | None = None
+                  p2p_blocking: bool, m: int, waits: bool | None = None
                   ) -> list[tuple[int, tuple[str, int, int, float, float]]]:
     """run_actions for fixed orders (no split W, or ``orders`` placing every W): an action
     starts when its rank is free and its inputs have arrived, so its times follow from
@@ -572,12 +560,11 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
                 sent_until[r] = end + p2p_s
                 if p2p_blocking:
                     clock[r] = sent_until[r]
-                elif waits is not None:
-                    wait = waits[r][pos[r]]
-                    if wait == WAIT_NOW:
-                        clock[r] = sent_until[r]
-                    elif wait == WAIT_AFTER_NEXT:
-                        after_next[r] = True
+                elif waits is not None and pos[r] + 1 < len(order):
+                    if (order[pos[r] + 1][0] == "F") != (action == "F"):
+                        clock[r] = sent_until[r]  # with the next action's receive
+                    else:
+                        after_next[r] = waits
             pos[r] += 1
             if action == "F":
                 done_f[stage][mb] = end
