@@ -27,6 +27,19 @@ class ScheduleSpec:
     searched: tuple[int, ...] | None = (1,)
     """The virtual stages per rank the planner tries; None: every v from 2 up to the
     layers per rank (each virtual stage holds at least one layer)."""
+    sends_waited: Literal["at_step_end", "before_other_pass", "with_next_recv"] = \
+        "at_step_end"
+    """Where torch's schedule class waits on a rank's sends (torch 2.13,
+    torch/distributed/pipelining/schedules.py); receives are always waited right before
+    the action that needs them.
+    at_step_end: _PipelineScheduleRuntime (the table schedules) issues each send right
+    after its action and waits on them all after the last one: the sender never waits.
+    before_other_pass: ScheduleGPipe waits on all its forward sends once its forwards are
+    done, before the first backward; its backward sends at the step's end.
+    with_next_recv: Schedule1F1B issues a send that precedes the other pass (F then B, B
+    then F) together with that action's receive and waits on both before it; a send that
+    precedes the same pass (warm-up forwards, cool-down backwards) is waited once that
+    next action ends, before its own send is issued."""
 
     def accepts(self, v: int) -> bool:
         return v >= 2 if self.virtual_stages is None else v in self.virtual_stages
@@ -38,8 +51,8 @@ class ScheduleSpec:
 
 
 SCHEDULES: dict[str, ScheduleSpec] = {s.name: s for s in (
-    ScheduleSpec(name="GPipe", virtual_stages=(1,)),
-    ScheduleSpec(name="1F1B", virtual_stages=(1,)),
+    ScheduleSpec(name="GPipe", virtual_stages=(1,), sends_waited="before_other_pass"),
+    ScheduleSpec(name="1F1B", virtual_stages=(1,), sends_waited="with_next_recv"),
     ScheduleSpec(name="Interleaved1F1B", virtual_stages=None, searched=None),
     ScheduleSpec(name="InterleavedZeroBubble", virtual_stages=None, split_backward=True,
                  searched=None),
@@ -94,7 +107,8 @@ class Timeline:
 #
 # Each rank runs its actions in a fixed order (the schedule); an action starts when its rank
 # is free and its inputs have arrived (previous stage's F plus a point-to-point transfer,
-# next stage's B likewise). Zero-bubble schedules split the backward into B (input
+# next stage's B likewise); a rank also waits on its own sends where its schedule class
+# does (ScheduleSpec.sends_waited). Zero-bubble schedules split the backward into B (input
 # gradients, on the critical path) and W (weight gradients), and run a pending W whenever
 # the rank would otherwise wait (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024).
 
@@ -155,6 +169,16 @@ def _one_f_one_b(fwd: list, bwd: list, warmup: int) -> list:
     return order
 
 
+def waits_on_sends(schedule: str) -> bool | None:
+    """How the schedule's ranks wait on a send followed by an action of the same pass (F
+    then F, B or W then B or W): True once that next action ends, False not before the
+    step's end; None when no send is waited before the step's end. A send followed by an
+    action of the other pass is then waited before that action starts (ScheduleSpec.
+    sends_waited)."""
+    rule = SCHEDULES[schedule].sends_waited
+    return None if rule == "at_step_end" else rule == "with_next_recv"
+
+
 def simulate(
     schedule: str,
     num_ranks: int,
@@ -168,10 +192,13 @@ def simulate(
 ) -> Timeline:
     """Simulate one step; ``stages`` lists every stage (num_ranks × virtual stages).
 
-    A result crossing to another rank arrives ``p2p_s`` after its action ends. Meanwhile
-    the sender goes on (torch.distributed.pipelining's isend), its next action slowed by
-    the part of the transfer it overlaps, as cost_models.overlap.pipeline_p2p_slowdown_s
-    (``p2p_slowdown``: σ); with ``p2p_blocking`` it waits for the transfer instead.
+    A result crossing to another rank is sent when its action ends (or, where the
+    schedule first waits on an earlier send, once it has) and arrives ``p2p_s`` later;
+    the transfer is taken to start when it is issued (a receiver that posts its receive
+    late does not hold it up). The sender goes on until the point where its schedule
+    class waits on that send (ScheduleSpec.sends_waited), its actions meanwhile slowed by
+    the part of the transfer they overlap, as cost_models.overlap.pipeline_p2p_slowdown_s
+    (``p2p_slowdown``: σ); with ``p2p_blocking`` it waits for every transfer at once.
 
     ``orders``: per rank, the (action, stage, micro-batch) sequence the runtime's schedule
     runs (runtime.schedule_orders reads torch's); each rank then runs exactly that order,
@@ -232,10 +259,12 @@ def run_actions(
     wgrad = [t.wgrad_s for t in stages]
     sends_f = [st < last and owner[st + 1] != owner[st] for st in range(num_stages)]
     sends_b = [st > 0 and owner[st - 1] != owner[st] for st in range(num_stages)]
+    # Without a transfer time, or with every send waited at once, the waits are moot.
+    waits = None if p2p_s == 0.0 or p2p_blocking or greedy else waits_on_sends(schedule)
 
     if in_order and (explicit or not split_w):  # each rank's order is fixed
         ran = _run_in_order(orders, owner, fwd, bwd, wgrad, hop_f, hop_b, sends_f, sends_b,
-                            p2p_s, p2p_slowdown, p2p_blocking, m)
+                            p2p_s, p2p_slowdown, p2p_blocking, m, waits)
         # The event loop runs actions in order of (start, rank): an action starts after
         # the start of the one that enabled it, strictly unless that one took no time.
         # Sorted so, the actions come in its order, and sums over them add up alike;
@@ -246,14 +275,15 @@ def run_actions(
                     for rank, (action, stage, mb, start, end) in ran]
     return _run_events(orders, owner, fwd, bwd, wgrad, hop_f, hop_b, sends_f, sends_b, p2p_s,
                        p2p_slowdown, p2p_blocking, m, explicit=explicit, greedy=greedy,
-                       split_w=split_w, schedule=schedule)
+                       split_w=split_w, schedule=schedule, waits=waits)
 
 
 def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
                 fwd: list[float], bwd: list[float], wgrad: list[float], hop_f: list[float],
                 hop_b: list[float], sends_f: list[bool], sends_b: list[bool], p2p_s: float,
                 p2p_slowdown: float, p2p_blocking: bool, m: int, *, explicit: bool,
-                greedy: bool, split_w: bool, schedule: str) -> list[Action]:
+                greedy: bool, split_w: bool, schedule: str,
+                waits: bool | None = None) -> list[Action]:
     """The event loop (run_actions' arguments, unpacked): each rank's next action and its
     start are chosen from what has completed so far; the earliest start runs next (ties:
     the lower rank). A rank's choice changes only when it runs something or an action
@@ -268,6 +298,7 @@ def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
     pending_w: list[deque[tuple[int, int]]] = [deque() for _ in range(p)]
     out: list[Action] = []
     sent_until = [0.0] * p  # when this rank's last send completes
+    after_next = [False] * p  # whether it waits on that send once its next action ends
     held = [0] * p
     next_f = [0] * num_stages
     next_b = [0] * num_stages
@@ -396,10 +427,20 @@ def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
                                            slowdown=p2p_slowdown)
         out.append((r, stage, action, mb, start, end))
         clock[r] = end
+        if after_next[r]:  # an earlier send, waited once this action ends
+            after_next[r] = False
+            if sent_until[r] > end:
+                clock[r] = sent_until[r]
+        made = clock[r]  # when this action's result goes out (its send is issued)
         if (sends_f[stage] if action == "F" else action == "B" and sends_b[stage]):
-            sent_until[r] = end + p2p_s
+            sent_until[r] = made + p2p_s
             if p2p_blocking:
                 clock[r] = sent_until[r]
+            elif waits is not None and pos[r] + 1 < len(orders[r]):
+                if (orders[r][pos[r] + 1][0] == "F") != (action == "F"):
+                    clock[r] = sent_until[r]  # with the next action's receive
+                else:
+                    after_next[r] = waits
         woken = -1  # the other rank whose candidate this action may have fed
         if action == "W":
             if explicit:  # the table says which; each comes after its own B
@@ -412,14 +453,14 @@ def _run_events(orders: list[list[tuple[str, int, int]]], owner: list[int],
             finished += 1
             pos[r] += 1
             if action == "F":
-                done_f[stage][mb] = end
+                done_f[stage][mb] = made
                 next_f[stage] += 1
                 held[r] += 1
                 if stage < last and owner[stage + 1] != r \
                         and waits_on(owner[stage + 1], "F", stage + 1, mb):
                     woken = owner[stage + 1]
             else:
-                done_b[stage][mb] = end
+                done_b[stage][mb] = made
                 next_b[stage] += 1
                 if split_w:
                     pending_w[r].append((stage, mb))
@@ -442,7 +483,7 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
                   fwd: list[float], bwd: list[float], wgrad: list[float],
                   hop_f: list[float], hop_b: list[float],
                   sends_f: list[bool], sends_b: list[bool], p2p_s: float, p2p_slowdown: float,
-                  p2p_blocking: bool, m: int
+                  p2p_blocking: bool, m: int, waits: bool | None = None
                   ) -> list[tuple[int, tuple[str, int, int, float, float]]]:
     """run_actions for fixed orders (no split W, or ``orders`` placing every W): an action
     starts when its rank is free and its inputs have arrived, so its times follow from
@@ -455,6 +496,7 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
     done_f: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
     done_b: list[list[float | None]] = [[None] * m for _ in range(num_stages)]
     clock, sent_until, pos = [0.0] * p, [0.0] * p, [0] * p
+    after_next = [False] * p  # whether a rank waits on its last send once this action ends
     slowed = p2p_slowdown != 1.0
     out: list[tuple[int, tuple[str, int, int, float, float]]] = []
     ready_ranks = list(range(p))
@@ -475,6 +517,10 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
                                                    slowdown=p2p_slowdown)
                 out.append((r, (action, stage, mb, start, end)))
                 clock[r] = end
+                if after_next[r]:
+                    after_next[r] = False
+                    if sent_until[r] > end:
+                        clock[r] = sent_until[r]
                 pos[r] += 1
                 continue
             if action == "F":
@@ -506,10 +552,19 @@ def _run_in_order(orders: list[list[tuple[str, int, int]]], owner: list[int],
                                                slowdown=p2p_slowdown)
             out.append((r, (action, stage, mb, start, end)))
             clock[r] = end
+            if after_next[r]:  # an earlier send, waited once this action ends
+                after_next[r] = False
+                if sent_until[r] > end:
+                    clock[r] = end = sent_until[r]  # ``end`` now: when the result goes out
             if sends_f[stage] if action == "F" else sends_b[stage]:
                 sent_until[r] = end + p2p_s
                 if p2p_blocking:
                     clock[r] = sent_until[r]
+                elif waits is not None and pos[r] + 1 < len(order):
+                    if (order[pos[r] + 1][0] == "F") != (action == "F"):
+                        clock[r] = sent_until[r]  # with the next action's receive
+                    else:
+                        after_next[r] = waits
             pos[r] += 1
             if action == "F":
                 done_f[stage][mb] = end

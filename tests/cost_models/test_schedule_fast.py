@@ -2,7 +2,10 @@
 (schedule_reference.py, commit c084213) on random stage times, transfers, slowdowns and
 blocking sends, and on random per-rank orders: identical actions, times, order and
 Timelines, whichever path runs them (fixed orders, explicit orders with W, deferred W,
-greedy ZB-V)."""
+greedy ZB-V). The reference never waits on a non-blocking send; where the schedule class
+does (ScheduleSpec.sends_waited: GPipe, 1F1B) and a transfer takes time, the two paths
+are checked against each other only (tests/cost_models/test_schedule_sends.py checks
+those waits against torch's step loops)."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import random
 import pytest
 import schedule_reference as reference
 
-from cost_models.schedule import StageTimes, run_actions, simulate
+from cost_models.schedule import SCHEDULES, StageTimes, run_actions, simulate
 from runtime.schedule_orders import torch_rank_orders
 
 CASES = [("GPipe", 1), ("1F1B", 1), ("Interleaved1F1B", 2), ("Interleaved1F1B", 3),
@@ -32,8 +35,12 @@ def _stages(rnd: random.Random, n: int, *, zeros: bool) -> list[StageTimes]:
 
 def _same(schedule: str, p: int, m: int, stages: list[StageTimes], **kwargs) -> None:
     new = run_actions(schedule, p, m, stages, **kwargs)
-    assert new == reference.run_actions(schedule, p, m, stages, **kwargs)
     assert new == run_actions(schedule, p, m, stages, in_order=False, **kwargs)
+    waits = SCHEDULES[schedule].sends_waited != "at_step_end" and \
+        kwargs.get("p2p_s", 0.0) > 0.0 and not kwargs.get("p2p_blocking", False)
+    if waits:
+        return
+    assert new == reference.run_actions(schedule, p, m, stages, **kwargs)
     assert _fields(simulate(schedule, p, m, stages, **kwargs)) == \
         _fields(reference.simulate(schedule, p, m, stages, **kwargs))
 

@@ -30,7 +30,12 @@ Together: GPT-3 175B keeps pp 16 × dp 8 × tp 8 InterleavedZeroBubble v=6, its 
 tp_zero1+sp, 1.9243 s; the Megatron 1T row moves from pp 64 × dp 6 1F1B (78.17 s) to
 pp 32 × dp 12 × tp 8 ZBVZeroBubble m=256 with tp_zero1, 66.26 s (the distributed
 optimizer's memory lets a shallower pipeline fit); gpt2-small takes zero1 for every layer
-(4.21670 s); gpt-tiny-tied zero1 for every layer (0.0106337 s)."""
+(4.21670 s); gpt-tiny-tied zero1 for every layer (0.0106337 s).
+
+Not moved by the simulator waiting on sends where torch's GPipe and 1F1B step loops do
+(cost_models.schedule.ScheduleSpec.sends_waited): a wait only delays, so only GPipe and
+1F1B candidates got slower, and no case here chose either (the Megatron 1T row's
+published pp 64 1F1B plan, priced for autopar's runtime, 104.79 → 105.20 s)."""
 
 from __future__ import annotations
 
