@@ -11,8 +11,9 @@ The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
                        (dp, tp) sub-meshes, with the plan's precision (runtime.data_parallel,
                        runtime.precision)
     6. sends           with ``pipeline.scatter_sends``, each stage sends its tp rank's slice
-                       to another pipeline rank and gathers what it receives over tp
-                       (runtime.pipeline_sends)
+                       to another pipeline rank and gathers what it receives over tp; a
+                       boundary between two sequence-parallel layers passes each tp rank's
+                       sequence shard as it is, scattered or not (runtime.pipeline_sends)
     7. schedule        one manual ``PipelineStage`` per local stage (``Pipe.build_stage``
                        hangs with V schedules on gloo: the rank holding two adjacent stages
                        sends to itself), and the plan's ``Schedule*`` class over the pp axis

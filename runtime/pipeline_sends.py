@@ -3,11 +3,21 @@
 Megatron-LM's scatter/gather optimisation (Narayanan et al., SC'21, section 4.1). At a
 stage boundary every tp rank holds the same activation: TP layers end replicated
 (``runtime.tensor_parallel`` turns their Replicate output local, and a sequence-parallel
-layer ending a stage gathers its output back), and any other layer runs as identical
-copies on the tp ranks. So instead of every tp rank sending the whole activation to its
-peer on the next stage, each sends its own 1/tp slice of the last dim, and the receiving
-stage all-gathers the slices over its tp group (NVLink inside a node, where the pp link is
-the network between nodes).
+layer whose neighbour across the boundary is not gathers its output back), and any other
+layer runs as identical copies on the tp ranks. So instead of every tp rank sending the
+whole activation to its peer on the next stage, each sends its own 1/tp slice of the last
+dim, and the receiving stage all-gathers the slices over its tp group (NVLink inside a
+node, where the pp link is the network between nodes).
+
+Sequence shards (``sequence_sharded_boundaries``). Where the last plan layer of a stage and
+the first of the next are both sequence-parallel, the residual stream stays a Shard(1)
+DTensor across the boundary, as between two SP layers of one stage (Megatron-LM with
+sequence parallelism sends each tp rank's shard likewise): the sending stage returns the
+DTensor, ``PipelineStage`` sends its local tensor (1/tp of the activation) and rebuilds the
+DTensor on the receiving stage's tp mesh (``runtime.pipeline``'s ``get_mesh``), whose first
+SP layer takes it as its input. No gather, no slice; the hooks below leave DTensors alone,
+whether or not the plan scatters. Between two stages of one rank the DTensor is handed
+over in memory.
 
 Autograd, with r this rank's tp coordinate:
 
@@ -27,7 +37,9 @@ Which tensors: every floating tensor a stage sends to a stage on another pipelin
 (only floating tensors cross a cut, ``passes.split_stages``). Neighbouring stages on one
 rank (the V schedules' turn) hand tensors over in memory, so they are left whole. Both
 sides decide from the plan alone, so the receiver never needs the sender's shapes; the
-last dim of every such tensor must divide by tp, checked on the sender before it sends.
+last dim of every such tensor must divide by tp: ``check_sends`` refuses the plan from the
+shapes the pipeline split finds on meta (``passes.split_stages``), before any rank starts,
+and the sender checks again before it sends.
 """
 
 from __future__ import annotations

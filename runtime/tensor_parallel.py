@@ -27,6 +27,8 @@ The layer itself gets ``PrepareModuleInputOutput``: its input arrives as sequenc
 from a sequence-parallel layer just before it in the plan (plan order is execution order),
 else whole and split locally (no communication); its output stays sharded, as a DTensor,
 when the next layer of the plan is sequence-parallel too, else it is all-gathered whole.
+Across a pipeline stage boundary likewise (``sp_before``/``sp_after``): the shard crosses
+as it is (``runtime.pipeline_sends.sequence_sharded_boundaries``).
 A sequence-parallel layer may also ask for PyTorch's async TP (``LayerPlan.async_tp``):
 after its styles are applied it is compiled with Inductor's micro-pipeline pass, which
 overlaps those all-gathers and reduce-scatters with the Linears chunk by chunk

@@ -24,6 +24,7 @@ from test_runtime_numerics import BLOCK_TP
 from runtime.pipeline_sends import scattered_boundaries, sequence_sharded_boundaries
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
 
+
 def sp_plan(schedule: str, *, scatter: bool = False) -> str:
     plan = pipeline_plan(schedule, pp=2, tp=2, m=2, parallel="tp+sp")
     return scattered(plan, on=scatter) if scatter else plan
@@ -42,10 +43,14 @@ def test_sequence_shards_cross_stages_and_train_like_one_process(pool4, schedule
     assert_matches_reference(pool4.run(pipeline_job, GPT6, plan), GPT6)
 
 
-def test_one_sided_boundaries_train_like_one_process(pool4):
-    """h.3 (opening stage 1) is a Megatron TP block without SP: stage 0's last SP block
-    gathers its output whole, which the scattered send slices and stage 1 gathers."""
-    plan = Plan.from_json(sp_plan("1F1B", scatter=True))
+@pytest.mark.parametrize(("schedule", "scatter"), [("1F1B", True), ("ZBVZeroBubble", False)])
+def test_one_sided_boundaries_train_like_one_process(pool4, schedule, scatter):
+    """h.3 is a Megatron TP block without SP. 1F1B: it opens stage 1, stage 0's last SP
+    block gathers its output whole, which the scattered send slices and stage 1 gathers.
+    ZBVZeroBubble: it opens stage 2, on the rank of stage 1, whose last SP block gathers
+    its output by ``DTensor.to_local``, a view, which the split-backward schedules cannot
+    ``detach_()`` (runtime.pipeline._outputs_own_their_storage)."""
+    plan = Plan.from_json(sp_plan(schedule, scatter=scatter))
     layers = tuple(dataclasses.replace(la, sequence_parallel=False, tp_styles=BLOCK_TP)
                    if la.module == "h.3" else la for la in plan.layers)
     plan = dataclasses.replace(plan, layers=layers)
