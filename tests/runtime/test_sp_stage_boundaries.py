@@ -54,7 +54,8 @@ def test_one_sided_boundaries_train_like_one_process(pool4, schedule, scatter):
     layers = tuple(dataclasses.replace(la, sequence_parallel=False, tp_styles=BLOCK_TP)
                    if la.module == "h.3" else la for la in plan.layers)
     plan = dataclasses.replace(plan, layers=layers)
-    assert not sequence_sharded_boundaries(plan)
+    opens = next(la.stage for la in plan.layers if la.module == "h.3")
+    assert opens - 1 not in sequence_sharded_boundaries(plan)
     assert_matches_reference(pool4.run(pipeline_job, GPT6, plan.to_json()), GPT6)
 
 
@@ -126,3 +127,34 @@ def test_only_boundaries_between_two_sp_layers_are_sharded():
                 pipeline=PipelineSpec(schedule="1F1B", num_microbatches=4, scatter_sends=True))
     assert sequence_sharded_boundaries(plan) == {0, 2}
     assert scattered_boundaries(plan) == ({0, 1, 2}, {1, 2, 3})  # per tensor: DTensors skip
+
+
+def stage_output_job(model: tuple, plan_json: str) -> object:
+    """On stage 0's ranks: the placements and local shape of what stage 0 returns for one
+    micro-batch (the pipeline sends the local tensor of a DTensor)."""
+    from test_pipeline_numerics import _spec, _trainer
+    from torch.distributed.tensor import DTensor
+
+    spec, (_, _, batch, seq) = _spec(model), model
+    trainer = _trainer(model, Plan.from_json(plan_json))
+    if not trainer.has_first:
+        return None
+    inputs, _ = trainer.shard_batch(*spec.make_batch(batch, seq, seed=0))
+    out = trainer.stages[0](inputs[0][: batch // 2])
+    if not isinstance(out, DTensor):
+        return ("whole", tuple(out.shape))
+    return ([str(p) for p in out.placements], tuple(out.to_local().shape))
+
+
+def test_the_sending_stage_keeps_its_shard(pool4):
+    """Stage 0 ends with SP block h.2 and stage 1 opens with h.3: its output stays a
+    Shard(1) DTensor, half the sequence on each tp rank, never gathered; with h.3 not SP
+    it is gathered whole (4 samples × 16 tokens × 64)."""
+    shard = (["S(1)"], (4, 8, 64))
+    assert pool4.run(stage_output_job, GPT6, sp_plan("1F1B", scatter=True)) == [
+        shard, shard, None, None]
+    plan = Plan.from_json(sp_plan("1F1B"))
+    layers = tuple(dataclasses.replace(la, sequence_parallel=False, tp_styles=BLOCK_TP)
+                   if la.module == "h.3" else la for la in plan.layers)
+    whole = pool4.run(stage_output_job, GPT6, dataclasses.replace(plan, layers=layers).to_json())
+    assert whole == [("whole", (4, 16, 64))] * 2 + [None, None]
