@@ -105,3 +105,24 @@ def test_the_cli_says_it_and_exits_2(tmp_path, capsys):
                  "--batch", "8", "--seq", "16", "--steps", "1"])
     assert code == 2
     assert "64 does not split" in capsys.readouterr().err
+
+
+def compile_job(plan_json: str) -> str:
+    """``autopar.compile`` with a given plan, on every rank: the refusal, or 'ran'."""
+    import autopar
+
+    torch.manual_seed(0)
+    try:
+        autopar.compile(Narrow(), "local", (torch.ones(4, 4),), loss_fn=lambda out, y: out.sum(),
+                        plan=Plan.from_json(plan_json))
+    except PlanError as e:
+        return str(e)
+    return "ran"
+
+
+def test_compile_refuses_on_every_rank_before_a_collective(pool4):
+    """Every rank splits the model on meta and refuses alike: none waits for a peer."""
+    plan = _plan({"a": 0, "b": 0, "c": 1})
+    messages = pool4.run(compile_job, plan.to_json(), timeout_s=60)
+    assert all("(made by 'b') of shape (4, 3)" in m and "3 does not split" in m
+               for m in messages), messages
