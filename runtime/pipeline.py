@@ -265,6 +265,7 @@ class PipelineTrainer(Trainer):
         if not meta:
             module.to(self._device)
         meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)
+        self._tp_mesh = meshes.tp  # where received sequence shards live (``_stage_mesh``)
         layers = [la for la in plan.layers if la.stage == stage_id]
         sharded = sequence_sharded_boundaries(plan)
         apply_tensor_parallel(module, layers, meshes.tp, sp_before=stage_id - 1 in sharded,
@@ -284,7 +285,7 @@ class PipelineTrainer(Trainer):
         """The mesh a DTensor received from a neighbouring stage lives on here: sequence
         shards (``sequence_sharded_boundaries``) are on the tp mesh, whose layout is the
         same on every pipeline rank; the pipeline finds it by names and layout."""
-        tp = data_parallel_meshes(self.mesh["dp", "tp"], self.plan.hsdp_shard_size).tp
+        tp = self._tp_mesh
         if tuple(tp.mesh_dim_names or ()) == tuple(dim_names) and tp._layout == layout:
             return tp
         return None
