@@ -47,6 +47,7 @@ from passes import meta_keys as K
 from passes.annotate import annotate_module_paths
 from passes.group_layers import owning_layer
 from passes.trace import GraphCaptureError, explain_failure
+from runtime.pipeline_sends import Send
 from runtime.plan import PlanError
 
 _CALLS = ("call_function", "call_method", "call_module")
@@ -70,6 +71,9 @@ class StageSplit:
     output_fn: Callable[[object], object] | None = None
     """Maps the last stage's output (flat tensors) to what the model returns, for
     ``loss_fn``; None when the last stage returns that already."""
+    sends: tuple[tuple[Send, ...], ...] = ()
+    """Per boundary s (stage s to s + 1), the tensors that cross it, at the split's
+    (micro-batch) shapes: what ``runtime.pipeline_sends.check_sends`` checks."""
 
 
 def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_stages: int,
@@ -99,7 +103,8 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
     index = {f"submod_pp_{s}": s for s in range(num_stages)}
     tied = tuple({index[sub]: fqn for sub, fqn in uses.items()}
                  for uses in pipe.replicated_params)
-    return StageSplit(modules=modules, tied=tied, method="export", output_fn=restore)
+    return StageSplit(modules=modules, tied=tied, method="export", output_fn=restore,
+                      sends=policy.sends)
 
 
 def _real(x: object, device: torch.device) -> object:
@@ -119,6 +124,7 @@ class _CutPolicy:
         self.stages_of = stages_of
         self.num_stages = num_stages
         self.out_spec = None
+        self.sends: tuple[tuple[Send, ...], ...] = ()
 
     def __call__(self, gm: GraphModule) -> GraphModule:
         self.out_spec = getattr(getattr(gm.graph._codegen, "pytree_info", None), "out_spec", None)
@@ -131,6 +137,7 @@ class _CutPolicy:
         _recompute_constants(gm, node_stage, firsts)
         _pass_through(gm, node_stage, firsts)
         _check_crossings(gm, node_stage)
+        self.sends = _sends(gm, node_stage, self.num_stages)
         gm.graph.lint()
         gm.recompile()
         return gm
@@ -267,6 +274,27 @@ def _check_crossings(gm: GraphModule, node_stage: dict[Node, int]) -> None:
         later = [u for u in node.users if node_stage[u] > s]
         if later:
             check_sendable(node, node.meta.get("val"), s, later[0])
+
+
+def _sends(gm: GraphModule, node_stage: dict[Node, int], num_stages: int
+           ) -> tuple[tuple[Send, ...], ...]:
+    """Per boundary, the values its stage hands to the next (after ``_pass_through``, no
+    value skips a stage)."""
+    sends: list[list[Send]] = [[] for _ in range(num_stages - 1)]
+    for node in gm.graph.nodes:
+        s = node_stage.get(node)
+        if s is None or node.op == "output" or s >= num_stages - 1:
+            continue
+        if any(node_stage.get(u, -1) > s for u in node.users):
+            sends[s].append(send_record(node, node.meta.get("val")))
+    return tuple(tuple(b) for b in sends)
+
+
+def send_record(node: Node, value: object) -> Send:
+    """What crosses a boundary (``value``: a tensor, as ``check_sendable`` made sure)."""
+    assert isinstance(value, torch.Tensor), node
+    module = str(node.target) if node.op == "call_module" else node.meta.get(K.MODULE_PATH, "")
+    return Send(name=node.name, shape=tuple(value.shape), module=module or "")
 
 
 def check_sendable(node: Node, value: object, s: int, user: Node) -> None:

@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.fx import GraphModule, Node
 
 from passes.group_layers import layer_names, owning_layer
-from passes.split_export import StageSplit, check_sendable, export_stages
+from passes.split_export import Send, StageSplit, check_sendable, export_stages, send_record
 from passes.trace import (
     GraphCaptureError,
     explain_failure,
@@ -60,6 +60,7 @@ from passes.trace import (
     to_meta,
     trace_at_defaults,
 )
+from runtime.pipeline_sends import check_sends
 from runtime.plan import Plan, PlanError
 
 _CALLS = ("call_function", "call_method", "call_module")
@@ -99,16 +100,20 @@ def split_pipeline(model: nn.Module, plan: Plan, example_inputs: tuple,
     symbolic: BaseException | None = None
     if method != "export" and not example_kwargs:
         try:
-            modules = _symbolic_stages(model, plan, units, example_inputs)
-            return StageSplit(modules=modules, tied=(), method="symbolic_trace")
+            modules, sends = _symbolic_stages(model, plan, units, example_inputs)
+            split = StageSplit(modules=modules, tied=(), method="symbolic_trace", sends=sends)
+            check_sends(plan, split.sends)
+            return split
         except (GraphCaptureError, _SharedAcrossStages) as e:
             if method == "symbolic_trace":
                 raise
             symbolic = e.__cause__ if isinstance(e, GraphCaptureError) else None
     _check_no_tensor_parallel(model, plan)
     try:
-        return export_stages(model, units, lambda order: _layer_stages(model, plan, order),
-                             plan.num_stages, example_inputs, example_kwargs)
+        split = export_stages(model, units, lambda order: _layer_stages(model, plan, order),
+                              plan.num_stages, example_inputs, example_kwargs)
+        check_sends(plan, split.sends)
+        return split
     except GraphCaptureError as e:
         if symbolic is None:
             raise
@@ -119,8 +124,8 @@ def split_pipeline(model: nn.Module, plan: Plan, example_inputs: tuple,
         ) from e
 
 
-def _symbolic_stages(model: nn.Module, plan: Plan, units: list[str],
-                     example_inputs: tuple) -> list[nn.Module]:
+def _symbolic_stages(model: nn.Module, plan: Plan, units: list[str], example_inputs: tuple
+                     ) -> tuple[list[nn.Module], tuple[tuple[Send, ...], ...]]:
     gm = _trace(model, units)
     order = _execution_order(gm, set(units))
     stages = _layer_stages(model, plan, order)
@@ -131,7 +136,9 @@ def _symbolic_stages(model: nn.Module, plan: Plan, units: list[str],
         for s in range(plan.num_stages)
     ]
     _check_tied(modules)
-    return modules
+    sends = tuple(tuple(send_record(n, values[n]) for n in _crossing(gm, node_stage, s))
+                  for s in range(plan.num_stages - 1))
+    return modules, sends
 
 
 def _check_no_tensor_parallel(model: nn.Module, plan: Plan) -> None:

@@ -11,8 +11,9 @@ The order, per rank, extending ``runtime.apply``'s for ``mesh.pp > 1``:
                        (dp, tp) sub-meshes, with the plan's precision (runtime.data_parallel,
                        runtime.precision)
     6. sends           with ``pipeline.scatter_sends``, each stage sends its tp rank's slice
-                       to another pipeline rank and gathers what it receives over tp
-                       (runtime.pipeline_sends)
+                       to another pipeline rank and gathers what it receives over tp; a
+                       boundary between two sequence-parallel layers passes each tp rank's
+                       sequence shard as it is, scattered or not (runtime.pipeline_sends)
     7. schedule        one manual ``PipelineStage`` per local stage (``Pipe.build_stage``
                        hangs with V schedules on gloo: the rank holding two adjacent stages
                        sends to itself), and the plan's ``Schedule*`` class over the pp axis
@@ -48,6 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
 from torch.distributed.pipelining._IR import _modify_graph_op_device
@@ -68,7 +70,7 @@ from runtime.materialize import (
     on_meta,
 )
 from runtime.mesh import build_mesh, data_parallel_meshes
-from runtime.pipeline_sends import add_scattered_sends
+from runtime.pipeline_sends import add_scattered_sends, sequence_sharded_boundaries
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
 from runtime.recompute import apply_recompute
@@ -240,7 +242,7 @@ class PipelineTrainer(Trainer):
         if meta:
             materialize(model, self._device, common_seed(seed), stages=self.stages)
         pipe_stages = [PipelineStage(module, s, plan.num_stages, self._device,
-                                     group=self.mesh.get_group("pp"))
+                                     group=self.mesh.get_group("pp"), get_mesh=self._stage_mesh)
                        for s, module in zip(self.stage_ids, self.stages, strict=True)]
         self.schedule = _schedule(plan, pipe_stages, self._scaled_loss, scale_grads)
         self.has_first = 0 in self.stage_ids
@@ -263,8 +265,11 @@ class PipelineTrainer(Trainer):
         if not meta:
             module.to(self._device)
         meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)
+        self._tp_mesh = meshes.tp  # where received sequence shards live (``_stage_mesh``)
         layers = [la for la in plan.layers if la.stage == stage_id]
-        apply_tensor_parallel(module, layers, meshes.tp)
+        sharded = sequence_sharded_boundaries(plan)
+        apply_tensor_parallel(module, layers, meshes.tp, sp_before=stage_id - 1 in sharded,
+                              sp_after=stage_id in sharded)
         apply_recompute(module, layers)
         layer_policy, root_policy = fsdp_policies(plan)
         last = stage_id == plan.num_stages - 1
@@ -275,6 +280,15 @@ class PipelineTrainer(Trainer):
                             self.mesh.get_local_rank("tp"))
         if plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
             module.register_forward_hook(_outputs_own_their_storage)
+
+    def _stage_mesh(self, dim_names: tuple[str, ...], layout: object) -> DeviceMesh | None:
+        """The mesh a DTensor received from a neighbouring stage lives on here: sequence
+        shards (``sequence_sharded_boundaries``) are on the tp mesh, whose layout is the
+        same on every pipeline rank; the pipeline finds it by names and layout."""
+        tp = self._tp_mesh
+        if tuple(tp.mesh_dim_names or ()) == tuple(dim_names) and tp._layout == layout:
+            return tp
+        return None
 
     def _scaled_loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self.output_fn is not None:

@@ -352,17 +352,24 @@ def header_lines(plan: Plan) -> list[str]:
 
 def sends_line(plan: Plan) -> str:
     """How stage sends use the pipeline link when tp ranks hold the same activation."""
+    from runtime.pipeline_sends import sequence_sharded_boundaries  # torch.distributed
+
     tp = plan.mesh.tp
     if plan.pipeline is None or plan.mesh.pp == 1 or tp == 1:
         return ""
+    sharded = sorted(sequence_sharded_boundaries(plan))
+    shards = "" if not sharded else (
+        f"; after stage(s) {', '.join(map(str, sharded))} two sequence-parallel layers meet, "
+        f"and each tp rank passes on its sequence shard (1/{tp}) as it is")
     if plan.pipeline.scatter_sends:
         return (f"sends    scattered over tp={tp}: each tp rank sends 1/{tp} of a boundary "
                 f"activation to the next pipeline rank, which all-gathers the slices over "
                 f"its tp group ({tp - 1}/{tp} of the pipeline link's bytes saved, for one "
-                "all-gather inside the node)")
+                f"all-gather inside the node){shards}")
     return (f"sends    whole from each of the tp={tp} ranks (pipeline.scatter_sends off; the "
             "planner leaves it off where scattering is not faster, as when the pipeline "
-            f"link is NVLink too, or where a tensor's last dim does not divide by {tp})")
+            f"link is NVLink too, or where a tensor's last dim does not divide by {tp})"
+            f"{shards}")
 
 
 def totals_lines(plan: Plan) -> list[str]:

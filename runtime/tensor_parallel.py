@@ -27,6 +27,8 @@ The layer itself gets ``PrepareModuleInputOutput``: its input arrives as sequenc
 from a sequence-parallel layer just before it in the plan (plan order is execution order),
 else whole and split locally (no communication); its output stays sharded, as a DTensor,
 when the next layer of the plan is sequence-parallel too, else it is all-gathered whole.
+Across a pipeline stage boundary likewise (``sp_before``/``sp_after``): the shard crosses
+as it is (``runtime.pipeline_sends.sequence_sharded_boundaries``).
 A sequence-parallel layer may also ask for PyTorch's async TP (``LayerPlan.async_tp``):
 after its styles are applied it is compiled with Inductor's micro-pipeline pass, which
 overlaps those all-gathers and reduce-scatters with the Linears chunk by chunk
@@ -184,12 +186,16 @@ def _check_heads(root: nn.Module, sub: str, where: str, out_features: int, tp: i
                 )
 
 
-def apply_tensor_parallel(model: nn.Module, layers: list[LayerPlan], tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, layers: list[LayerPlan], tp_mesh: DeviceMesh, *,
+                          sp_before: bool = False, sp_after: bool = False) -> None:
     """Shard the TP layers' submodules over ``tp_mesh`` in place.
 
     ``layers`` are the plan's layers of this module in execution order; layers that are not
     tensor-parallel are skipped, but they end a run of sequence-parallel layers (whose
     residual stream is passed on sharded only to an immediately following SP layer).
+    ``sp_before`` / ``sp_after``: the plan's layer just before ``layers[0]`` / just after
+    ``layers[-1]`` is sequence-parallel and runs in another module (a pipeline stage's
+    neighbour), so the residual stream crosses between the two as sequence shards.
     """
     layers = list(layers)
     for i, layer in enumerate(layers):
@@ -197,8 +203,8 @@ def apply_tensor_parallel(model: nn.Module, layers: list[LayerPlan], tp_mesh: De
             continue
         root = model.get_submodule(layer.module)
         if layer.sequence_parallel:
-            prev_sp = i > 0 and layers[i - 1].sequence_parallel
-            next_sp = i + 1 < len(layers) and layers[i + 1].sequence_parallel
+            prev_sp = layers[i - 1].sequence_parallel if i > 0 else sp_before
+            next_sp = layers[i + 1].sequence_parallel if i + 1 < len(layers) else sp_after
             _apply_sequence_parallel(root, layer, tp_mesh, prev_sp=prev_sp, next_sp=next_sp)
             continue
         plan = {sub: parallel_style(style) for sub, style in layer.tp_styles.items() if sub}

@@ -79,6 +79,7 @@ from autopar.planner.one_stage import (
     plan_memory,
     runs_on_ddp,
 )
+from autopar.planner.stage_boundaries import gather_s, send_s
 from autopar.planner.stages import (
     SATURATION_MICROBATCHES_PER_RANK,
     balanced_bounds,
@@ -93,7 +94,7 @@ from autopar.planner.ties import (
     with_copy,
     with_sync,
 )
-from cost_models.comm import Group, group_link, p2p_s, scattered_p2p_s
+from cost_models.comm import Group, group_link
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
 from cost_models.schedule import (
@@ -826,14 +827,7 @@ class Engine:
         config = prepared.config
         pp, stages = config.mesh.pp, config.num_stages
         owner = _stage_ranks(config.schedule, pp, stages)
-        times = []
-        for s in range(stages):
-            members = [c for c, st in zip(prepared.costs, prepared.stage_of_layer, strict=True)
-                       if st == s]
-            times.append(StageTimes(fwd_s=sum(c.fwd_s for c in members),
-                                    bwd_s=sum(c.bwd_s for c in members),
-                                    wgrad_s=sum(c.wgrad_s for c in members),
-                                    activation_bytes=sum(c.activations_bytes for c in members)))
+        times = self._stage_times(prepared)
         overlap = self.cluster.overlap
         p2p, scatter = self._p2p_s(prepared)
         timeline = simulate(config.schedule, pp, config.microbatches, times,
@@ -864,24 +858,46 @@ class Engine:
                        rank_memory=tuple(memory_breakdown(p, margin) for p in peaks),
                        timeline=timeline, sync_s=max(sync), scatter_sends=scatter)
 
+    def _stage_times(self, prepared: _Prepared) -> list[StageTimes]:
+        """Each stage's per-micro-batch times: its layers', and the all-gather a
+        sequence-parallel layer facing a layer that is not across a boundary runs on its
+        stage (autopar/planner/stage_boundaries.py)."""
+        times = []
+        for s in range(prepared.config.num_stages):
+            members = [c for c, st in zip(prepared.costs, prepared.stage_of_layer, strict=True)
+                       if st == s]
+            times.append(StageTimes(fwd_s=sum(c.fwd_s for c in members),
+                                    bwd_s=sum(c.bwd_s for c in members),
+                                    wgrad_s=sum(c.wgrad_s for c in members),
+                                    activation_bytes=sum(c.activations_bytes for c in members)))
+        for i, s in self._boundaries(prepared):
+            fwd, bwd = gather_s(prepared.costs[i], prepared.costs[i + 1],
+                                prepared.config.mesh.tp, self.cluster)
+            times[s] = replace(times[s], fwd_s=times[s].fwd_s + fwd)
+            times[s + 1] = replace(times[s + 1], bwd_s=times[s + 1].bwd_s + bwd)
+        return times
+
     def _p2p_s(self, prepared: _Prepared) -> tuple[float, bool]:
-        """The slowest stage-boundary transfer (neighbouring pipeline ranks are dp·tp apart),
-        and whether it is scattered over tp (runtime/pipeline_sends.py): as the plan says,
-        else where the last dim of every floating tensor that may cross divides by tp and
-        scattering is faster (over the network, not where pp stays inside a node)."""
-        mesh = prepared.config.mesh
+        """The slowest transfer across a boundary between pipeline ranks (neighbouring ones
+        are dp·tp apart), as the runtime makes it (autopar/planner/stage_boundaries.py), and
+        whether the plan scatters sends over tp (runtime/pipeline_sends.py): as the plan
+        says, else where the last dim of every floating tensor that may cross divides by tp
+        and scattering is faster (over the network, not where pp stays inside a node)."""
+        config = prepared.config
+        mesh = config.mesh
         link = group_link(self.cluster, Group(2, mesh.dp * mesh.tp))
-        # What the runtime sends: a sequence-parallel layer's output is gathered whole
-        # before its stage ends (runtime/tensor_parallel.py), though its cost divides it.
-        boundary = [c.output_bytes * (mesh.tp if c.sequence_parallel else 1)
-                    for c, s, nxt in zip(prepared.costs, prepared.stage_of_layer,
-                                         prepared.stage_of_layer[1:] + (-1,), strict=True)
-                    if nxt != s and nxt != -1]
-        nbytes = max(boundary, default=0.0)
-        whole = p2p_s(nbytes, link)
+        owner = _stage_ranks(config.schedule, mesh.pp, config.num_stages)
+        pairs = [(prepared.costs[i], prepared.costs[i + 1])
+                 for i, s in self._boundaries(prepared) if owner[s] != owner[s + 1]]
+
+        def slowest(scatter: bool) -> float:
+            return max((send_s(a, b, mesh.tp, link, self.cluster, scatter) for a, b in pairs),
+                       default=0.0)
+
+        whole = slowest(False)
         if mesh.tp == 1 or prepared.scatter_sends is False:
             return whole, False
-        scattered = scattered_p2p_s(nbytes, link, mesh.tp, self.cluster)
+        scattered = slowest(True)
         if prepared.scatter_sends:
             return scattered, True
         last = prepared.stage_of_layer[-1]
@@ -889,6 +905,13 @@ class Engine:
             self.graph.layers, prepared.stage_of_layer, strict=True) if s != last
             for d in layer.output_last_dims)
         return (scattered, True) if splits and scattered < whole else (whole, False)
+
+    @staticmethod
+    def _boundaries(prepared: _Prepared) -> list[tuple[int, int]]:
+        """(index of the last layer of stage s, s) for every stage boundary."""
+        stage_of = prepared.stage_of_layer
+        return [(i, stage_of[i]) for i in range(len(stage_of) - 1)
+                if stage_of[i + 1] != stage_of[i]]
 
 
 @functools.lru_cache(maxsize=1024)

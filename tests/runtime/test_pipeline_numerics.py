@@ -174,9 +174,9 @@ def test_pp2_tp2_trains_like_one_process(pool4, schedule):
 
 @pytest.mark.parametrize("schedule", SPLIT_BACKWARD_SCHEDULES)
 def test_pp2_tp2_sequence_parallel_under_split_backward(pool4, schedule):
-    """Sequence-parallel blocks end stages: their output is gathered back over the sequence
-    by ``DTensor.to_local``, a view, which the split-backward schedules cannot
-    ``detach_()`` (runtime.pipeline._outputs_own_their_storage)."""
+    """Sequence-parallel blocks end stages and open the next: their sequence shards cross
+    as DTensors (runtime.pipeline_sends.sequence_sharded_boundaries), under split backward.
+    A block gathered at a stage end is tests/runtime/test_sp_stage_boundaries.py's."""
     plan = pipeline_plan(schedule, pp=2, tp=2, m=2, parallel="tp+sp")
     assert_matches_reference(pool4.run(pipeline_job, GPT6, plan), GPT6)
 

@@ -2,8 +2,8 @@
 runtime/pipeline_sends.py) train like one process and send 1/tp of the bytes.
 
 pp = 2 × tp = 2 on 4 gloo ranks, at tests/runtime/test_pipeline_numerics.py's tolerances:
-the zoo GPT (Megatron TP blocks, and sequence-parallel blocks, whose output is gathered
-back before the stage ends) and Hugging Face Llama (exported stages, which take no TP
+the zoo GPT (Megatron TP blocks, and sequence-parallel blocks, whose shards cross as they
+are: tests/runtime/test_sp_stage_boundaries.py) and Hugging Face Llama (exported stages, which take no TP
 layers: its layers run as identical copies on the tp ranks, so what crosses a cut is
 still replicated over tp), with 1F1B and an interleaved schedule.
 """

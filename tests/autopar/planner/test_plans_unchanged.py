@@ -7,8 +7,8 @@ Provenance: every expected value below was printed by ``plan_summary`` run on co
 cost model or the search changes these plans; then re-derive the numbers on the commit
 before that change and say why they moved in its message.
 
-Moved since, deliberately, by five changes, each recorded with the numbers before and after
-in its commit (the values below are those of all five together):
+Moved since, deliberately, by six changes, each recorded with the numbers before and after
+in its commit (the values below are those of all six together):
 - the pipeline search simulates the orders torch's schedule tables run
   (runtime.schedule_orders.runtime_orders), not the simulator's greedy ZBVZeroBubble and
   W-when-idle orders: GPT-3 175B's ZBVZeroBubble m=16 (2.0982 s greedy) is 2.2107 s as
@@ -26,9 +26,15 @@ in its commit (the values below are those of all five together):
   with nothing else), and the planner scatters it over tp, 1/tp over the network plus an
   all-gather over NVLink on the receiving stage. Same plans, each hop slower by the
   all-gather: GPT-3 175B 1.9020 → 1.9243 s, the Megatron 1T row 66.2296 → 66.2567 s.
+- sequence-parallel stage boundaries hand on each tp rank's sequence shard (the runtime
+  no longer gathers it at the stage end, and a shard is not scattered again): both ends
+  of every cut in these two plans are tp_zero1+sp blocks, so each hop is 1/tp of the
+  activation with no all-gather, on the same plans: GPT-3 175B 1.9243 → 1.9020 s, the
+  Megatron 1T row 66.2567 → 66.2296 s (each back to its value before the change above,
+  which priced the shard alone while the runtime gathered it).
 Together: GPT-3 175B keeps pp 16 × dp 8 × tp 8 InterleavedZeroBubble v=6, its blocks now
-tp_zero1+sp, 1.9243 s; the Megatron 1T row moves from pp 64 × dp 6 1F1B (78.17 s) to
-pp 32 × dp 12 × tp 8 ZBVZeroBubble m=256 with tp_zero1, 66.26 s (the distributed
+tp_zero1+sp, 1.9020 s; the Megatron 1T row moves from pp 64 × dp 6 1F1B (78.17 s) to
+pp 32 × dp 12 × tp 8 ZBVZeroBubble m=256 with tp_zero1, 66.23 s (the distributed
 optimizer's memory lets a shallower pipeline fit); gpt2-small takes zero1 for every layer
 (4.21670 s); gpt-tiny-tied zero1 for every layer (0.0106337 s).
 
@@ -97,12 +103,12 @@ CASES = {
         lambda: zoo_case("gpt3-175b", 128, "bfloat16", Cluster.preset("dgx-a100-80g", nodes=128)),
         dict(mesh=(16, 8, 1, 8), pipeline=("InterleavedZeroBubble", 16, 6), accumulation=1,
              options={"replicate": 1, "tp_zero1": 1, "tp_zero1+sp": 96, "zero1": 2},
-             layout="1a16664d29b673e7", step_time_s=1.9243429107104204)),
+             layout="1a16664d29b673e7", step_time_s=1.9020375629286095)),
     "Megatron 1T row on 3,072 A100": (
         lambda: megatron_case(1008.0),
         dict(mesh=(32, 12, 1, 8), pipeline=("ZBVZeroBubble", 256, 2), accumulation=1,
              options={"replicate": 1, "tp_zero1": 2, "tp_zero1+sp": 128, "zero1": 1},
-             layout="f7fbb961fe1f7da2", step_time_s=66.25665459360945)),
+             layout="f7fbb961fe1f7da2", step_time_s=66.229573032639)),
     "gpt2-small on 8 A100": (
         lambda: zoo_case("gpt2-small", 512, "float32", Cluster.preset("dgx-a100-80g", nodes=1)),
         dict(mesh=(1, 8, 1, 1), pipeline=None, accumulation=2,
