@@ -3,8 +3,8 @@
 pp = 1: every mesh dp × cp × tp with tp inside a node, dp dividing the global batch and cp
 a power of two whose 2·cp chunks divide the sequence (models that can run
 context-parallel only), each with a gradient accumulation m, any divisor of the
-per-replica batch up to MAX_ACCUMULATION. pp > 1: every (tp, pp, dp), micro-batch count, schedule with its
-virtual stages, and the strategy of tied layers.
+per-replica batch up to MAX_ACCUMULATION. pp > 1: every (tp, pp, dp), micro-batch count,
+schedule with its virtual stages, and the strategy of tied layers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ MAX_MICROBATCHES_PER_STAGE = 8
 bubble is under (p-1)/(9p-1) < 11% and smaller micro-batches only lose GEMM efficiency."""
 MAX_ACCUMULATION = 64
 """Largest gradient accumulation searched for pp = 1 meshes."""
-
 
 
 
