@@ -2,9 +2,9 @@
 
 pp = 1: every mesh dp × cp × tp with tp inside a node, dp dividing the global batch and cp
 a power of two whose 2·cp chunks divide the sequence (models that can run
-context-parallel only), each with a gradient accumulation m, a power of two dividing the
-per-replica batch. pp > 1: every (tp, pp, dp), micro-batch count, schedule with its
-virtual stages, and the strategy of tied layers.
+context-parallel only), each with a gradient accumulation m, any divisor of the
+per-replica batch up to MAX_ACCUMULATION. pp > 1: every (tp, pp, dp), micro-batch count,
+schedule with its virtual stages, and the strategy of tied layers.
 """
 
 from __future__ import annotations
@@ -73,13 +73,15 @@ def context_degrees(ranks: int, seq_len: int | None) -> list[int]:
 
 
 def accumulation_steps(graph: LayerGraph, mesh: Mesh) -> list[int]:
-    """Gradient accumulation candidates: powers of two dividing the per-replica batch; none
-    for models whose BatchNorm uses batch statistics (a micro-batch's would differ)."""
+    """Gradient accumulation candidates, in increasing order: every divisor of the
+    per-replica batch up to MAX_ACCUMULATION (the runtime splits a replica's batch into any
+    number of equal micro-batches; powers of two alone miss e.g. 21 of 63, where only a
+    micro-batch of 3 fits); none for models whose BatchNorm uses batch statistics (a
+    micro-batch's would differ)."""
     if batch_norm_layers(graph):
         return [1]
     local = graph.batch_size // mesh.dp
-    return [m for m in (2**i for i in range(7)) if m <= min(local, MAX_ACCUMULATION)
-            and local % m == 0]
+    return [m for m in divisors(local) if m <= MAX_ACCUMULATION]
 
 
 

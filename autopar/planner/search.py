@@ -4,7 +4,7 @@ fastest feasible plan kept.
 pp = 1 first: every mesh dp × cp × tp with tp inside a node (tp divides the devices per
 node), dp dividing the global batch and cp a power of two whose 2·cp chunks divide the
 sequence (only for models that can run context-parallel, see passes/context_parallel.py),
-and every gradient accumulation m (a power of two dividing the per-replica batch). Before
+and every gradient accumulation m (a divisor of the per-replica batch, up to 64). Before
 each ILP, the LP bound of its knapsack (autopar.planner.bounds, no solver) skips it when it
 cannot beat the mesh's outcome (more accumulation only trades time for activation memory)
 or the best outcome found. Then the pipelines (``Engine.pipelines``), in the order of their
@@ -252,7 +252,9 @@ def _one_stage(engine: Engine, mesh: Mesh, best: Outcome | None, check: PlanChec
     if refusal is not None:
         return _MeshResult(Candidate(mesh=mesh, status="refused",
                                      reason=f"the runtime refuses its plan: {refusal}"), None)
-    if least_need == float("inf") and outclassed < float("inf"):
+    # An accumulation the best plan outclasses may fit where smaller ones do not: the mesh
+    # cannot beat the best plan, which is not the same as nothing fitting on it.
+    if outclassed < float("inf"):
         return _MeshResult(Candidate(
             mesh=mesh, status="skipped", lower_bound_s=outclassed,
             reason=f"cannot beat the best plan: no plan on it takes less than "

@@ -204,11 +204,11 @@ def test_sharded_data_parallelism_falls_with_gpus_at_a_fixed_global_batch():
 # -- the planner against the published configurations -----------------------------------------
 
 SEARCH_MISSES = {
-    40: "MPT-30b on 8 H100 at 3 × 21 micro-batches: the published plan fits (79.5 of 80 GiB "
-        "by plan_memory) and is 7% faster than the plan the search returns (fsdp + cp 4 on "
-        "dp 2); the search does not reach it",
-    3: "Llama 2 13B on 64 A100 without recomputation: torchtitan ran it in 80 GB, the memory "
-       "model puts it at 93 GiB, so the planner recomputes some blocks: 0.8% slower"}
+    3: "Llama 2 13B on 64 A100 without recomputation: torchtitan ran it in 80 GiB, the model "
+       "puts it at 93.1 GiB (84.6 modelled + the 10% allocator margin), so the planner "
+       "recomputes some blocks: 0.8% slower. 7.5 GiB of it is the capture over-counting "
+       "HF Llama's blocks in bf16 (tests/passes/test_bf16_saved_activations.py); exact, the "
+       "plan needs 77.1 GiB + 7.7 margin, still over 80: it fits only under a margin of 3.8%"}
 
 
 @pytest.mark.parametrize("row_id", [
