@@ -27,7 +27,6 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from scipy.optimize import brentq
 
 from autopar.planner.costs import allowed_options, layer_cost, layer_options
 from autopar.planner.estimators import CostContext, _sp_pairs, async_tp_comm_s, tp_comm_s
@@ -283,6 +282,19 @@ def test_async_tp_speed_up_over_vanilla_tp_is_the_published_size(vanilla, overla
                                                                              abs=0.05)
     *_, tokens = _priced(vanilla)
     measured = tokens / float(_row(vanilla)["tokens_per_s_per_gpu"])
-    fitted = brentq(lambda e: _step_s(vanilla, e, False) - measured, 0.1, 1.0, xtol=1e-3)
+    fitted = _root(lambda e: _step_s(vanilla, e, False) - measured, 0.1, 1.0, xtol=1e-3)
     assert _speed_up(vanilla, fitted) == pytest.approx(published, abs=0.03)
     assert _speed_up(vanilla, fitted) > 1.0
+
+
+def _root(f, lo: float, hi: float, *, xtol: float) -> float:
+    """The x in [lo, hi] where f changes sign, by bisection (f monotone there)."""
+    f_lo = f(lo)
+    assert f_lo * f(hi) < 0, "no sign change in the bracket"
+    while hi - lo > xtol:
+        mid = (lo + hi) / 2
+        if (f(mid) < 0) == (f_lo < 0):
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
