@@ -62,15 +62,21 @@ def test_hf_llama_pp2_tp2_scattered_trains_like_one_process(pool4, schedule):
 
 def sent_bytes_job(model: tuple, plan_json: str) -> int:
     """Bytes this rank hands to ``isend`` in one training step."""
-    import torch.distributed as dist
     from test_pipeline_numerics import _spec, _trainer
 
     spec, (_, _, batch, seq) = _spec(model), model
     trainer = _trainer(model, Plan.from_json(plan_json))
     inputs, targets = trainer.shard_batch(*spec.make_batch(batch, seq, seed=0))
     trainer.forward_backward(inputs, targets)  # shapes inferred, buffers made
-    sent = 0
-    original = dist.batch_isend_irecv
+    return bytes_sent(lambda: trainer.forward_backward(inputs, targets))
+
+
+def bytes_sent(step) -> int:
+    """Bytes this rank hands to ``isend`` (torch's schedules batch every p2p op through
+    ``batch_isend_irecv``) while ``step()`` runs."""
+    import torch.distributed as dist
+
+    sent, original = 0, dist.batch_isend_irecv
 
     def counting(ops):
         nonlocal sent
@@ -79,7 +85,7 @@ def sent_bytes_job(model: tuple, plan_json: str) -> int:
 
     dist.batch_isend_irecv = counting
     try:
-        trainer.forward_backward(inputs, targets)
+        step()
     finally:
         dist.batch_isend_irecv = original
     return sent

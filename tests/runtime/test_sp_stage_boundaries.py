@@ -84,8 +84,8 @@ def test_hf_llama_scattered_sends_are_one_tp_th(pool4):
 
 
 def hf_sent_bytes_job(plan_json: str) -> int:
-    import torch.distributed as dist
     from test_pipeline_hf import batch, build, next_token_loss
+    from test_pipeline_sends import bytes_sent
 
     from autopar.lower import make_trainer
 
@@ -95,19 +95,7 @@ def hf_sent_bytes_job(plan_json: str) -> int:
                            lambda p: __import__("torch").optim.AdamW(p, lr=1e-3))
     local = trainer.shard_batch(inputs, targets)
     trainer.forward_backward(*local)
-    sent, original = 0, dist.batch_isend_irecv
-
-    def counting(ops):
-        nonlocal sent
-        sent += sum(op.tensor.nbytes for op in ops if op.op is dist.isend)
-        return original(ops)
-
-    dist.batch_isend_irecv = counting
-    try:
-        trainer.forward_backward(*local)
-    finally:
-        dist.batch_isend_irecv = original
-    return sent
+    return bytes_sent(lambda: trainer.forward_backward(*local))
 
 
 # -- which boundaries ----------------------------------------------------------------------
