@@ -60,6 +60,7 @@ from autopar.planner.costs import allowed_strategies, layer_cost
 from autopar.planner.engine import Engine
 from autopar.planner.stages import balanced_bounds, stage_assignment
 from autopar.zoo import GPT, get_model
+from cost_models.compute import gemm_efficiency
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from passes.layer_graph import build_layer_graph
@@ -352,7 +353,7 @@ def main() -> None:
           f"{args.nproc} CPU ranks (gloo), {THREADS} thread each; {platform.node()}, {when}")
     print(f"cluster: {cluster.source} (calibration {t_cal:.0f} s)")
     d, link = cluster.device, cluster.intra_node
-    print(f"  float32 peak x eff {d.peak('float32') * d.matmul_efficiency / 1e9:.1f} GFLOP/s, "
+    print(f"  float32 peak x eff {d.peak('float32') * gemm_efficiency(d, 'float32') / 1e9:.1f} GFLOP/s, "
           f"half_dim {d.half_dim('float32'):.0f}, memory {d.memory_bandwidth_GBps:.2f} GB/s, "
           f"kernel floor {d.kernel_floor_s * 1e6:.1f} us, attention at "
           f"{d.attention_efficiency:.2f}x the GEMM rate, loss at {d.loss_efficiency:.2f}x the "

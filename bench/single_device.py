@@ -42,6 +42,7 @@ from autopar.api import search_plans
 from autopar.calibrate import Settings, calibrate, write_profile
 from autopar.lower import make_trainer
 from autopar.zoo import get_model
+from cost_models.compute import gemm_efficiency
 from cost_models.hardware import Cluster
 from runtime.launch import spawn
 from runtime.plan import Plan, option_label
@@ -124,7 +125,7 @@ def main() -> None:
     print(f"cluster: {cluster.source}")
     d = cluster.device
     print(f"  {d.name}: memory {d.memory_bytes / GiB:.1f} GiB, large-GEMM rate "
-          + ", ".join(f"{k} {v * d.matmul_efficiency / 1e12:.3g} TFLOP/s"
+          + ", ".join(f"{k} {v * gemm_efficiency(d, k) / 1e12:.3g} TFLOP/s"
                       for k, v in d.peak_flops.items())
           + f", memory-bound kernels {d.memory_bandwidth_GBps:.0f} GB/s")
     options = [option_label(la.strategy, la.recompute, la.offload, la.sequence_parallel)

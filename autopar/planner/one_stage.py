@@ -27,18 +27,15 @@ def class_options(graph: LayerGraph, mesh: Mesh, cluster: Cluster, prec: Precisi
                   ) -> list[ClassOptions]:
     """Every layer class's options. ``priced``: a store of option sets shared with other
     meshes, by (class, the mesh as its costs see it, micro-batches); see ``cost_mesh``."""
+    store = {} if priced is None else priced
     out = []
     for name, members in graph.classes.items():
         seen = cost_mesh(members[0], mesh, estimators)
         key = (name, seen, microbatches)
-        if priced is None or key not in priced:
-            costs = layer_options(members[0], graph.seq_len, seen, cluster, prec,
-                                  microbatches, estimators=estimators)
-            if priced is None:
-                out.append(ClassOptions(name=name, count=len(members), costs=costs))
-                continue
-            priced[key] = costs
-        out.append(ClassOptions(name=name, count=len(members), costs=priced[key]))
+        if key not in store:
+            store[key] = layer_options(members[0], graph.seq_len, seen, cluster, prec,
+                                       microbatches, estimators=estimators)
+        out.append(ClassOptions(name=name, count=len(members), costs=store[key]))
     return out
 
 
