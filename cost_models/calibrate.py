@@ -296,6 +296,41 @@ def fit_software_efficiency(ratios: Callable[[float], Sequence[float]], *,
     return (lo + hi) / 2
 
 
+def fit_software_efficiency_and_host(
+        ratios: Callable[[float, float], Sequence[float]], *, host_high_s: float = 0.02,
+        rel_tol: float = 1e-7) -> tuple[float, float]:
+    """A generation's efficiency factor s and its unhidden FSDP host time h (seconds per
+    wrapped module per micro-batch; ``Software.fsdp_host_s_by_device``), fitted together on
+    its calibration rows: for each h, s is ``fit_software_efficiency``'s (geometric mean of
+    predicted / published at 1), and h minimises the rows' squared log-ratios left (on two
+    rows: both exact). ``ratios(s, h)`` gives predicted / published per row.
+
+    Why h is separable from s: h is a fixed time per layer and micro-batch, so it weighs on
+    rows with little compute per micro-batch (small layers, small micro-batches) and not on
+    the others, where s weighs on every row alike. Golden-section search on [0, host_high_s]
+    (the residual is unimodal in h: each row's log-ratio falls monotonically with h)."""
+    def fitted(h: float) -> tuple[float, float]:
+        s = fit_software_efficiency(lambda x: ratios(x, h), rel_tol=rel_tol)
+        logs = np.log(np.asarray(ratios(s, h), dtype=float))
+        return s, float(np.sum(logs ** 2))
+
+    lo, hi = 0.0, host_high_s
+    golden = (np.sqrt(5) - 1) / 2
+    a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
+    fa, fb = fitted(a)[1], fitted(b)[1]
+    while hi - lo > 1e-4 * host_high_s:
+        if fa <= fb:
+            hi, b, fb = b, a, fa
+            a = hi - golden * (hi - lo)
+            fa = fitted(a)[1]
+        else:
+            lo, a, fa = a, b, fb
+            b = lo + golden * (hi - lo)
+            fb = fitted(b)[1]
+    h = (lo + hi) / 2
+    return fitted(h)[0], h
+
+
 def split_software_efficiency(rates_flops: dict[str, float], datasheet_peaks: dict[str, float],
                               ceiling: float) -> tuple[dict[str, float], float, str]:
     """A GPU's measured large-GEMM rates split into the hardware its preset publishes and

@@ -123,7 +123,9 @@ class Device:
     """Host time FSDP2 adds per wrapped module per micro-batch (its forward and backward
     hooks, with their allocations and bookkeeping), beyond the copies and collectives the
     cost model prices. It adds to the step on CPU ranks, where host and kernels share a
-    core; on GPUs the host runs ahead and hides it (0). Measured by ``autopar calibrate``."""
+    core; on GPUs the host mostly runs ahead and hides it (0), unless the cluster's software
+    generation states what its FSDP leaves unhidden there (``cost_models.software``).
+    Measured by ``autopar calibrate``."""
     tp_overhead_s: float = 0.0
     """Host time a tensor-parallel module (DTensor parameters, input and output hooks) adds
     per micro-batch, as ``fsdp_overhead_s``."""

@@ -7,7 +7,10 @@ its day, clocks under sustained load. That loss is the software's, and it differ
 generation: Megatron-LM in 2021, llm-foundry's FSDP1 in 2023, torchtitan's FSDP2 in 2024
 ran on the same kind of GPU at different shares of it. A ``Software`` profile states one
 generation's efficiency factor (the GEMM rate is peak × matmul_efficiency × this factor)
-and which communication its software never overlaps with compute.
+and which communication its software never overlaps with compute. Where the data demand it,
+a generation also states the host time its FSDP leaves unhidden on a device
+(``fsdp_host_s_by_device``): per wrapped module per micro-batch, a fixed cost that the
+device's kernels no longer cover once they are fast enough.
 
 The generations live in ``software.toml`` beside this module. A fitted efficiency is
 fitted on NAMED calibration rows of its own published source (``calibrated_on``), never on
@@ -55,6 +58,12 @@ class Software:
     on a device without its own entry in ``efficiency_by_device``."""
     efficiency_by_device: dict[str, float] = field(default_factory=dict)
     """Device name (``Device.name``) -> the factor fitted on that device's rows."""
+    fsdp_host_s: float | None = None
+    """Host time (s) its FSDP adds per wrapped module per micro-batch that the device does not
+    hide, fitted with the efficiency; it becomes the device's ``fsdp_overhead_s``. None: the
+    device keeps its own (0 on GPU presets)."""
+    fsdp_host_s_by_device: dict[str, float] = field(default_factory=dict)
+    """Device name -> ``fsdp_host_s`` fitted on that device's rows."""
     exposed: tuple[str, ...] = ()
     """Communication patterns (``OVERLAP_PATTERNS``) this software waits
     for: it never overlaps them with compute."""
@@ -67,6 +76,11 @@ class Software:
 
     def efficiency_on(self, device_name: str) -> float:
         return self.efficiency_by_device.get(device_name, self.efficiency)
+
+    def fsdp_host_on(self, device_name: str) -> float | None:
+        """The unhidden FSDP host time on ``device_name``, None where the generation states
+        none."""
+        return self.fsdp_host_s_by_device.get(device_name, self.fsdp_host_s)
 
 
 def software_names() -> list[str]:
@@ -84,10 +98,14 @@ def software(name: str) -> Software:
 
 def with_software(cluster: Cluster, chosen: str | Software) -> Cluster:
     """``cluster`` running ``chosen``: its device's software_efficiency set to the
-    generation's factor on that device, the generation's exposed patterns added to the
+    generation's factor on that device (and its fsdp_overhead_s to the generation's host
+    time there, if it states one), the generation's exposed patterns added to the
     cluster's own (a CPU cluster's FSDP2 stays exposed), its optimizer if it fixes one."""
     sw = software(chosen) if isinstance(chosen, str) else chosen
-    device = replace(cluster.device, software_efficiency=sw.efficiency_on(cluster.device.name))
+    name = cluster.device.name
+    host = sw.fsdp_host_on(name)
+    device = replace(cluster.device, software_efficiency=sw.efficiency_on(name),
+                     fsdp_overhead_s=cluster.device.fsdp_overhead_s if host is None else host)
     exposed = tuple(dict.fromkeys((*cluster.overlap.exposed, *sw.exposed)))
     return replace(cluster, device=device, software=sw.name,
                    overlap=replace(cluster.overlap, exposed=exposed),
@@ -106,8 +124,8 @@ def software_from_dict(name: str, data: Any, where: str) -> Software:
     where = f"{where}: [{name}]"
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a table, got {type(data).__name__}")
-    valid = {"efficiency", "efficiency_by_device", "exposed", "optimizer", "source",
-             "calibrated_on"}
+    valid = {"efficiency", "efficiency_by_device", "fsdp_host_us", "fsdp_host_us_by_device",
+             "exposed", "optimizer", "source", "calibrated_on"}
     unknown = set(data) - valid
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; valid: "
@@ -120,12 +138,23 @@ def software_from_dict(name: str, data: Any, where: str) -> Software:
                           f"factor, got {by_device!r}")
     for key, value in [("efficiency", data["efficiency"]), *by_device.items()]:
         _check_factor(key, value, where)
+    host = data.get("fsdp_host_us_by_device", {})
+    if not isinstance(host, dict):
+        raise ConfigError(f"{where}: fsdp_host_us_by_device must be a table of device name = "
+                          f"microseconds, got {host!r}")
+    for key, value in [("fsdp_host_us", data.get("fsdp_host_us", 0)), *host.items()]:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+                0 <= value < 1e6):
+            raise ConfigError(f"{where}: {key} must be microseconds in [0, 1e6), got {value!r}")
+    default_host = data.get("fsdp_host_us")
     exposed = data.get("exposed", [])
     if not isinstance(exposed, list) or any(p not in OVERLAP_PATTERNS for p in exposed):
         raise ConfigError(f"{where}: exposed must be a list of patterns from "
                           f"{', '.join(OVERLAP_PATTERNS)}, got {exposed!r}")
     return Software(name=name, efficiency=float(data["efficiency"]),
                     efficiency_by_device={k: float(v) for k, v in by_device.items()},
+                    fsdp_host_s=None if default_host is None else float(default_host) * 1e-6,
+                    fsdp_host_s_by_device={k: float(v) * 1e-6 for k, v in host.items()},
                     exposed=tuple(exposed), optimizer=data.get("optimizer"),
                     source=str(data.get("source", "")),
                     calibrated_on=str(data.get("calibrated_on", "")))

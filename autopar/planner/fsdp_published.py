@@ -15,7 +15,8 @@ float8, no ``torch.compile``), on the presets' GPUs:
   are 96 GB / 500 W parts: the grand-teton-h100 preset.
 
 Each source runs its own software generation (``SOFTWARE``; cost_models/software.toml): the
-share of the GPU's GEMM ceiling its steps keep, fitted on named calibration rows of that
+share of the GPU's GEMM ceiling its steps keep (and, for llm-foundry's FSDP1, the host time
+per block and micro-batch the GPU does not hide), fitted on named calibration rows of that
 source and checked on the others (tests/cost_models/test_software.py).
 
 Not priced, and why: the other torchtitan rows and fms-fsdp's use ``torch.compile``, float8
@@ -41,7 +42,7 @@ import torch
 from autopar.planner.costs import layer_cost
 from autopar.whatif import repeat_blocks
 from autopar.zoo import GPT, GPTConfig
-from cost_models.calibrate import fit_software_efficiency
+from cost_models.calibrate import fit_software_efficiency, fit_software_efficiency_and_host
 from cost_models.hardware import Cluster, GiB
 from cost_models.memory import precision
 from cost_models.software import with_software
@@ -185,16 +186,20 @@ class FsdpPrediction:
 
 def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
             float32_grads: bool | None = None,
-            software_efficiency: float | None = None) -> FsdpPrediction:
+            software_efficiency: float | None = None,
+            fsdp_host_s: float | None = None) -> FsdpPrediction:
     """The cost model's step of the row's published configuration (module docstring).
     ``float32_grads``: reduce gradients in float32 (default: as the row ran); False prices
     it as the planner's bf16 plans run, to compare with them like for like.
-    ``software_efficiency``: instead of its generation's (to fit that, ``fit_software``)."""
+    ``software_efficiency``, ``fsdp_host_s``: instead of its generation's efficiency and
+    unhidden FSDP host time on the row's device (to fit them, ``fit_software``)."""
     graph = graph if graph is not None else fsdp_graph(row)
     cluster, prec = fsdp_cluster(row), precision("bfloat16")
     if software_efficiency is not None:
         cluster = replace(cluster, device=replace(cluster.device,
                                                   software_efficiency=software_efficiency))
+    if fsdp_host_s is not None:
+        cluster = replace(cluster, device=replace(cluster.device, fsdp_overhead_s=fsdp_host_s))
     if row.float32_grads if float32_grads is None else float32_grads:
         prec = replace(prec, grad_bytes=4)
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
@@ -220,3 +225,16 @@ def fit_software(rows: list[FsdpRow]) -> float:
                 / r.tokens_per_s_per_gpu for r, g in zip(rows, graphs, strict=True)]
 
     return fit_software_efficiency(ratios, rel_tol=1e-5)  # software.toml keeps 4 digits
+
+
+def fit_software_and_host(rows: list[FsdpRow]) -> tuple[float, float]:
+    """The software efficiency and unhidden FSDP host time (s per wrapped module per
+    micro-batch) that predict ``rows`` (calibration rows of one generation on one device)
+    at their published throughput (``cost_models.calibrate.fit_software_efficiency_and_host``)."""
+    graphs = [fsdp_graph(r) for r in rows]
+
+    def ratios(s: float, host: float) -> list[float]:
+        return [predict(r, g, software_efficiency=s, fsdp_host_s=host).tokens_per_s_per_gpu(r)
+                / r.tokens_per_s_per_gpu for r, g in zip(rows, graphs, strict=True)]
+
+    return fit_software_efficiency_and_host(ratios, rel_tol=1e-5)

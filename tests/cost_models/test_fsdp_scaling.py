@@ -4,25 +4,23 @@ and sharded data parallelism at 1,536 GPUs at a fixed global batch.
 
 Where the model stands (python bench/published.py prints every row). Each source runs its
 software generation (cost_models/software.toml): the share of the GPU's GEMM ceiling its
-steps keep, fitted per device on NAMED calibration rows (``CALIBRATION``; re-fitted in
+steps keep and, for llm-foundry's FSDP1, the host time per block and micro-batch the GPU does
+not hide, fitted per device on NAMED calibration rows (``CALIBRATION``; re-fitted in
 tests/cost_models/test_software.py) and checked here on the other rows, which no fit saw:
 - A100 rows (torchtitan's Llama 2 and 3 on FSDP2, 2024; llm-foundry's MPT on FSDP1, 2023):
-  12 held-out rows, every one within 7%, the median 3.3%. Two rows are left out with
+  12 held-out rows, every one within 7%, the median under 3%. Two rows are left out with
   their reason (``UNEXPLAINED``): row 43 (MPT-70b on 64 A100-40GB, micro-batch 2) is
   published 27% below the same model on 128 GPUs at micro-batch 4, a fall no term of the
   model explains (the memory model fits it in 40 GB; the step's communication is 2% of
-  it); row 48 (MPT-13b on 8 A100-40GB, 16 accumulation steps) is 13% below the model,
+  it); row 48 (MPT-13b on 8 A100-40GB, 16 accumulation steps) is 11% below the model,
   and 16% below the same model on 32 GPUs with one step.
-- H100 rows. Before the generations every one was predicted too fast: llm-foundry's by
-  13-35%, torchtitan's Llama 3.1 8B on power-capped (500 W) parts by 54-59%, on one 0.7 of
-  peak tuned on Megatron-LM's 2021 A100 runs. Now torchtitan's held-out row is within 4%;
-  llm-foundry's 15 held-out rows are within 12.1%, 13 of them within 10%, median 8.1%. Not
-  the 10% / 5% the issue asks: under any one factor the model's errors on these rows spread
-  by 23% between MPT-7b without recomputation (rows 34-36, 41: predicted fast) and the
-  recomputed models (predicted slow), so no factor centres both; the rows beyond 10%
-  (``H100_BEYOND``) are the recomputed models at the edge of that spread. What would
-  separate them is a term the model lacks (it prices a recomputed forward at a whole
-  forward's cost; how much of it llm-foundry's H100 runs paid the table does not say).
+- H100 rows: 16 held out, every one within 6.5%, the median within 3%. Before the
+  generations every one was predicted too fast: llm-foundry's by 13-35%, torchtitan's
+  Llama 3.1 8B on power-capped (500 W) parts by 54-59%, on one 0.7 of peak tuned on
+  Megatron-LM's 2021 A100 runs. With an efficiency alone, llm-foundry's rows split by
+  compute per micro-batch (up to 12% off, median 8%): the published throughput grows with
+  the micro-batch beyond its FLOPs, which the host time per block and micro-batch accounts
+  for.
 """
 
 from __future__ import annotations
@@ -54,10 +52,6 @@ CALIBRATION = {51, 53, 40, 41, 1, 9}
 """Rows the generations' efficiencies were fitted on (cost_models/software.toml): the
 smallest GPU count of each source and GPU (torchtitan's A100 table: its first row, all ran
 on 64 GPUs). Checked by no test of accuracy here: they are exact by construction."""
-H100_BEYOND = {27: "MPT-70b on 128 H100 (full recomputation): 11.5% slow",
-               39: "MPT-30b on 32 H100 (full recomputation): 12.1% slow"}
-"""Held-out H100 rows beyond 10% (module docstring: no single factor centres llm-foundry's
-recomputed and non-recomputed H100 rows)."""
 
 
 @functools.cache
@@ -91,17 +85,13 @@ def test_a100_held_out_rows_within_10_percent_and_the_median_within_5():
     assert statistics.median(checked) <= 0.05, report
 
 
-def test_h100_held_out_rows_as_the_fitted_generations_predict_them():
-    """torchtitan's held-out H100 row within 5%; llm-foundry's within 10% but for the two
-    named rows (within 12.5%), median within 8.5% (module docstring: why not 5%)."""
+def test_h100_held_out_rows_within_10_percent_and_the_median_within_5():
     table = held_out("H100")
     report = "\n".join(f"{r.row_id:3} {r.label:28} {e:+.1%}" for r, e in table)
-    assert len(table) == 16, report
-    assert all(abs(e) <= 0.05 for r, e in table if r.source.startswith("TT")), report
-    beyond = {r.row_id for r, e in table if abs(e) > 0.10}
-    assert beyond == set(H100_BEYOND), report
-    assert max(abs(e) for _, e in table) <= 0.125, report
-    assert statistics.median(abs(e) for _, e in table) <= 0.085, report
+    checked = [abs(e) for _, e in table]
+    assert len(checked) == 16, report
+    assert max(checked) <= 0.10, report
+    assert statistics.median(checked) <= 0.05, report
 
 
 def test_the_calibration_rows_are_exact_in_geometric_mean():

@@ -7,10 +7,11 @@ import math
 
 import pytest
 
-from autopar.planner.fsdp_published import fit_software, fsdp_rows
+from autopar.planner.fsdp_published import fit_software, fit_software_and_host, fsdp_rows
 from cost_models.calibrate import (
     CalibrationError,
     fit_software_efficiency,
+    fit_software_efficiency_and_host,
     split_software_efficiency,
 )
 from cost_models.compute import gemm_efficiency
@@ -112,9 +113,36 @@ def test_each_fitted_value_is_the_fit_on_its_named_calibration_rows(key):
     """software.toml's numbers come from the rows it names, and from no other row."""
     generation, device = key
     rows = {r.row_id: r for r in fsdp_rows()}
-    fitted = fit_software([rows[i] for i in CALIBRATION_ROWS[key]])
-    assert math.isclose(software(generation).efficiency_by_device[device], fitted,
-                        rel_tol=2e-3)
+    sw, chosen = software(generation), [rows[i] for i in CALIBRATION_ROWS[key]]
+    if device in sw.fsdp_host_s_by_device:  # fitted with its host time
+        fitted, host = fit_software_and_host(chosen)
+        assert math.isclose(sw.fsdp_host_s_by_device[device], host, rel_tol=2e-3)
+    else:
+        fitted = fit_software(chosen)
+    assert math.isclose(sw.efficiency_by_device[device], fitted, rel_tol=2e-3)
+
+
+def test_a_generations_host_time_becomes_the_devices_fsdp_overhead():
+    lf = software("llm-foundry-2023")
+    h100 = with_software(Cluster.preset("dgx-h100"), lf)
+    assert h100.device.fsdp_overhead_s == lf.fsdp_host_s_by_device["H100-SXM5-80GB"] > 0
+    other = with_software(Cluster.preset("pcie-8x-a100"), lf)
+    assert other.device.fsdp_overhead_s == lf.fsdp_host_s > 0
+    titan = with_software(Cluster.preset("dgx-h100"), "torchtitan-2024")
+    assert titan.device.fsdp_overhead_s == 0  # states none: the preset's own
+
+
+def test_fit_software_efficiency_and_host_recovers_both_from_two_rows():
+    """Compute ∝ 1/s plus h per micro-batch: rows with different micro-batch counts per
+    unit of compute separate the two."""
+    def ratios(s: float, h: float) -> list[float]:
+        # (compute at s = 1, micro-batches): made at s = 0.7, h = 0.004
+        rows = ((1.0, 10), (1.0, 40))
+        published = [1 / (c / 0.7 + n * 0.004) for c, n in rows]
+        return [1 / (c / s + n * h) / p for (c, n), p in zip(rows, published, strict=True)]
+
+    s, h = fit_software_efficiency_and_host(ratios)
+    assert s == pytest.approx(0.7, rel=1e-4) and h == pytest.approx(0.004, rel=1e-3)
 
 
 def test_a_gpus_measured_gemm_rate_splits_into_published_hardware_and_software():
@@ -131,3 +159,17 @@ def test_a_gpus_measured_gemm_rate_splits_into_published_hardware_and_software()
     assert capped == 1.0  # above the published ceiling: the ceiling's error, not a gain
     with pytest.raises(CalibrationError, match="no measured dtype"):
         split_software_efficiency({"float64": 1e12}, h100.peak_flops, 0.801)
+
+
+@pytest.mark.parametrize(("entry", "message"), [
+    ({"efficiency": 0.8, "fsdp_host_us": -1}, r"fsdp_host_us must be microseconds in \[0, 1e6\)"),
+    ({"efficiency": 0.8, "fsdp_host_us_by_device": {"H100": "3 ms"}},
+     r"H100 must be microseconds"),
+    ({"efficiency": 0.8, "fsdp_host_us_by_device": 3}, "fsdp_host_us_by_device must be a table of device name"),
+    ({"efficiency": 0.8, "host_us": 3}, r"unknown field\(s\) host_us"),
+])
+def test_a_malformed_generation_is_refused_by_field(entry, message):
+    from cost_models.software import software_from_dict
+
+    with pytest.raises(ConfigError, match=r"my.toml: \[g\]: " + message):
+        software_from_dict("g", entry, "my.toml")
