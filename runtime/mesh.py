@@ -17,7 +17,9 @@ from runtime.plan import AXES, Mesh, PlanError
 # Meshes are pure topology, so one per (world, shape) is reused: creating one makes process
 # groups, which cost time and sockets and are never freed before the world is destroyed.
 _MESHES: dict[tuple, tuple[object, DeviceMesh]] = {}
-_DP_MESHES: dict[tuple[int, int | None], tuple[DeviceMesh, DataParallelMeshes]] = {}
+_DP_MESHES: dict[tuple, tuple[DeviceMesh, DataParallelMeshes]] = {}
+"""(root mesh id, dim names, ranks, hsdp shard size) -> (root, meshes); the root is kept so
+its id is not reused while the entry lives."""
 
 
 def build_mesh(plan_mesh: Mesh, device_type: str) -> DeviceMesh:
@@ -82,16 +84,19 @@ def data_parallel_meshes(mesh: DeviceMesh, hsdp_shard_size: int | None = None
     ``DeviceMesh._flatten`` / ``_unflatten`` are private in torch 2.13 (torchtitan uses
     ``_flatten`` the same way); the numerics tests catch a change in their behaviour.
     """
-    key = (id(mesh), hsdp_shard_size)
+    # Keyed by the root and the ranks, not the object: slicing a pipeline stage's mesh out
+    # of the root makes a new object each time, and each miss would make new groups.
+    root = mesh._get_root_mesh()
+    key = (id(root), mesh.mesh_dim_names, tuple(mesh.mesh.flatten().tolist()), hsdp_shard_size)
     cached = _DP_MESHES.get(key)
-    if cached is not None and cached[0] is mesh:
+    if cached is not None and cached[0] is root:
         return cached[1]
     if hsdp_shard_size is None:
         meshes = _base_meshes(mesh)
     else:
         base = data_parallel_meshes(mesh)
         meshes = replace(base, hsdp=_hsdp_mesh(base.world, hsdp_shard_size))
-    _DP_MESHES[key] = (mesh, meshes)
+    _DP_MESHES[key] = (root, meshes)
     return meshes
 
 

@@ -193,6 +193,11 @@ def _pipeline_groups(mesh: DeviceMesh, pp_ranks: list[int]) -> dist.ProcessGroup
     """One process group per (dp, tp) coordinate over the pipeline ranks ``pp_ranks``;
     every rank creates all of them (torch requires it) and keeps its own."""
     grid = mesh.mesh.reshape(mesh.mesh.shape[0], -1)  # (pp, dp × tp) of global ranks
+    world = dist.group.WORLD
+    key = (id(world), tuple(grid.flatten().tolist()), tuple(pp_ranks))
+    cached = _PIPELINE_GROUPS.get(key)
+    if cached is not None and cached[0] is world:
+        return cached[1]
     mine = None
     me = dist.get_rank()
     for column in range(grid.shape[1]):
@@ -200,4 +205,10 @@ def _pipeline_groups(mesh: DeviceMesh, pp_ranks: list[int]) -> dist.ProcessGroup
         group = dist.new_group(ranks)
         if me in ranks:
             mine = group
+    _PIPELINE_GROUPS[key] = (world, mine)
     return mine
+
+
+_PIPELINE_GROUPS: dict[tuple, tuple[object, dist.ProcessGroup | None]] = {}
+"""(world id, mesh ranks, pipeline ranks) -> (world, this rank's group): groups cost time
+and sockets and live until the world is destroyed, so each is made once per world."""

@@ -332,3 +332,24 @@ def test_autopar_run_executes_a_pipeline_plan(tmp_path):
     losses = [float(line.split()[-1]) for line in result.stdout.splitlines()
               if line.startswith("step")]
     assert losses == pytest.approx(single_process_losses("gpt-tiny", steps=2), rel=1e-5)
+
+
+# -- process groups are made once per world -----------------------------------------------
+
+
+def groups_after_pipeline_job(model: tuple, plan_json: str) -> int:
+    """Process groups this rank holds after one more pipeline job (torch's group registry:
+    every group made and not destroyed)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    pipeline_job(model, plan_json)
+    return len(c10d._world.pg_map)
+
+
+def test_a_repeated_pipeline_plan_makes_no_new_process_groups(pool2):
+    """Ranks that train plan after plan (a long-lived pool, a notebook) keep their groups:
+    a pipeline stage's sub-meshes are cached by ranks, not by the mesh object slicing makes
+    anew each time. Each leaked gloo group keeps threads polling its sockets."""
+    plan = pipeline_plan("1F1B", pp=2, m=2)
+    first = pool2.run(groups_after_pipeline_job, GPT6, plan)
+    assert pool2.run(groups_after_pipeline_job, GPT6, plan) == first
