@@ -1,13 +1,14 @@
 """The cost model against every published run autopar prices: Megatron-LM's SC'21 Table 1
-(autopar.planner.published) and llm-foundry's FSDP runs (autopar.planner.fsdp_published),
-row by row: published, predicted, error; and, for rows up to ``--plan-up-to`` GPUs,
+(autopar.planner.published), the ZeRO-3 rows of its Table 2 (autopar.planner.zero3_published)
+and the FSDP runs of fsdp_scaling.csv (autopar.planner.fsdp_published), row by row: published, predicted, error; and, for rows up to ``--plan-up-to`` GPUs,
 autopar's own plan for the same model, cluster and global batch, with its predicted
 speed-up over the published configuration (both priced by the same model).
 
     python bench/published.py                    # every row; autopar plans none
     python bench/published.py --plan-up-to 64    # and plans rows of at most 64 GPUs
 
-Megatron rows are TFLOP/s per GPU counted the paper's way; FSDP rows tokens/s per GPU. The
+Megatron and ZeRO-3 rows are TFLOP/s per GPU counted the paper's way; FSDP rows tokens/s
+per GPU. "(cal.)" marks a row a software generation was fitted on. The
 speed-up compares like with like: a row that reduced gradients in float32 (torchtitan) is
 priced with bf16 gradients there, as the planner's bf16 plans reduce them.
 """
@@ -28,6 +29,8 @@ from autopar.planner.published import (
     predicted_tflops,
 )
 from autopar.planner.search import search
+from autopar.planner.zero3_published import CALIBRATION, zero3_cluster, zero3_graph, zero3_rows
+from autopar.planner.zero3_published import predict as predict_zero3
 from cost_models.memory import precision
 
 HEADER = (f"{'row':<30} {'unit':>6} {'published':>10} {'predicted':>10} {'error':>7} "
@@ -51,7 +54,7 @@ def main() -> None:
                         help="also plan rows with at most this many GPUs (0: none)")
     args = parser.parse_args()
     print(HEADER)
-    errors: dict[str, list[float]] = {"megatron": [], "fsdp": []}
+    errors: dict[str, list[float]] = {"megatron": [], "zero3 (held out)": [], "fsdp": []}
     fp16 = precision("float16")
     for row in megatron_rows():
         graph, cluster = megatron_graph(row), megatron_cluster(row)
@@ -64,6 +67,20 @@ def main() -> None:
         print(f"{f'Megatron {row.params_b}B ×{row.gpus}':<30} {'TF/s':>6} "
               f"{row.tflops_per_gpu:>10.0f} {pred:>10.1f} {errors['megatron'][-1]:>+7.1%} "
               f"{'-':>9} {shape:<34} {speedup:>8} {took:>6}", flush=True)
+    for row in zero3_rows():
+        graph = zero3_graph(row.params_b, row.heads, row.hidden, row.layers, row.global_batch)
+        p = predict_zero3(row)
+        error = p.tflops_per_gpu / row.tflops_per_gpu - 1
+        fitted = (row.params_b, row.gpus) in CALIBRATION.values()
+        if not fitted:
+            errors["zero3 (held out)"].append(error)
+        shape = speedup = took = "-"
+        if row.gpus <= args.plan_up_to:
+            shape, speedup, took = own_plan(graph, zero3_cluster(row), "float16", p.step_time_s)
+        label = f"ZeRO-3 {row.params_b}B ×{row.gpus}" + (" (cal.)" if fitted else "")
+        print(f"{label:<30} {'TF/s':>6} {row.tflops_per_gpu:>10.0f} {p.tflops_per_gpu:>10.1f} "
+              f"{error:>+7.1%} {p.exposed_comm_s:>9.2f} {shape:<34} {speedup:>8} {took:>6}",
+              flush=True)
     for row in fsdp_rows():
         graph = fsdp_graph(row)
         p = predict(row, graph)

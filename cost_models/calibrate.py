@@ -29,6 +29,7 @@ summarises repeated timings (min / median / max) so a profile says how repeatabl
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -296,39 +297,45 @@ def fit_software_efficiency(ratios: Callable[[float], Sequence[float]], *,
     return (lo + hi) / 2
 
 
-def fit_software_efficiency_and_host(
-        ratios: Callable[[float, float], Sequence[float]], *, host_high_s: float = 0.02,
+def fit_software_efficiency_with(
+        ratios: Callable[[float, float], Sequence[float]], low: float, high: float, *,
         rel_tol: float = 1e-7) -> tuple[float, float]:
-    """A generation's efficiency factor s and its unhidden FSDP host time h (seconds per
-    wrapped module per micro-batch; ``Software.fsdp_host_s_by_device``), fitted together on
-    its calibration rows: for each h, s is ``fit_software_efficiency``'s (geometric mean of
-    predicted / published at 1), and h minimises the rows' squared log-ratios left (on two
-    rows: both exact). ``ratios(s, h)`` gives predicted / published per row.
+    """A generation's efficiency factor s fitted together with a second value x of its
+    (``cost_models.software``: the FSDP host time, the sharded collectives' bandwidth
+    share) on its calibration rows: for each x, s is ``fit_software_efficiency``'s
+    (geometric mean of predicted / published at 1), and x in [low, high] minimises the
+    squared log-ratios left (on two rows: both exact). ``ratios(s, x)`` gives predicted /
+    published per row; an x at which no s reproduces the rows is no fit.
 
-    Why h is separable from s: h is a fixed time per layer and micro-batch, so it weighs on
-    rows with little compute per micro-batch (small layers, small micro-batches) and not on
-    the others, where s weighs on every row alike. Golden-section search on [0, host_high_s]
-    (the residual is unimodal in h: each row's log-ratio falls monotonically with h)."""
-    def fitted(h: float) -> tuple[float, float]:
-        s = fit_software_efficiency(lambda x: ratios(x, h), rel_tol=rel_tol)
-        logs = np.log(np.asarray(ratios(s, h), dtype=float))
-        return s, float(np.sum(logs ** 2))
+    x is separable from s where it weighs on the rows unequally: a fixed time per layer and
+    micro-batch on rows with little compute per micro-batch, a collective bandwidth on rows
+    whose step is bound by it; s weighs on every row's compute alike. Golden-section search
+    (the residual is unimodal in x: each row's log-ratio moves monotonically with it)."""
+    def residual(x: float) -> float:
+        try:
+            s = fit_software_efficiency(lambda e: ratios(e, x), rel_tol=rel_tol)
+        except CalibrationError:
+            return math.inf
+        return float(np.sum(np.log(np.asarray(ratios(s, x), dtype=float)) ** 2))
 
-    lo, hi = 0.0, host_high_s
-    golden = (np.sqrt(5) - 1) / 2
+    lo, hi = low, high
+    golden = (math.sqrt(5) - 1) / 2
     a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    fa, fb = fitted(a)[1], fitted(b)[1]
-    while hi - lo > 1e-4 * host_high_s:
+    fa, fb = residual(a), residual(b)
+    while hi - lo > 1e-4 * (high - low):
         if fa <= fb:
             hi, b, fb = b, a, fa
             a = hi - golden * (hi - lo)
-            fa = fitted(a)[1]
+            fa = residual(a)
         else:
             lo, a, fa = a, b, fb
             b = lo + golden * (hi - lo)
-            fb = fitted(b)[1]
-    h = (lo + hi) / 2
-    return fitted(h)[0], h
+            fb = residual(b)
+    x = (lo + hi) / 2
+    if not math.isfinite(residual(x)):
+        raise CalibrationError(f"no value in [{low}, {high}] with an efficiency in (0.05, 1] "
+                               "reproduces the calibration rows")
+    return fit_software_efficiency(lambda e: ratios(e, x), rel_tol=rel_tol), x
 
 
 def split_software_efficiency(rates_flops: dict[str, float], datasheet_peaks: dict[str, float],

@@ -266,6 +266,11 @@ class Cluster:
     """NVLink SHARP (NVLS): the NVSwitch reduces in the switch, and NCCL runs a node's
     all_reduce on it where that is faster than its ring (cost_models.comm). The all_reduce
     bus bandwidth nccl-tests measure on it inside one node, GB/s; 0: the node has none."""
+    fsdp_bandwidth_share: float = 1.0
+    """Share of the links' bandwidth that sharded data parallelism's all-gathers and
+    reduce-scatters reach (their bandwidth term; latencies unchanged): set by a software
+    generation whose collectives ran below what NCCL's rings allow (cost_models.software);
+    1 otherwise."""
     software: str = ""
     """The software generation applied (``cost_models.software``): its efficiency is in
     ``device.software_efficiency``, its exposed patterns in ``overlap.exposed``. '' if none."""
@@ -278,6 +283,21 @@ class Cluster:
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+    def fsdp_links(self) -> Cluster:
+        """This cluster with its links at ``fsdp_bandwidth_share`` of their bandwidth: where
+        sharded data parallelism's collectives are priced."""
+        share = self.fsdp_bandwidth_share
+        if share == 1.0:
+            return self
+
+        def slower(link: Link) -> Link:
+            return replace(link, bandwidth_GBps=link.bandwidth_GBps * share)
+
+        return replace(self, intra_node=slower(self.intra_node),
+                       inter_node=slower(self.inter_node),
+                       collective_links={k: slower(v) for k, v in self.collective_links.items()},
+                       fsdp_bandwidth_share=1.0)
 
     @property
     def adam_kernels(self) -> AdamKernels:

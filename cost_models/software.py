@@ -10,7 +10,9 @@ generation's efficiency factor (the GEMM rate is peak × matmul_efficiency × th
 and which communication its software never overlaps with compute. Where the data demand it,
 a generation also states the host time its FSDP leaves unhidden on a device
 (``fsdp_host_s_by_device``): per wrapped module per micro-batch, a fixed cost that the
-device's kernels no longer cover once they are fast enough.
+device's kernels no longer cover once they are fast enough; and the share of the links'
+bandwidth its sharded-data-parallel collectives reached where they ran below NCCL's rings
+(``fsdp_bandwidth_share``: DeepSpeed's ZeRO-3 of 2021).
 
 The generations live in ``software.toml`` beside this module. A fitted efficiency is
 fitted on NAMED calibration rows of its own published source (``calibrated_on``), never on
@@ -64,6 +66,9 @@ class Software:
     device keeps its own (0 on GPU presets)."""
     fsdp_host_s_by_device: dict[str, float] = field(default_factory=dict)
     """Device name -> ``fsdp_host_s`` fitted on that device's rows."""
+    fsdp_bandwidth_share: float = 1.0
+    """Share of the links' bandwidth its sharded-data-parallel collectives reach
+    (``Cluster.fsdp_bandwidth_share``), where they ran below NCCL's rings; fitted."""
     exposed: tuple[str, ...] = ()
     """Communication patterns (``OVERLAP_PATTERNS``) this software waits
     for: it never overlaps them with compute."""
@@ -99,7 +104,8 @@ def software(name: str) -> Software:
 def with_software(cluster: Cluster, chosen: str | Software) -> Cluster:
     """``cluster`` running ``chosen``: its device's software_efficiency set to the
     generation's factor on that device (and its fsdp_overhead_s to the generation's host
-    time there, if it states one), the generation's exposed patterns added to the
+    time there, if it states one; its sharded collectives' bandwidth share), the
+    generation's exposed patterns added to the
     cluster's own (a CPU cluster's FSDP2 stays exposed), its optimizer if it fixes one."""
     sw = software(chosen) if isinstance(chosen, str) else chosen
     name = cluster.device.name
@@ -108,6 +114,7 @@ def with_software(cluster: Cluster, chosen: str | Software) -> Cluster:
                      fsdp_overhead_s=cluster.device.fsdp_overhead_s if host is None else host)
     exposed = tuple(dict.fromkeys((*cluster.overlap.exposed, *sw.exposed)))
     return replace(cluster, device=device, software=sw.name,
+                   fsdp_bandwidth_share=sw.fsdp_bandwidth_share,
                    overlap=replace(cluster.overlap, exposed=exposed),
                    optimizer=sw.optimizer or cluster.optimizer)
 
@@ -125,7 +132,7 @@ def software_from_dict(name: str, data: Any, where: str) -> Software:
     if not isinstance(data, dict):
         raise ConfigError(f"{where}: expected a table, got {type(data).__name__}")
     valid = {"efficiency", "efficiency_by_device", "fsdp_host_us", "fsdp_host_us_by_device",
-             "exposed", "optimizer", "source", "calibrated_on"}
+             "fsdp_bandwidth_share", "exposed", "optimizer", "source", "calibrated_on"}
     unknown = set(data) - valid
     if unknown:
         raise ConfigError(f"{where}: unknown field(s) {', '.join(sorted(unknown))}; valid: "
@@ -136,7 +143,8 @@ def software_from_dict(name: str, data: Any, where: str) -> Software:
     if not isinstance(by_device, dict):
         raise ConfigError(f"{where}: efficiency_by_device must be a table of device name = "
                           f"factor, got {by_device!r}")
-    for key, value in [("efficiency", data["efficiency"]), *by_device.items()]:
+    for key, value in [("efficiency", data["efficiency"]), *by_device.items(),
+                       ("fsdp_bandwidth_share", data.get("fsdp_bandwidth_share", 1.0))]:
         _check_factor(key, value, where)
     host = data.get("fsdp_host_us_by_device", {})
     if not isinstance(host, dict):
@@ -155,6 +163,7 @@ def software_from_dict(name: str, data: Any, where: str) -> Software:
                     efficiency_by_device={k: float(v) for k, v in by_device.items()},
                     fsdp_host_s=None if default_host is None else float(default_host) * 1e-6,
                     fsdp_host_s_by_device={k: float(v) * 1e-6 for k, v in host.items()},
+                    fsdp_bandwidth_share=float(data.get("fsdp_bandwidth_share", 1.0)),
                     exposed=tuple(exposed), optimizer=data.get("optimizer"),
                     source=str(data.get("source", "")),
                     calibrated_on=str(data.get("calibrated_on", "")))

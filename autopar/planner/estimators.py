@@ -492,6 +492,7 @@ def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
     ``reduce`` (runtime.strategies)."""
     dp, tp = mesh.replicas, mesh.tp
     group = Group(dp, tp) if s.tensor_parallel else Group(dp * tp, 1)
+    links = cluster.fsdp_links()  # what the software's sharded collectives reach
     params = tp_params * prec.param_bytes
     grads = tp_params * prec.grad_bytes
     def skew(nbytes: float, *, at_step: bool = False) -> float:
@@ -501,11 +502,11 @@ def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
             cluster.device.skew_s(nbytes)
 
     def gather(group: Group, at_step: bool = False) -> float:
-        t = all_gather_s(params, group, cluster)
+        t = all_gather_s(params, group, links)
         return t + skew(params, at_step=at_step) if t else 0.0
 
     def scatter(group: Group, at_step: bool = False) -> float:
-        t = reduce_scatter_s(grads, group, cluster)
+        t = reduce_scatter_s(grads, group, links)
         return t + skew(grads, at_step=at_step) if t else 0.0
 
     if not s.sharded:
@@ -529,7 +530,7 @@ def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
         replicas = Group(dp * tp // shards, shards)
         # Reduce-scattered in the shard group every micro-batch (once in a pipeline, as
         # below), all-reduced across groups once (runtime/data_parallel.py).
-        across = all_reduce_s(grads / shards, replicas, cluster)
+        across = all_reduce_s(grads / shards, replicas, links)
         across += skew(grads / shards, at_step=True) if across else 0.0
         if mesh.pp > 1:
             return DPComm(gather(shard), 0.0, scatter(shard, True) + across)

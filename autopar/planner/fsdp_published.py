@@ -42,7 +42,7 @@ import torch
 from autopar.planner.costs import layer_cost
 from autopar.whatif import repeat_blocks
 from autopar.zoo import GPT, GPTConfig
-from cost_models.calibrate import fit_software_efficiency, fit_software_efficiency_and_host
+from cost_models.calibrate import fit_software_efficiency, fit_software_efficiency_with
 from cost_models.hardware import Cluster, GiB
 from cost_models.memory import precision
 from cost_models.software import with_software
@@ -230,11 +230,11 @@ def fit_software(rows: list[FsdpRow]) -> float:
 def fit_software_and_host(rows: list[FsdpRow]) -> tuple[float, float]:
     """The software efficiency and unhidden FSDP host time (s per wrapped module per
     micro-batch) that predict ``rows`` (calibration rows of one generation on one device)
-    at their published throughput (``cost_models.calibrate.fit_software_efficiency_and_host``)."""
+    at their published throughput (``cost_models.calibrate.fit_software_efficiency_with``)."""
     graphs = [fsdp_graph(r) for r in rows]
 
     def ratios(s: float, host: float) -> list[float]:
         return [predict(r, g, software_efficiency=s, fsdp_host_s=host).tokens_per_s_per_gpu(r)
                 / r.tokens_per_s_per_gpu for r, g in zip(rows, graphs, strict=True)]
 
-    return fit_software_efficiency_and_host(ratios, rel_tol=1e-5)
+    return fit_software_efficiency_with(ratios, 0.0, 0.02, rel_tol=1e-5)

@@ -11,7 +11,7 @@ from autopar.planner.fsdp_published import fit_software, fit_software_and_host, 
 from cost_models.calibrate import (
     CalibrationError,
     fit_software_efficiency,
-    fit_software_efficiency_and_host,
+    fit_software_efficiency_with,
     split_software_efficiency,
 )
 from cost_models.compute import gemm_efficiency
@@ -132,7 +132,7 @@ def test_a_generations_host_time_becomes_the_devices_fsdp_overhead():
     assert titan.device.fsdp_overhead_s == 0  # states none: the preset's own
 
 
-def test_fit_software_efficiency_and_host_recovers_both_from_two_rows():
+def test_fit_software_efficiency_with_recovers_both_from_two_rows():
     """Compute ∝ 1/s plus h per micro-batch: rows with different micro-batch counts per
     unit of compute separate the two."""
     def ratios(s: float, h: float) -> list[float]:
@@ -141,7 +141,7 @@ def test_fit_software_efficiency_and_host_recovers_both_from_two_rows():
         published = [1 / (c / 0.7 + n * 0.004) for c, n in rows]
         return [1 / (c / s + n * h) / p for (c, n), p in zip(rows, published, strict=True)]
 
-    s, h = fit_software_efficiency_and_host(ratios)
+    s, h = fit_software_efficiency_with(ratios, 0.0, 0.02)
     assert s == pytest.approx(0.7, rel=1e-4) and h == pytest.approx(0.004, rel=1e-3)
 
 
@@ -167,9 +167,30 @@ def test_a_gpus_measured_gemm_rate_splits_into_published_hardware_and_software()
      r"H100 must be microseconds"),
     ({"efficiency": 0.8, "fsdp_host_us_by_device": 3}, "fsdp_host_us_by_device must be a table of device name"),
     ({"efficiency": 0.8, "host_us": 3}, r"unknown field\(s\) host_us"),
+    ({"efficiency": 0.8, "fsdp_bandwidth_share": 0}, r"fsdp_bandwidth_share must be a number in \(0, 1\]"),
 ])
 def test_a_malformed_generation_is_refused_by_field(entry, message):
     from cost_models.software import software_from_dict
 
     with pytest.raises(ConfigError, match=r"my.toml: \[g\]: " + message):
         software_from_dict("g", entry, "my.toml")
+
+
+def test_a_bandwidth_share_slows_the_sharded_collectives_bandwidth_term_only():
+    """deepspeed-zero3-2021's share divides the bandwidth of sharded data parallelism's
+    gathers and reduce-scatters; their latency terms stay, and a replicated layer's
+    all-reduce is not its (Cluster.fsdp_links)."""
+    from cost_models.comm import Group, all_gather_s
+
+    cluster = with_software(Cluster.preset("dgx-a100-80g", nodes=48), "deepspeed-zero3-2021")
+    share, links = cluster.fsdp_bandwidth_share, cluster.fsdp_links()
+    assert 0 < share < 1 and links.fsdp_bandwidth_share == 1.0
+    group = Group(384)
+    big, tiny = 4e9, 4e3
+    slow, fast = all_gather_s(big, group, links), all_gather_s(big, group, cluster)
+    latency = all_gather_s(1.0, group, cluster)  # latency terms alone, in effect
+    assert slow - latency == pytest.approx((fast - latency) / share, rel=1e-3)
+    assert all_gather_s(tiny, group, links) == pytest.approx(
+        all_gather_s(tiny, group, cluster), rel=0.2)
+    plain = Cluster.preset("dgx-a100-80g", nodes=48)
+    assert plain.fsdp_links() is plain
