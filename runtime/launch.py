@@ -84,9 +84,13 @@ def _spawn_worker(
 ) -> None:
     try:
         init_local_process_group(rank, world_size, port, backend=backend, timeout_s=timeout_s)
+        out = fn(*args)
+        # Leave together: a rank that tears down while a peer is still finishing the last
+        # collective aborts the peer ("terminate called without an active exception").
+        dist.barrier()
         # Plain pickle: tensors travel as bytes, not as shared-memory handles that die
         # with the child.
-        results.put((rank, True, pickle.dumps(fn(*args))))
+        results.put((rank, True, pickle.dumps(out)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the parent
         results.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
     finally:
