@@ -16,7 +16,7 @@ Conventions:
   and convolutions are not recorded: they are priced at the large-GEMM rate.
 - Saved bytes: activations autograd keeps for backward, captured with
   ``torch.autograd.graph.saved_tensors_hooks`` while the nodes run on meta tensors that
-  require grad; parameters and buffers are excluded and storages are deduplicated (three
+  require grad where the model's do (``needs_grad``); parameters and buffers are excluded and storages are deduplicated (three
   projections of one input save it once). Attention is run as the fused (flash) kernel, as
   on GPUs: it saves q, k, v, the output and the log-sum-exp, not the s×s probabilities that
   the math fallback (what meta tensors would otherwise dispatch to) keeps. A mask that
@@ -526,8 +526,10 @@ def run_nodes(
 ) -> dict[Node, object]:
     """Run ``nodes`` (in graph order) on meta tensors; inputs from outside come from ``env``.
 
-    With ``fresh_inputs``, outside tensors are replaced by new leaf tensors (requiring
-    grad when floating point), so autograd sees the nodes as a graph of their own. With
+    With ``fresh_inputs``, outside tensors are replaced by new tensors, requiring grad
+    where the model's value does (``needs_grad``: not a mask, not a rotary table computed
+    under no_grad, whose products would otherwise save their other operand too), so
+    autograd sees the nodes as a graph of their own. With
     ``fused_kernels``, attention and dropout run as the kernels GPUs dispatch to.
     """
     local: dict[Node, object] = {}
@@ -540,7 +542,7 @@ def run_nodes(
             if arg.op == "get_attr":
                 value = fetch_attr(gm, str(arg.target))
             elif fresh_inputs and isinstance(value, torch.Tensor):
-                value = _fresh(value)
+                value = _fresh(value, needs_grad(gm, arg))
             on_input(arg, value)
             local[arg] = value
         try:
@@ -592,12 +594,12 @@ def _lookup(node: Node, env: dict[Node, object]) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs)
 
 
-def _fresh(t: torch.Tensor) -> torch.Tensor:
-    """A new meta tensor like ``t``; floating ones require grad and are not leaves, since
-    a layer may modify its input in place (a ``ReLU(inplace=True)`` layer, ``x += y``),
-    which autograd refuses on a leaf that requires grad."""
+def _fresh(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """A new meta tensor like ``t``; one that requires grad is not a leaf, since a layer
+    may modify its input in place (a ``ReLU(inplace=True)`` layer, ``x += y``), which
+    autograd refuses on a leaf that requires grad."""
     out = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-    if not (t.is_floating_point() or t.is_complex()):
+    if not (requires_grad and (t.is_floating_point() or t.is_complex())):
         return out
     return out.requires_grad_().clone()
 

@@ -59,9 +59,10 @@ from passes.annotate import (
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
 from passes.group_layers import LayerGroup, find_ties, group_layers, owning_layer
 from passes.inplace import count_inplace_inputs, inplace_input_bytes
+from passes.low_precision import casts_up, saved_at_16_bits
 from passes.memory_bound import memory_bound_bytes
 from passes.moe import attach_moe_blocks
-from passes.records import GemmShape, LayerGraph, LayerInfo, TPOption
+from passes.records import GemmShape, LayerGraph, LayerInfo, SavedSplit, TPOption
 from passes.tensor_parallel import find_tensor_parallel
 from passes.trace import inputs_to_meta, placeholder_values, to_meta, trace_module
 from runtime.batch import Inputs, as_inputs, batch_size
@@ -99,12 +100,16 @@ def build_layer_graph(
     count_ops(gm)
     groups = group_layers(gm, meta_model, opaque)
     by_class: dict[str, tuple[LayerCosts, TPOption | None]] = {}
+    representative: dict[str, str] = {}
     for group in groups:
         if group.layer_class not in by_class:
             by_class[group.layer_class] = annotate_layer(gm, meta_model, group, env)
+            representative[group.layer_class] = group.name
+    low = _saved_low(gm, meta_model, inputs, opaque, prefer, set(representative.values()))
     loss = _loss_bytes(gm, groups)
     layers = _split_loss_classes(tuple(
-        _layer_info(group, *by_class[group.layer_class], loss.get(group.name, 0))
+        replace(_layer_info(group, *by_class[group.layer_class], loss.get(group.name, 0)),
+                saved_low=low.get(representative[group.layer_class]))
         for group in groups
     ))
     layers = attach_moe_blocks(layers, groups, meta_model)
@@ -132,6 +137,20 @@ def build_layer_graph(
             "source": "modelled",
         },
     )
+
+
+def _saved_low(gm: GraphModule, meta_model: nn.Module, inputs: Inputs, opaque: tuple[str, ...],
+               prefer: str, layers: set[str]) -> dict[str, SavedSplit]:
+    """``LayerInfo.saved_low`` of the named layers (passes/low_precision.py): only where the
+    graph casts up, and nothing where the 16-bit capture fails (the estimators then scale
+    the float32 capture's bytes, as they do for every other graph)."""
+    if not casts_up(gm):
+        return {}
+    try:
+        return saved_at_16_bits(meta_model, inputs, opaque=opaque, prefer=prefer,
+                                layers=layers)
+    except Exception:  # noqa: BLE001 - a refinement; the float32 capture stands alone
+        return {}
 
 
 class LayerCosts:

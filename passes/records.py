@@ -38,6 +38,11 @@ class SavedSplit:
         return SavedSplit(self.floating - other.floating, self.fixed - other.fixed,
                           self.freed - other.freed, self.freed_fixed - other.freed_fixed)
 
+    def at_dtype(self, scale: float) -> SavedSplit:
+        """Floating bytes times ``scale`` (another activation dtype); masks unchanged."""
+        return SavedSplit(self.floating * scale, self.fixed, self.freed * scale,
+                          self.freed_fixed)
+
 
 @dataclass(frozen=True, kw_only=True)
 class Collective:
@@ -172,6 +177,11 @@ class LayerInfo:
     recomputes the rest. Negative when it would hold more than no recomputation."""
     selective_fixed_bytes: int = 0
     """Non-floating bytes selective recomputation frees (dropout masks)."""
+    saved_low: SavedSplit | None = None
+    """What the layer saves at 16 bits, in that run's bytes (passes/low_precision.py): 2 a
+    floating element, 4 where the model casts up to float32 (RMSNorm's ``.float()``, a
+    float32 softmax), which scaling the float32 capture's ``saved`` misses. None where the
+    graph casts nothing up (scaling is exact) or the 16-bit capture failed."""
     selective_fwd_flops: float = 0.0
     """Forward FLOPs of the ops outside SELECTIVE_SAVE_OPS: what selective recomputation
     runs again (the attention products; norms and element-wise ops count no FLOPs)."""

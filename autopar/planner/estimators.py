@@ -289,23 +289,28 @@ def _activations(layer: LayerInfo, recompute: str, is_tp: bool, sp: bool, tp: in
     seconds, recompute communication seconds).
 
     Saved bytes by kind (records.SavedSplit): floating ones scale with the activation
-    dtype, masks do not; the TP-sharded part divides by tp, and with SP so does the part
-    run on sequence shards. Selective recomputation frees its share of each part and reruns
+    dtype (at 16 bits, the capture's 16-bit run where it has one: ``LayerInfo.saved_low``),
+    masks do not; the TP-sharded part divides by tp, and with SP so does the part run on
+    sequence shards. Selective recomputation frees its share of each part and reruns
     the ops outside SELECTIVE_SAVE_OPS: the attention products (their share of the matmul
     time) and every memory-bound kernel (``alone_s``).
     """
     def on_rank(split: SavedSplit, divisor: int) -> tuple[float, float]:
-        kept = (split.floating * act_scale + split.fixed) / (batch_shards * divisor)
-        freed = (split.freed * act_scale + split.freed_fixed) / (batch_shards * divisor)
+        kept = (split.floating + split.fixed) / (batch_shards * divisor)
+        freed = (split.freed + split.freed_fixed) / (batch_shards * divisor)
         return kept, freed
 
-    parts = [(layer.saved, 1)]
+    # At 16 bits, the 16-bit run's bytes where the capture has them (casts up included);
+    # the TP-sharded parts are the float32 capture's, scaled.
+    low = act_scale < 1 and layer.saved_low is not None
+    whole = layer.saved_low if low else layer.saved.at_dtype(act_scale)
+    parts = [(whole, 1)]
     if is_tp:
         assert layer.tp is not None
-        sharded = [(_sharded_saved(layer.tp), tp)]
+        sharded = [(_sharded_saved(layer.tp).at_dtype(act_scale), tp)]
         if sp:
-            sharded.append((_sp_saved(layer.tp), tp))
-        parts = [(layer.saved - sum((s for s, _ in sharded), SavedSplit()), 1), *sharded]
+            sharded.append((_sp_saved(layer.tp).at_dtype(act_scale), tp))
+        parts = [(whole - sum((s for s, _ in sharded), SavedSplit()), 1), *sharded]
     kept, freed = (sum(v) for v in zip(*(on_rank(s, d) for s, d in parts), strict=True))
     if recompute == "none":
         return kept, 0.0, 0.0, 0.0

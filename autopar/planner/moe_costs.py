@@ -179,6 +179,7 @@ def dense_part(layer: LayerInfo) -> LayerInfo:
         bwd_flops=max(0.0, layer.bwd_flops - bwd_ratio * sum(b.fwd_flops for b in blocks)),
         selective_fwd_flops=less("selective_fwd_flops"),
         saved_bytes=less("saved_bytes"), saved_fixed_bytes=less("saved_fixed_bytes"),
+        saved_low=None,  # the blocks' 16-bit bytes are not apart: scale the rest
         selective_saved_bytes=layer.selective_saved_bytes
         - sum(b.selective_saved_bytes for b in blocks),
         selective_fixed_bytes=less("selective_fixed_bytes"),

@@ -249,9 +249,29 @@ class _One(nn.Module):
         return self.blocks[0](x)
 
 
-def test_selective_frees_all_but_the_inputs_and_matmul_outputs():
+class _Fed(nn.Module):
+    """A block behind a projection: its input needs a gradient, as inside a network."""
+
+    def __init__(self, block: nn.Module, d: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(d, d, bias=False)
+        self.blocks = nn.ModuleList([block])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[0](self.proj(x))
+
+
+def test_a_parameter_free_layer_on_the_model_inputs_saves_nothing():
+    """Nothing before or in it needs a gradient, so autograd records nothing there."""
     b, n, d = 3, 5, 8
     (layer,) = build_layer_graph(_One(_Scores()), (torch.randn(b, n, d),)).layers
+    assert layer.saved_bytes == 0
+
+
+def test_selective_frees_all_but_the_inputs_and_matmul_outputs():
+    b, n, d = 3, 5, 8
+    graph = build_layer_graph(_Fed(_Scores(), d), (torch.randn(b, n, d),))
+    layer = next(x for x in graph.layers if x.name == "blocks.0")
     assert layer.saved_bytes == b * n * d * F32 + n * n + b * n * n * F32
     assert layer.saved_fixed_bytes == n * n
     assert layer.selective_saved_bytes == b * n * n * F32
