@@ -34,8 +34,10 @@ from autopar.logs import LEVELS, configured_logging, default_level
 from autopar.progress import SearchProgress
 from autopar.report import format_plan
 from autopar.zoo import MODELS, get_model
+from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster
 from cost_models.memory import PRECISIONS
+from cost_models.software import software_names, with_software
 from runtime.device import DEVICE_TYPES
 from runtime.files import write_atomic
 from runtime.plan import Plan
@@ -82,6 +84,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster", default="dgx-a100-80g",
                    help=f"a preset ({', '.join(Cluster.preset_names())}, local) or a .toml file")
     p.add_argument("--nodes", type=node_count, help="override the cluster's node count")
+    p.add_argument("--software", choices=software_names(), metavar="NAME",
+                   help="price the plan for this software generation (cost_models/"
+                        f"software.toml: {', '.join(software_names())}) instead of the "
+                        "cluster's")
     p.add_argument("--batch", type=positive_int, help="global batch (samples per step)")
     p.add_argument("--seq", type=positive_int, help="sequence length (GPT models)")
     p.add_argument("--dtype", default="float32", choices=list(PRECISIONS),
@@ -158,10 +164,23 @@ attention_shape = positive_ints("batch x heads, sequence and head dim", "8,512,6
 loss_shape = positive_ints("tokens and vocabulary", "2048,8192")
 
 
+def with_chosen_software(cluster: Cluster, name: str | None) -> Cluster:
+    """``cluster`` under ``--software`` (if given). A calibrated cluster measured its own
+    software's share; replacing it would mix a measured device with a published stack."""
+    if name is None:
+        return cluster
+    if cluster.provenance == "calibrated":
+        raise ConfigError(
+            f"cluster {cluster.name!r} is calibrated: its software_efficiency was measured "
+            f"through the stack that ran it; --software {name} would replace it. Plan with "
+            "the calibrated profile alone, or with a preset and --software")
+    return with_software(cluster, name)
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     check_outputs(args)  # before minutes of planning, not after
     spec = get_model(args.model)
-    cluster = Cluster.load(args.cluster, nodes=args.nodes)
+    cluster = with_chosen_software(Cluster.load(args.cluster, nodes=args.nodes), args.software)
     if args.from_megatron:
         from autopar.exports.command import megatron_comparison
 
@@ -185,6 +204,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                               progress=progress)
     finally:
         progress.close()
+    if args.software:
+        print(f"software: {args.software} (cost_models/software.toml), as the plan is priced")
     print(format_plan(result.plan, top_k=args.top))
     if args.json:
         write_atomic(args.json, result.plan.to_json())

@@ -156,3 +156,31 @@ def test_run_of_a_pipeline_cut_the_runtime_cannot_split_exits_2_naming_the_value
     assert result.returncode == 2, result.stderr
     assert "the cut after stage 0 sends" in result.stderr and "int64" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_plan_prices_for_a_chosen_software_generation(tmp_path, capsys):
+    """--software: the same preset priced as another stack ran it (DeepSpeed's 2021 ZeRO-3
+    keeps less of the GEMM rate than autopar's own runtime: a slower step), and said so."""
+    args = ["plan", "--model", "gpt2-small", "--cluster", "dgx-a100-80g", "--batch", "16",
+            "--seq", "512"]
+    steps = {}
+    for software in ("torch-eager", "deepspeed-zero3-2021"):
+        path = tmp_path / f"{software}.json"
+        assert main([*args, "--software", software, "--json", str(path)]) == 0
+        assert f"software: {software}" in capsys.readouterr().out
+        steps[software] = Plan.load(path).prediction.step_time_s
+    assert steps["deepspeed-zero3-2021"] > steps["torch-eager"]
+
+
+def test_plan_refuses_a_software_generation_over_a_calibrated_cluster(tmp_path):
+    from importlib import resources
+
+    preset = (resources.files("cost_models") / "presets" / "dgx-a100-80g.toml").read_text()
+    path = tmp_path / "measured.toml"
+    path.write_text('provenance = "calibrated"\n' + preset)
+    result = run_cli("plan", "--model", "gpt-tiny", "--cluster", str(path),
+                     "--software", "torchtitan-2024")
+    assert result.returncode == 2
+    assert "is calibrated" in result.stderr and "--software torchtitan-2024" in result.stderr
+    unknown = run_cli("plan", "--model", "gpt-tiny", "--software", "titan")
+    assert unknown.returncode == 2 and "deepspeed-zero3-2021" in unknown.stderr
