@@ -311,31 +311,33 @@ def fit_software_efficiency_with(
     micro-batch on rows with little compute per micro-batch, a collective bandwidth on rows
     whose step is bound by it; s weighs on every row's compute alike. Golden-section search
     (the residual is unimodal in x: each row's log-ratio moves monotonically with it)."""
-    def residual(x: float) -> float:
+    def fitted(x: float) -> tuple[float, float]:
+        """(squared log-ratios left, s) at x; inf where no s reproduces the rows."""
         try:
             s = fit_software_efficiency(lambda e: ratios(e, x), rel_tol=rel_tol)
         except CalibrationError:
-            return math.inf
-        return float(np.sum(np.log(np.asarray(ratios(s, x), dtype=float)) ** 2))
+            return math.inf, math.nan
+        return float(np.sum(np.log(np.asarray(ratios(s, x), dtype=float)) ** 2)), s
 
     lo, hi = low, high
     golden = (math.sqrt(5) - 1) / 2
     a, b = hi - golden * (hi - lo), lo + golden * (hi - lo)
-    fa, fb = residual(a), residual(b)
+    fa, fb = fitted(a)[0], fitted(b)[0]
     while hi - lo > 1e-4 * (high - low):
         if fa <= fb:
             hi, b, fb = b, a, fa
             a = hi - golden * (hi - lo)
-            fa = residual(a)
+            fa = fitted(a)[0]
         else:
             lo, a, fa = a, b, fb
             b = lo + golden * (hi - lo)
-            fb = residual(b)
+            fb = fitted(b)[0]
     x = (lo + hi) / 2
-    if not math.isfinite(residual(x)):
+    residual, s = fitted(x)
+    if not math.isfinite(residual):
         raise CalibrationError(f"no value in [{low}, {high}] with an efficiency in (0.05, 1] "
                                "reproduces the calibration rows")
-    return fit_software_efficiency(lambda e: ratios(e, x), rel_tol=rel_tol), x
+    return s, x
 
 
 def split_software_efficiency(rates_flops: dict[str, float], datasheet_peaks: dict[str, float],

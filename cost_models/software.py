@@ -119,6 +119,21 @@ def with_software(cluster: Cluster, chosen: str | Software) -> Cluster:
                    optimizer=sw.optimizer or cluster.optimizer)
 
 
+def with_fitted_values(cluster: Cluster, *, efficiency: float | None = None,
+                       fsdp_host_s: float | None = None,
+                       fsdp_bandwidth_share: float | None = None) -> Cluster:
+    """``cluster`` with the values a generation fits replaced by these (None: kept), for
+    fitting them (``cost_models.calibrate.fit_software_efficiency_with``)."""
+    device = cluster.device
+    if efficiency is not None:
+        device = replace(device, software_efficiency=efficiency)
+    if fsdp_host_s is not None:
+        device = replace(device, fsdp_overhead_s=fsdp_host_s)
+    share = cluster.fsdp_bandwidth_share if fsdp_bandwidth_share is None else \
+        fsdp_bandwidth_share
+    return replace(cluster, device=device, fsdp_bandwidth_share=share)
+
+
 @cache
 def _table() -> dict[str, Software]:
     text = (resources.files("cost_models") / "software.toml").read_text()

@@ -36,6 +36,7 @@ with recomputation (flash) is ~2.5×; the difference is inside the cost model's 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections import Counter
@@ -149,7 +150,10 @@ def _saved_low(gm: GraphModule, meta_model: nn.Module, inputs: Inputs, opaque: t
     try:
         return saved_at_16_bits(meta_model, inputs, opaque=opaque, prefer=prefer,
                                 layers=layers)
-    except Exception:  # noqa: BLE001 - a refinement; the float32 capture stands alone
+    except Exception as e:  # noqa: BLE001 - a refinement; the float32 capture stands alone
+        logging.getLogger(__name__).debug(
+            "no 16-bit capture (%s: %s); saved activations scale the float32 capture's",
+            type(e).__name__, e)
         return {}
 
 

@@ -45,7 +45,7 @@ from autopar.zoo import GPT, GPTConfig
 from cost_models.calibrate import fit_software_efficiency, fit_software_efficiency_with
 from cost_models.hardware import Cluster, GiB
 from cost_models.memory import precision
-from cost_models.software import with_software
+from cost_models.software import with_fitted_values, with_software
 from passes.layer_graph import build_layer_graph
 from passes.records import LayerGraph
 from runtime.plan import Mesh
@@ -194,12 +194,9 @@ def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
     ``software_efficiency``, ``fsdp_host_s``: instead of its generation's efficiency and
     unhidden FSDP host time on the row's device (to fit them, ``fit_software``)."""
     graph = graph if graph is not None else fsdp_graph(row)
-    cluster, prec = fsdp_cluster(row), precision("bfloat16")
-    if software_efficiency is not None:
-        cluster = replace(cluster, device=replace(cluster.device,
-                                                  software_efficiency=software_efficiency))
-    if fsdp_host_s is not None:
-        cluster = replace(cluster, device=replace(cluster.device, fsdp_overhead_s=fsdp_host_s))
+    cluster = with_fitted_values(fsdp_cluster(row), efficiency=software_efficiency,
+                                 fsdp_host_s=fsdp_host_s)
+    prec = precision("bfloat16")
     if row.float32_grads if float32_grads is None else float32_grads:
         prec = replace(prec, grad_bytes=4)
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)

@@ -5,8 +5,9 @@ Megatron-LM" (SC'21), Table 1, reports end-to-end TFLOP/s per GPU for ten GPT mo
 to 3,072 A100s. For each row ``megatron_plan`` writes the published configuration as an
 autopar plan (its TP, PP and DP, micro-batch size, interleaving, full recomputation, fp16
 with dynamic loss scaling, plain data parallelism: the 2021 runs kept the optimizer
-unsharded; pipeline sends scattered over the TP group) and ``evaluate`` prices it exactly as the planner prices its own plans: per-layer
-costs, and for pipelines the schedule simulator. TFLOP/s per GPU are counted the paper's way
+unsharded; pipeline sends scattered over the TP group) and ``evaluate`` prices it exactly
+as the planner prices its own plans: per-layer costs, and for pipelines the schedule
+simulator. TFLOP/s per GPU are counted the paper's way
 (``paper_flops``), so predicted and published figures compare directly.
 """
 

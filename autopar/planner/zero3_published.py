@@ -22,7 +22,7 @@ from __future__ import annotations
 import csv
 import functools
 import io
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from importlib import resources
 
 from autopar.planner.costs import LayerCost, layer_cost
@@ -30,7 +30,7 @@ from autopar.planner.published import MegatronRow, megatron_graph, paper_flops
 from cost_models.calibrate import fit_software_efficiency_with
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
-from cost_models.software import with_software
+from cost_models.software import with_fitted_values, with_software
 from passes.records import LayerGraph
 from runtime.plan import Mesh
 
@@ -117,12 +117,8 @@ def predict(row: Table2Row, *, software_efficiency: float | None = None,
     """The cost model's step of a ZeRO-3 row (module docstring); the two keyword values
     replace the generation's (to fit them: ``fit_software``)."""
     graph = zero3_graph(row.params_b, row.heads, row.hidden, row.layers, row.global_batch)
-    cluster = zero3_cluster(row)
-    if software_efficiency is not None:
-        cluster = replace(cluster, device=replace(cluster.device,
-                                                  software_efficiency=software_efficiency))
-    if fsdp_bandwidth_share is not None:
-        cluster = replace(cluster, fsdp_bandwidth_share=fsdp_bandwidth_share)
+    cluster = with_fitted_values(zero3_cluster(row), efficiency=software_efficiency,
+                                 fsdp_bandwidth_share=fsdp_bandwidth_share)
     blocks = max(graph.classes, key=lambda c: len(graph.classes[c]))
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
     costs = tuple(layer_cost(layer, "fsdp+full" if layer.layer_class == blocks else "fsdp",

@@ -64,20 +64,12 @@ def held_out(prefix: str) -> list[tuple[FsdpRow, float]]:
             if r.row_id not in CALIBRATION | set(UNEXPLAINED)]
 
 
-def test_a100_held_out_rows_within_10_percent_and_the_median_within_5():
-    table = held_out("A100")
+@pytest.mark.parametrize(("gpu", "rows"), [("A100", 12), ("H100", 16)])
+def test_held_out_rows_within_10_percent_and_the_median_within_5(gpu, rows):
+    table = held_out(gpu)
     report = "\n".join(f"{r.row_id:3} {r.label:28} {e:+.1%}" for r, e in table)
     checked = [abs(e) for _, e in table]
-    assert len(checked) == 12, report
-    assert max(checked) <= 0.10, report
-    assert statistics.median(checked) <= 0.05, report
-
-
-def test_h100_held_out_rows_within_10_percent_and_the_median_within_5():
-    table = held_out("H100")
-    report = "\n".join(f"{r.row_id:3} {r.label:28} {e:+.1%}" for r, e in table)
-    checked = [abs(e) for _, e in table]
-    assert len(checked) == 16, report
+    assert len(checked) == rows, report
     assert max(checked) <= 0.10, report
     assert statistics.median(checked) <= 0.05, report
 
