@@ -1,6 +1,8 @@
 """The cost model against every published run autopar prices: Megatron-LM's SC'21 Table 1
 (autopar.planner.published), the ZeRO-3 rows of its Table 2 (autopar.planner.zero3_published)
-and the FSDP runs of fsdp_scaling.csv (autopar.planner.fsdp_published), row by row: published, predicted, error; and, for rows up to ``--plan-up-to`` GPUs,
+and the FSDP runs of fsdp_scaling.csv (autopar.planner.fsdp_published), row by row: published,
+predicted, error; then the H100 presets' GEMM curve against OpenXLA's sm_90 GEMM table
+(autopar.planner.gemm_published), with and without it; and, for rows up to ``--plan-up-to`` GPUs,
 autopar's own plan for the same model, cluster and global batch, with its predicted
 speed-up over the published configuration (both priced by the same model).
 
@@ -18,8 +20,10 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 from autopar.planner.fsdp_published import fsdp_cluster, fsdp_graph, fsdp_rows, predict
+from autopar.planner.gemm_published import COLUMNS, fitted_gemms, model_time_s
 from autopar.planner.published import (
     evaluate,
     megatron_cluster,
@@ -31,6 +35,7 @@ from autopar.planner.published import (
 from autopar.planner.search import search
 from autopar.planner.zero3_published import CALIBRATION, zero3_cluster, zero3_graph, zero3_rows
 from autopar.planner.zero3_published import predict as predict_zero3
+from cost_models.hardware import Cluster
 from cost_models.memory import precision
 
 HEADER = (f"{'row':<30} {'unit':>6} {'published':>10} {'predicted':>10} {'error':>7} "
@@ -97,6 +102,24 @@ def main() -> None:
         absolute = [abs(e) for e in errs]
         print(f"{name}: worst |error| {max(absolute):.1%}, median {statistics.median(absolute):.1%}"
               f" over {len(errs)} rows")
+    gemm_table()
+
+
+def gemm_table() -> None:
+    """dgx-h100's GEMM curve on the table's GEMMs it was fitted to: |relative error| of the
+    modelled time, with the preset's d½ and with none (every GEMM at the ceiling)."""
+    device = Cluster.preset("dgx-h100").device
+    print(f"\n{'GEMMs (OpenXLA sm_90)':<22} {'d½':>6} {'GEMMs':>6} {'median':>7} {'worst':>7} "
+          f"{'no curve: median':>17} {'worst':>7}")
+    for dtype in COLUMNS:
+        cells = []
+        for d in (device, replace(device, matmul_half_dim={})):
+            errs = [abs(model_time_s(g, d, dtype) / g.time_s(dtype) - 1)
+                    for g in fitted_gemms(device, dtype)]
+            cells.append((statistics.median(errs), max(errs), len(errs)))
+        (med, worst, n), (flat_med, flat_worst, _) = cells
+        print(f"{dtype:<22} {device.half_dim(dtype):>6.4g} {n:>6} {med:>7.1%} {worst:>7.1%} "
+              f"{flat_med:>17.1%} {flat_worst:>7.1%}")
 
 
 if __name__ == "__main__":

@@ -179,6 +179,28 @@ def fit_gemm_curve(sizes: Sequence[int], times_s: Sequence[float], *,
                      half_dim=float(half_over_rate / inv_rate))
 
 
+def fit_half_dim(flops: Sequence[float], min_dims: Sequence[float], times_s: Sequence[float],
+                 *, asymptote_flops: float, floor_s: float = 0.0) -> float:
+    """d½ reproducing GEMM times of any shape through the roofline, R∞ and the kernel floor
+    given (a device's published ceiling and floor):
+
+        t = floor + F·(d + d½)/(d·R∞)        F: the GEMM's FLOPs, d: its smallest dimension
+
+    linear in d½: least squares on the relative residual, as above. A negative d½ (GEMMs
+    faster than R∞ allows) is returned as 0.
+    """
+    f = np.asarray(flops, dtype=float)
+    d = np.asarray(min_dims, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    if f.size == 0 or not (f.shape == d.shape == t.shape):
+        raise CalibrationError("need GEMM FLOPs, smallest dimensions and times of equal count")
+    if np.any(f <= 0) or np.any(d <= 0) or np.any(t <= 0) or asymptote_flops <= 0:
+        raise CalibrationError("GEMM FLOPs, dimensions, times and the asymptote must be positive")
+    x = f / (d * asymptote_flops) / t
+    y = (t - floor_s - f / asymptote_flops) / t
+    return max(0.0, float(x @ y / (x @ x)))
+
+
 def kernel_mix_bandwidth_GBps(bytes_moved: Sequence[float], times_s: Sequence[float]) -> float:
     """Memory bandwidth of a mix of memory-bound kernels, one (bytes read + written, time)
     each: the harmonic mean of their rates, i.e. total bytes over total time were the same
