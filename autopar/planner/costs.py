@@ -53,7 +53,8 @@ accumulation) is float32 in every precision (``Precision.held_grad_bytes``):
     tp         P + G + K  (+ P gathered, float32)
     zero1      P + P/N + (G if m > 1 else G/N) + K/N   G if m = 1 (one layer's unsharded grad)
     zero2      P + P/N + G/N + K/N               G
-    fsdp/hsdp  (P + G + K)/N                     2P + G (gathered layer, next one prefetched)
+    fsdp/hsdp  (P + G + K)/N                     2P + G (gathered layer, next one prefetched:
+                                                 priced as P, the walk takes the real one)
     +offload   nothing on the device             2P + G + P/N (the staged shard)
 
     pipelined (pp > 1), every strategy but replicate and tp:
@@ -200,6 +201,11 @@ class LayerCost(MemoryTerms):
     """Under pipelining, the part of buffers_bytes that is FSDP2's one all-gather and one
     reduce-scatter of the step: alive in the layer's first forward and last backward only
     (planner/liveness.py). 0 at pp = 1, where FSDP2 gathers in every pass."""
+    prefetch_bytes: float = 0.0
+    """The part of buffers_bytes that stands for the next layer's parameters, which FSDP2
+    gathers while this one runs, priced at this layer's own gathered size P (fsdp-like
+    layers at pp = 1; 0 otherwise). A layer prices alone, so it cannot know its neighbour;
+    the liveness walk can, and charges the neighbour's where that is smaller (rule 6)."""
     expert_parallel: int = 1
     """The expert-parallel degree of the layer's MoE blocks (autopar/planner/moe_costs.py)."""
     async_tp: bool = False
@@ -417,6 +423,7 @@ def layer_cost(
         fsdp_wait_s=ddp_saving,
         gathered_bytes=states[4],
         collective_buffer_bytes=states[3] if mesh.pp > 1 else 0.0,
+        prefetch_bytes=states[5],
     )
 
 
@@ -488,9 +495,10 @@ def _hidden_comm_s(s: StrategySpec, mesh: Mesh, overlap: Overlap, comm: DPComm, 
 
 def _states_bytes(s: StrategySpec, offload: bool, tp_params: float, shards: int, m: int,
                   prec: Precision, *, pipelined: bool = False
-                  ) -> tuple[float, float, float, float, float]:
-    """(params, grads, optimizer, transient, gathered) bytes on the device; see the module
-    table. ``pipelined``: pp > 1."""
+                  ) -> tuple[float, float, float, float, float, float]:
+    """(params, grads, optimizer, transient, gathered, prefetched) bytes on the device; see
+    the module table. ``pipelined``: pp > 1. ``prefetched``: the part of the transient that
+    stands for the next layer's gathered parameters (``LayerCost.prefetch_bytes``)."""
     p = tp_params * prec.param_bytes
     g = tp_params * prec.grad_bytes  # an unsharded gradient, as backward computes it
     held = tp_params * prec.held_grad_bytes  # the reduced gradient the optimizer steps
@@ -498,21 +506,21 @@ def _states_bytes(s: StrategySpec, offload: bool, tp_params: float, shards: int,
     n = shards
     once = s.gather == "per_step"  # ZeRO-1/2: the gathered copy stays beside the shard
     if not s.sharded:
-        return p, held, k, 0.0, (p if prec.name == "float32" else 0.0)
+        return p, held, k, 0.0, (p if prec.name == "float32" else 0.0), 0.0
     if pipelined:
         collectives = max(p, g + g / n)
         if once:
-            return p + p / n, g, k / n, collectives, 0.0
+            return p + p / n, g, k / n, collectives, 0.0, 0.0
         if offload:
-            return 0.0, g, 0.0, collectives + p / n, p
-        return p / n, g, k / n, collectives, p
+            return 0.0, g, 0.0, collectives + p / n, p, 0.0
+        return p / n, g, k / n, collectives, p, 0.0
     if once and s.reduce == "per_step":  # gradients accumulate unsharded (ZeRO-1)
-        return p + p / n, (g if m > 1 else held / n), k / n, (0.0 if m > 1 else g), 0.0
+        return p + p / n, (g if m > 1 else held / n), k / n, (0.0 if m > 1 else g), 0.0, 0.0
     if once:
-        return p + p / n, held / n, k / n, g, 0.0
+        return p + p / n, held / n, k / n, g, 0.0, 0.0
     if offload:
-        return 0.0, 0.0, 0.0, 2 * p + g + p / n, 0.0
-    return p / n, held / n, k / n, 2 * p + g, 0.0
+        return 0.0, 0.0, 0.0, 2 * p + g + p / n, 0.0, p
+    return p / n, held / n, k / n, 2 * p + g, 0.0, p
 
 
 def hsdp_shard_size(cluster: Cluster, pp: int = 1) -> int | None:

@@ -46,7 +46,14 @@ runtime/pipeline.py):
    size, is alive through the layer's backward in their place. Under pipelining an FSDP2
    layer's buffer is its one all-gather and one reduce-scatter of the step
    (``LayerCost.collective_buffer_bytes``), charged in its first forward and its last
-   backward or W pass only.
+   backward or W pass only. The prefetched layer in the buffer (``LayerCost.prefetch_bytes``,
+   priced at the layer's own parameters) is FSDP2's next unit in the pass's order: the next
+   layer with parameters in forward, the previous one in backward (FSDP2's default backward
+   prefetch), none past either end. Where that neighbour's parameters are fewer, it is
+   charged at theirs: beside the first block's backward FSDP2 gathers an embedding, not a
+   block (tests/autopar/planner/test_liveness.py measures it). Where they are more (a large
+   vocabulary's embedding), the layer's own stay charged, so this rule never lifts a
+   buffer above the one the ILP charges.
 7. The optimizer step runs after every backward, with every activation freed.
 
 Every term above is one of the ILP's, alive for part of the step: parameters, gathered
@@ -183,6 +190,11 @@ class _Walk:
         self.timeline: list[Usage] = []
         self.peak_only = peak_only
         self.peak_total = -math.inf
+        # Rule 6: what FSDP2 gathers beside each layer, the next layer with parameters in
+        # the pass's order (parameter-free layers are no FSDP2 unit and gather nothing).
+        self.prefetched = {"F": _next_unit_prefetch(layers[::-1])[::-1],
+                           "B": _next_unit_prefetch(layers)}
+        self.prefetched["W"] = self.prefetched["B"]
 
     def record(self, event: str | tuple[str, str, str], buffer: float) -> None:
         """One event's usage; ``event`` as text, or as (verb, layer, suffix) joined only
@@ -221,6 +233,8 @@ class _Walk:
         # Rule 6: the layer's own buffer in every pass (the loss's part is charged below),
         # its step's collectives only in its first forward and last backward pass.
         buffer = cost.buffers_bytes - cost.loss_buffer_bytes
+        # Its prefetched neighbour at that neighbour's size, where that is the smaller.
+        buffer -= cost.prefetch_bytes - min(cost.prefetch_bytes, self.prefetched[action][i])
         once = i not in self.forwarded if action == "F" else self.passes_left[i] == 1
         if not once:
             buffer -= cost.collective_buffer_bytes
@@ -245,6 +259,20 @@ class _Walk:
             self.passes_left[i] -= 1
             if not self.pipelined or not self.passes_left[i]:
                 self.gathered.discard(i)  # rule 2
+
+
+def _next_unit_prefetch(layers: Sequence[_Layer]) -> list[float]:
+    """Per layer, the ``prefetch_bytes`` of the nearest layer before it in ``layers`` that
+    has parameters (0.0 if none): a backward's prefetch in execution order, a forward's in
+    reverse."""
+    out, last = [], 0.0
+    for la in layers:
+        out.append(last)
+        c = la.cost
+        if c.params_bytes or c.gathered_bytes or c.prefetch_bytes or c.host_bytes \
+                or c.optimizer_bytes:
+            last = c.prefetch_bytes
+    return out
 
 
 def optimizer_temporary_bytes(costs: Sequence[LayerCost], optimizer_bytes_per_param: float,

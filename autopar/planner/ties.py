@@ -51,7 +51,7 @@ from runtime.plan import Mesh, Plan, stage_rank
 from runtime.strategies import spec
 from runtime.tied import Tie, owner
 
-MAX_FIELDS = ("buffers_bytes", "loss_buffer_bytes", "collective_buffer_bytes")
+MAX_FIELDS = ("buffers_bytes", "loss_buffer_bytes", "collective_buffer_bytes", "prefetch_bytes")
 """Transient memory: the plan holds the largest buffer over its layers, not the sum."""
 SAME_FIELDS = ("option", "strategy", "recompute", "offload", "sequence_parallel",
                "microbatches", "async_tp")
