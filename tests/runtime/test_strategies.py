@@ -69,8 +69,8 @@ def test_the_cost_model_shards_exactly_the_states_of_the_zero_stage(strategy):
     parameter of stages 1-2 is the copy kept gathered through the step; with one
     micro-batch ZeRO-1 is ZeRO-2's program, so two tell them apart)."""
     s, prec, n = spec(strategy), precision("float32"), 4
-    params, grads, optimizer, _, _ = _states_bytes(s, False, 1000.0, n if s.sharded else 1, 2,
-                                                   prec)
+    params, grads, optimizer, *_ = _states_bytes(s, False, 1000.0, n if s.sharded else 1, 2,
+                                                 prec)
     assert optimizer == 1000 * prec.optimizer_bytes / (n if s.zero_stage >= 1 else 1)
     assert grads == 1000 * prec.held_grad_bytes / (n if s.zero_stage >= 2 else 1)
     p = 1000 * prec.param_bytes
