@@ -23,7 +23,7 @@ import time
 from dataclasses import replace
 
 from autopar.planner.fsdp_published import fsdp_cluster, fsdp_graph, fsdp_rows, predict
-from autopar.planner.gemm_published import COLUMNS, fitted_gemms, model_time_s
+from autopar.planner.gemm_published import COLUMNS, relative_errors
 from autopar.planner.published import (
     evaluate,
     megatron_cluster,
@@ -114,8 +114,7 @@ def gemm_table() -> None:
     for dtype in COLUMNS:
         cells = []
         for d in (device, replace(device, matmul_half_dim={})):
-            errs = [abs(model_time_s(g, d, dtype) / g.time_s(dtype) - 1)
-                    for g in fitted_gemms(device, dtype)]
+            errs = [abs(e) for e in relative_errors(d, dtype).values()]
             cells.append((statistics.median(errs), max(errs), len(errs)))
         (med, worst, n), (flat_med, flat_worst, _) = cells
         print(f"{dtype:<22} {device.half_dim(dtype):>6.4g} {n:>6} {med:>7.1%} {worst:>7.1%} "

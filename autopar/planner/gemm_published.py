@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from importlib import resources
 
 from cost_models.calibrate import fit_half_dim
-from cost_models.compute import roofline_s
+from cost_models.compute import gemm_efficiency, roofline_s
 from cost_models.hardware import Device
 
 TABLE_PATH = resources.files("autopar") / "data" / "xla_gemm_sm90.csv"
@@ -70,10 +70,15 @@ def fitted_gemms(device: Device, dtype: str) -> list[PublishedGemm]:
     return [g for g in published_gemms() if g.time_s(dtype) >= floor]
 
 
+def _alone(device: Device) -> Device:
+    """``device`` with no training software's share: the table times GEMMs alone, as
+    matmul_efficiency's source does."""
+    return replace(device, software_efficiency=1.0)
+
+
 def asymptote_flops(device: Device, dtype: str) -> float:
-    """R∞: the device's published large-GEMM ceiling (no training software's share: the
-    table times GEMMs alone, as matmul_efficiency's source does)."""
-    return device.peak(dtype) * device.matmul_efficiency
+    """R∞: the device's published large-GEMM ceiling (peak × matmul_efficiency)."""
+    return device.peak(dtype) * gemm_efficiency(_alone(device), dtype)
 
 
 def fit_half_dims(device: Device) -> dict[str, float]:
@@ -89,7 +94,13 @@ def fit_half_dims(device: Device) -> dict[str, float]:
 
 
 def model_time_s(g: PublishedGemm, device: Device, dtype: str) -> float:
-    """The cost model's time of one table GEMM on ``device`` (its own d½), compute only and
-    with no training software's share, as the table measured it."""
-    alone = replace(device, software_efficiency=1.0)
-    return roofline_s(g.flops, 0.0, 1, alone, dtype, gemm_min_dim=g.min_dim)
+    """The cost model's time of one table GEMM on ``device`` (its own d½), compute only, as
+    the table measured it."""
+    return roofline_s(g.flops, 0.0, 1, _alone(device), dtype, gemm_min_dim=g.min_dim)
+
+
+def relative_errors(device: Device, dtype: str) -> dict[tuple[int, int, int, int], float]:
+    """(modelled − published) / published time of each GEMM ``fit_half_dims`` fits, by
+    (b, m, n, k), at ``device``'s own d½."""
+    return {(g.b, g.m, g.n, g.k): model_time_s(g, device, dtype) / g.time_s(dtype) - 1
+            for g in fitted_gemms(device, dtype)}

@@ -24,9 +24,8 @@ from autopar.planner.gemm_published import (
     COLUMNS,
     asymptote_flops,
     fit_half_dims,
-    fitted_gemms,
-    model_time_s,
     published_gemms,
+    relative_errors,
 )
 from cost_models.calibrate import CalibrationError, fit_half_dim
 from cost_models.hardware import Cluster
@@ -60,8 +59,7 @@ def test_the_presets_half_dims_are_the_fit_of_the_published_table(preset):
 def errors(dtype: str, half: float | None = None) -> dict[tuple, float]:
     """Relative error of the modelled time of each fitted GEMM (the preset's d½, or ``half``)."""
     device = H100 if half is None else replace(H100, matmul_half_dim={dtype: half})
-    return {(g.b, g.m, g.n, g.k): model_time_s(g, device, dtype) / g.time_s(dtype) - 1
-            for g in fitted_gemms(device, dtype)}
+    return relative_errors(device, dtype)
 
 
 def test_the_bf16_curve_reproduces_the_tables_gemms():

@@ -442,7 +442,8 @@ def test_fsdp2_prefetches_the_embedding_beside_the_first_blocks_backward(one_ran
     tokens, every layer fsdp, float32. Beside h.0's backward FSDP2 gathers the position
     embedding, not another block. Seen (MiB): measured 219.60; the walk 222.85 (+1.5%, its
     peak now at h.1's backward); with every prefetch priced as the layer's own parameters,
-    as before, 232.88 (+6.0%, at h.0's backward: one block's 12.03 too many)."""
+    as before, 232.88 (+6.0%, at h.0's backward: one block's 12.03 too many).
+    ``python bench/memory_prefetch.py`` prints this case and three more."""
     from autopar.zoo import get_model
     from passes.layer_graph import build_layer_graph
     from runtime.plan import LayerPlan
