@@ -160,15 +160,47 @@ def _keep_unsharded_through_step(module: nn.Module) -> None:
             sub.set_reshard_after_forward(False, recurse=False)
 
 
-def _outputs_own_their_storage(module: nn.Module, args: tuple, output: object) -> object:
-    """A stage's outputs as tensors of their own, not views.
+def _sendable(t: torch.Tensor, own_storage: bool) -> torch.Tensor:
+    """``t`` as a point-to-point send takes it: contiguous (gloo and NCCL refuse other
+    layouts, and a stage may end in a transpose or permute, as ConvNeXt's and Swin's blocks
+    do), and with ``own_storage`` not a view.
 
     The split-backward schedules free a stage's graph by ``detach_()``-ing its outputs
     after the input-gradient pass, which raises on a view (pytorch/pytorch#142229). A
     tensor-parallel layer ending a stage returns one: ``DTensor.to_local`` is a view. A
     copy of the stage's boundary activation per micro-batch, small beside the stage's work
     (its base is freed with the view)."""
-    return tree_map_only(torch.Tensor, lambda t: t.clone() if t._is_view() else t, output)
+    local = t._local_tensor if isinstance(t, DTensor) else t
+    if not local.is_contiguous():
+        return t.contiguous()
+    return t.clone() if own_storage and t._is_view() else t
+
+
+def _sendable_outputs(own_storage: bool):
+    """A forward hook: the stage's outputs as its sends to the next stage take them."""
+    def hook(module: nn.Module, args: tuple, output: object) -> object:
+        return tree_map_only(torch.Tensor, lambda t: _sendable(t, own_storage), output)
+    return hook
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: the gradient of a stage's
+    input is sent to the previous stage as autograd leaves it, and a stage that begins with
+    a transpose leaves it transposed."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
+
+
+def _sendable_input_grads(module: nn.Module, args: tuple) -> tuple:
+    """A forward pre-hook: the received activations, whose gradients are sent back."""
+    return tuple(_ContiguousGrad.apply(a) if isinstance(a, torch.Tensor) and a.requires_grad
+                 else a for a in args)
 
 
 def _schedule(plan: Plan, stages: list[PipelineStage], loss_fn: LossFn, scale_grads: bool):
@@ -278,8 +310,9 @@ class PipelineTrainer(Trainer):
         _keep_unsharded_through_step(module)
         add_scattered_sends(module, stage_id, plan, self.mesh.get_group("tp"),
                             self.mesh.get_local_rank("tp"))
-        if plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES:
-            module.register_forward_hook(_outputs_own_their_storage)
+        split = plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES
+        module.register_forward_hook(_sendable_outputs(own_storage=split))
+        module.register_forward_pre_hook(_sendable_input_grads)
 
     def _stage_mesh(self, dim_names: tuple[str, ...], layout: object) -> DeviceMesh | None:
         """The mesh a DTensor received from a neighbouring stage lives on here: sequence

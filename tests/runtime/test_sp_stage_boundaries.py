@@ -49,7 +49,7 @@ def test_one_sided_boundaries_train_like_one_process(pool4, schedule, scatter):
     block gathers its output whole, which the scattered send slices and stage 1 gathers.
     ZBVZeroBubble: it opens stage 2, on the rank of stage 1, whose last SP block gathers
     its output by ``DTensor.to_local``, a view, which the split-backward schedules cannot
-    ``detach_()`` (runtime.pipeline._outputs_own_their_storage)."""
+    ``detach_()`` (runtime.pipeline._sendable)."""
     plan = Plan.from_json(sp_plan(schedule, scatter=scatter))
     layers = tuple(dataclasses.replace(la, sequence_parallel=False, tp_styles=BLOCK_TP)
                    if la.module == "h.3" else la for la in plan.layers)
