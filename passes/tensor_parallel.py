@@ -10,7 +10,10 @@ it shards flows through ops that are exact on shards, ending in a row-parallel L
   transpose -> scaled_dot_product_attention -> transpose -> reshape -> out Linear (rowwise).
   The degree must divide the number of heads. Limitation: only head *alignment* can be
   checked; the model's reshapes must read the head count from the tensor (``view(B, T, -1,
-  hd)``, as autopar.zoo does). A literal head count fails loudly on a shard, never silently.
+  hd)``, as autopar.zoo does). A literal head count with every other size literal fails
+  loudly on a shard; with another size inferred (Hugging Face OPT's ``view(b, -1,
+  num_heads, hd)``) the inferred size would silently take the shard's smaller extent and
+  regroup the wrong elements, so such a view gets no split.
 - A layer that is one ``nn.Linear`` -> ``colwise_gather``; one ``nn.Embedding`` ->
   ``embedding_rowwise``.
 
@@ -343,6 +346,13 @@ def _sdpa(node, states, need, seeds, gm, model) -> State | None:
 
 
 def _view(node: Node, state: State) -> State:
+    out = _view_of_shard(node, state)
+    if _infers_past_the_shard(node, out[0]):
+        raise _Reject
+    return out
+
+
+def _view_of_shard(node: Node, state: State) -> State:
     dim, unit = state
     s_in, s_out = _shape(node.args[0]), _shape(node)
     tail = len(s_in) - dim
@@ -355,6 +365,19 @@ def _view(node: Node, state: State) -> State:
             s_in[dim] * s_in[dim + 1] == s_out[dim] and s_in[dim + 2:] == s_out[dim + 1:]:
         return dim, unit  # merge (heads, head_dim), heads outermost
     raise _Reject
+
+
+def _infers_past_the_shard(node: Node, sharded: int) -> bool:
+    """The view's size gives the sharded output dim as a number and infers another (-1):
+    on a shard the inferred dim takes the smaller extent and the view regroups the wrong
+    elements, silently. A size read from the tensor (a graph node) follows the shard."""
+    args = node.args[1:]
+    sizes = args[0] if len(args) == 1 and isinstance(args[0], (list, tuple)) else args
+    if len(sizes) != len(_shape(node)):
+        return False
+    fixed = isinstance(sizes[sharded], int) and sizes[sharded] != -1
+    return fixed and any(isinstance(s, int) and s == -1
+                         for i, s in enumerate(sizes) if i != sharded)
 
 
 def _transpose(node: Node, state: State) -> State:

@@ -331,9 +331,28 @@ class _PerHeadMask(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, d))
 
 
-@pytest.mark.parametrize("block", [_BiasAfterShard, _ShardEscapes, _PerHeadMask])
+class _LiteralHeads(nn.Module):
+    """Heads split by a literal count with the sequence length inferred, as Hugging Face
+    OPT writes it (``view(b, -1, num_heads, hd)``): on a shard of the features the view
+    still succeeds, with half the sequence, and mixes heads with positions."""
+
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, -1, self.heads, d // self.heads).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("block", [_BiasAfterShard, _ShardEscapes, _PerHeadMask, _LiteralHeads])
 def test_no_split_offered_when_it_would_change_results(block):
-    lg = _one_block(block(), torch.randn(2, 5, 16 if block is _PerHeadMask else 8))
+    lg = _one_block(block(), torch.randn(2, 5, 8 if block in (_BiasAfterShard, _ShardEscapes)
+                                          else 16))
     assert lg.layers[0].tp is None
 
 
