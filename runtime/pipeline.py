@@ -203,6 +203,14 @@ def _sendable_input_grads(module: nn.Module, args: tuple) -> tuple:
                  else a for a in args)
 
 
+def _drop_root_kwargs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """A forward pre-hook for every stage but the first: torch's multi-stage schedules give
+    the model's keyword inputs to each stage a rank holds (interleaved and V schedules hold
+    the first stage beside a later one), but only the first stage takes them; a later stage
+    receives what it reads of them from its predecessor."""
+    return args, {}
+
+
 def _schedule(plan: Plan, stages: list[PipelineStage], loss_fn: LossFn, scale_grads: bool):
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     m = plan.pipeline.num_microbatches
@@ -271,6 +279,9 @@ class PipelineTrainer(Trainer):
                 broadcast_weights(module)
         for s, module in zip(self.stage_ids, self.stages, strict=True):
             self._parallelize(s, module, meta)
+            if s > 0:
+                module.register_forward_pre_hook(_drop_root_kwargs, prepend=True,
+                                                 with_kwargs=True)
         if meta:
             materialize(model, self._device, common_seed(seed), stages=self.stages)
         pipe_stages = [PipelineStage(module, s, plan.num_stages, self._device,

@@ -24,7 +24,7 @@ import autopar
 from cost_models.errors import ConfigError
 from passes.layer_graph import build_layer_graph
 from runtime.batch import Inputs, as_inputs, batch_size, model_loss, shard_rows, split_rows
-from runtime.plan import LayerPlan, Mesh, Plan, PlanError
+from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan, PlanError
 
 STEPS = 3
 LOSS_TOL = dict(rtol=1e-5, atol=1e-6)
@@ -139,6 +139,17 @@ def compile_job() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, trainer.full_state_dict()
 
 
+def dict_pipeline_job(plan_json: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """A dict batch (labels apart) through autopar.compile under a pipeline plan."""
+    steps = [(dict(b), b["labels"]) for b in batches("dict")]
+    for inputs, _ in steps:
+        del inputs["labels"]
+    trainer = autopar.compile(_masked_stack(), "local", steps[0][0],
+                              loss_fn=logits_loss, plan=Plan.from_json(plan_json))
+    losses = [trainer.train_step(x, y) for x, y in steps]
+    return losses, trainer.full_state_dict()
+
+
 def tensor_job(plan_json: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     """A bare tensor as the example and as each step's inputs (under a pipeline plan the
     stages are traced on one micro-batch of the example)."""
@@ -226,6 +237,51 @@ def test_compile_takes_a_dict_example_and_loss_fn_gets_the_output_as_is(pool2):
         losses.append(loss.item())
     expected = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
     _assert_matches(pool2.run(compile_job, timeout_s=300), expected)
+
+
+class _MaskedStack(nn.Module):
+    """``forward(input_ids, attention_mask)``: the mask read by the first layer only, so a
+    pipeline sends floating activations only."""
+
+    def __init__(self, layers: int = 6) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(layers))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> dict:
+        h = self.embed(input_ids) * attention_mask.to(torch.float32)[..., None]
+        for block in self.blocks:
+            h = torch.tanh(block(h))
+        return {"logits": self.head(h.mean(1))}
+
+
+def _masked_stack() -> _MaskedStack:
+    torch.manual_seed(0)
+    return _MaskedStack()
+
+
+@pytest.mark.parametrize("schedule", ["Interleaved1F1B", "ZBVZeroBubble"])
+def test_a_dict_batch_trains_with_two_stages_on_a_rank(pool2, schedule):
+    """torch's multi-stage schedules give the model's keyword inputs to every stage a rank
+    holds; only the first stage takes them (runtime.pipeline._drop_root_kwargs). Once:
+    "forward() got an unexpected keyword argument 'input_ids'" on the later stage."""
+    units = ["embed"] + [f"blocks.{i}" for i in range(6)] + ["head"]
+    stage = {u: min(i // 2, 3) for i, u in enumerate(units)}
+    plan = Plan(global_batch=BATCH, mesh=Mesh(pp=2),
+                layers=tuple(LayerPlan(module=u, stage=stage[u]) for u in units),
+                pipeline=PipelineSpec(schedule=schedule, num_microbatches=2, virtual_stages=2))
+    model = _masked_stack()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for b in batches("dict"):
+        loss = logits_loss(model(b["input_ids"], b["attention_mask"]), b["labels"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    expected = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    _assert_matches(pool2.run(dict_pipeline_job, plan.to_json(), timeout_s=300), expected)
 
 
 def test_bare_tensor_input_is_one_batch_not_rows(pool2):
