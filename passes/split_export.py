@@ -230,6 +230,12 @@ def _recompute_constants(gm: GraphModule, node_stage: dict[Node, int], firsts: l
                 for user in _users_by_stage(node, node_stage).get(s, []):
                     copy = _copy_onto(gm, node, s, node_stage, copies, firsts[s])
                     user.replace_input_with(node, copy)
+        if copies:
+            # The stage opens with them now (each went in just before firsts[s], in order),
+            # so values passed through it go before them, at the root: between a copy and
+            # the layers in the same parent module, they cut that module's unflattened call
+            # in two, which fails (Hugging Face decoders: rotary values in ``model``).
+            firsts[s] = next(iter(copies.values()))
 
 
 def _copy_onto(gm: GraphModule, node: Node, s: int, node_stage: dict[Node, int],

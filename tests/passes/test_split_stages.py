@@ -222,3 +222,70 @@ def test_keyword_inputs_are_exported_and_taken_by_the_first_stage():
     assert split.method == "export"
     out = split.modules[1](split.modules[0](x, shift=shift))
     torch.testing.assert_close(out, model(x, shift=shift), rtol=0, atol=0)
+
+
+class _Rotary(nn.Module):
+    """A value made from a buffer only (Llama's rotary cos/sin): recomputed on each stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("freq", torch.arange(8.0), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(x.shape[1], dtype=torch.float32)
+        return torch.cos(pos[:, None] * self.freq[None, :])
+
+
+class _MaskedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, bias, rot):
+        return x + self.lin(torch.softmax(x @ x.transpose(1, 2) + bias, -1) @ (x * rot))
+
+
+class _Decoder(nn.Module):
+    """Hugging Face's layout: a parent module makes the mask bias and the rotary values
+    that every layer reads."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.rot = _Rotary()
+        self.layers = nn.ModuleList(_MaskedBlock() for _ in range(4))
+
+    def forward(self, ids, mask):
+        x = self.emb(ids)
+        bias = torch.where(mask[:, None, :].bool(), 0.0, -1e9)
+        rot = self.rot(x)
+        for layer in self.layers:
+            x = layer(x, bias, rot)
+        return x
+
+
+class _WithHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = _Decoder()
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids, mask):
+        return self.head(self.model(ids, mask))
+
+
+def test_a_stage_recomputing_a_constant_and_passing_a_value_through_runs():
+    """Stage 1 recomputes the rotary values (module ``model.rot``) and passes the mask
+    bias on to stage 2 (a clone at the root) before its layers (``model.layers``).
+    Unflattening cut the stage's ``model`` in two calls when the clone sat between the
+    rotary copy and the layers, and the stage failed ("Expected positional argument")."""
+    torch.manual_seed(0)
+    model = _WithHead()
+    plan = pipeline_plan({"model.emb": 0, "model.rot": 0, "model.layers.0": 0,
+                          "model.layers.1": 1, "model.layers.2": 1, "model.layers.3": 2,
+                          "head": 3}, pp=2, v=2, schedule="Interleaved1F1B")
+    ids = torch.randint(0, 16, (2, 6), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    mask[:, :2] = 0
+    stages = split_stages(model, plan, (ids, mask), method="export")
+    torch.testing.assert_close(run_stages(stages, ids, mask), model(ids, mask), rtol=0, atol=0)
