@@ -94,6 +94,15 @@ def _lm_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids.clone()}
 
 
+def _padded_lm_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Every sample left-padded by the same 3 positions (each weighs the same in the
+    mean loss, as slicing needs), every position labelled."""
+    ids = _tokens(size, gen)
+    mask = torch.ones_like(ids)
+    mask[:, :3] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": ids.clone()}
+
+
 def _mlm_batch(size: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
     # Every position is labelled: a loss averaged over an equal number of tokens on each
     # rank is the global mean (an ignore_index would make per-rank counts differ).
@@ -120,6 +129,27 @@ def llama() -> nn.Module:
         vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
         use_cache=False))
+
+
+def mistral() -> nn.Module:
+    t = _hf()
+    cfg = t.MistralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        sliding_window=None, use_cache=False)
+    cfg._attn_implementation = "eager"  # the additive float mask every layer reads
+    return t.MistralForCausalLM(cfg)
+
+
+def opt() -> nn.Module:
+    t = _hf()
+    cfg = t.OPTConfig(
+        vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=2,
+        num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64,
+        dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, layerdrop=0.0,
+        use_cache=False, pad_token_id=1, bos_token_id=2, eos_token_id=2)
+    cfg._attn_implementation = "sdpa"  # q.view(b, -1, num_heads, hd): no attention split
+    return t.OPTForCausalLM(cfg)
 
 
 def gpt2() -> nn.Module:
@@ -211,6 +241,10 @@ def sample_loss(out: object, labels: torch.Tensor) -> torch.Tensor:
 
 MODELS: dict[str, RealModel] = {m.name: m for m in (
     RealModel("hf-llama", llama, _lm_batch, causal_lm_loss, note="grouped-query attention"),
+    RealModel("hf-mistral-mask", mistral, _padded_lm_batch, causal_lm_loss,
+              note="an attention mask (a keyword input) and rotary values every layer reads"),
+    RealModel("hf-opt", opt, _lm_batch, causal_lm_loss,
+              note="heads split by a literal count: tp splits the MLPs only"),
     RealModel("hf-gpt2", gpt2, _lm_batch, causal_lm_loss, note="tied embeddings"),
     RealModel("hf-bert-mlm", bert, _mlm_batch, token_loss, note="tied decoder"),
     RealModel("hf-t5", t5, _seq2seq_batch, token_loss,

@@ -1,7 +1,7 @@
 """Real models, planned and trained: whatever autopar plans, its runtime executes, and
 the numbers match one process.
 
-Each model of ``tests/real_models.py`` (Hugging Face Llama, GPT-2, BERT, T5, ViT from
+Each model of ``tests/real_models.py`` (Hugging Face Llama, Mistral with an attention mask, OPT, GPT-2, BERT, T5, ViT from
 small configs, a nanoGPT with tied embeddings, a ResNet-50 layout, a model taking a dict
 batch) is
 
