@@ -1,9 +1,9 @@
 """Real models, planned and trained: whatever autopar plans, its runtime executes, and
 the numbers match one process.
 
-Each model of ``tests/real_models.py`` (Hugging Face Llama, Mistral with an attention mask, OPT, GPT-2, BERT, T5, ViT from
-small configs, a nanoGPT with tied embeddings, a ResNet-50 layout, a model taking a dict
-batch) is
+Each model of ``tests/real_models.py`` (Hugging Face Llama, Mistral with an attention
+mask, OPT, GPT-2, BERT, T5, ViT from small configs, a nanoGPT with tied embeddings, a
+ResNet-50 layout, a model taking a dict batch) is
 
 - planned on ``local`` and ``dgx-a100-80g`` with 1 and 4 nodes, every candidate checked by
   the runtime's own validation of that model (tests/autopar/test_plans_run.py);
