@@ -332,18 +332,25 @@ def _drop_unread_state(stage: nn.Module) -> None:
 
     ``pipeline()`` assigns every state-dict name whose parent module exists in a stage, so a
     stage holding the embedding also got the tied ``lm_head.weight`` (the user's object,
-    never read there): it would be trained by no one and named twice across stages."""
-    read: set[str] = set()
-    for scope, module in stage.named_modules():
+    never read there): it would be trained by no one and named twice across stages.
+
+    State is keyed by its holder module object and attribute name, not by path: a module
+    the model runs more than once (ALBERT's one layer at every depth) is unflattened into
+    several paths (``attention``, ``attention@1``), and one holder may be reached under
+    several of them, while a graph reads its state under only one."""
+    read: set[tuple[int, str]] = set()
+    for _, module in stage.named_modules(remove_duplicate=False):
         graph = getattr(module, "graph", None)
         if isinstance(graph, torch.fx.Graph):
-            prefix = scope + "." if scope else ""
-            read.update(prefix + str(n.target) for n in graph.nodes if n.op == "get_attr")
-    for name, _ in list(stage.named_parameters(remove_duplicate=False)) + \
-            list(stage.named_buffers(remove_duplicate=False)):
-        if name not in read:
-            parent, _, attr = name.rpartition(".")
-            delattr(stage.get_submodule(parent), attr)
+            for node in graph.nodes:
+                if node.op == "get_attr":
+                    path, _, attr = str(node.target).rpartition(".")
+                    read.add((id(module.get_submodule(path)), attr))
+    for module in stage.modules():  # each holder once
+        held = [*module._parameters.items(), *module._buffers.items()]
+        for attr in [a for a, value in held if value is not None]:
+            if (id(module), attr) not in read:
+                delattr(module, attr)
 
 
 def _output_structure(split_gm: GraphModule, out_spec) -> Callable[[object], object] | None:

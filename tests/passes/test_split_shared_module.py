@@ -1,0 +1,148 @@
+"""A module the model runs at several depths (ALBERT's one layer) splits into pipeline stages.
+
+``torch.export`` unflattens each call of a reused module into its own path (``block``,
+``block@1``, and inside them ``attn``, ``attn@1``), several of which reach the same
+parameter objects. The export split's clean-up (``passes.split_export._drop_unread_state``)
+once found what the stage graphs read by de-duplicated module path but deleted state by
+every path, so it deleted a parameter the stage reads under an alias and then failed with
+"AttributeError: 'InterpreterModule' object has no attribute 'weight'" inside
+``autopar.plan``.
+
+The model: one ``Block`` (a nested submodule, as ALBERT's layer group holds its attention)
+applied twice between an input and an output layer. Its forward branches on a tensor's
+``dim()``, which symbolic tracing cannot capture, so it is split by ``torch.export`` like a
+Hugging Face model. A layer called twice stays on one stage (with the layers between its
+calls), so the reused parameters are on one stage, whichever it is.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from reference import full_tensor, train_one_process, train_under_plan
+
+from passes.split_stages import split_pipeline
+from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
+
+BATCH, STEPS, LR = 8, 3, 1e-3
+TOL = dict(rtol=1e-5, atol=1e-6)
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x + torch.tanh(self.q(x)))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = Inner()
+        self.ffn = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.ffn(self.attn(x))
+
+
+class SharedBlockNet(nn.Module):
+    """``block`` runs at depths 1 and 2: one module, one set of parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 8)
+        self.block = Block()
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2:  # a branch on the input: symbolic tracing fails, export does not
+            x = x.unsqueeze(1)
+        h = self.inp(x)
+        for _ in range(2):
+            h = self.block(h)
+        return self.head(h).flatten(1)
+
+
+def _model() -> SharedBlockNet:
+    torch.manual_seed(0)
+    return SharedBlockNet()
+
+
+def _batch(step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return (torch.randn(BATCH, 4, generator=g),), torch.randn(BATCH, 1, generator=g)
+
+
+def _plan(block_stage: int) -> Plan:
+    stages = {"inp": 0, "block": block_stage, "head": 1}
+    return Plan(global_batch=BATCH, mesh=Mesh(pp=2),
+                layers=tuple(LayerPlan(module=n, stage=s) for n, s in stages.items()),
+                pipeline=PipelineSpec(schedule="1F1B", num_microbatches=2))
+
+
+@pytest.mark.parametrize("block_stage", [0, 1])
+def test_reused_block_keeps_every_parameter_its_stage_reads(block_stage):
+    model = _model()
+    split = split_pipeline(model, _plan(block_stage), (_batch(0)[0][0][: BATCH // 2],))
+    assert split.method == "export"
+    held = [dict(m.named_parameters()) for m in split.modules]
+    block = {f"block.{n}" for n, _ in model.block.named_parameters()}
+    assert block <= held[block_stage].keys()
+    assert not block & held[1 - block_stage].keys()
+    assert {n for h in held for n in h} == {n for n, _ in model.named_parameters()}
+    assert split.tied == ()
+    # Both calls of the block read the one parameter: every alias reaches the same tensor.
+    stage = split.modules[block_stage]
+    assert stage.get_parameter("block.attn.q.weight") is \
+        stage.get_submodule("block@1").get_parameter("attn.q.weight")
+    x = _batch(0)[0][0][: BATCH // 2]
+    with torch.no_grad():
+        out = split.modules[1](split.modules[0](x))
+        torch.testing.assert_close(out, model(x))
+
+
+def test_planner_pipelines_a_reused_block():
+    import autopar
+
+    plan = autopar.plan(_model(), autopar.Cluster.local(2), _batch(0)[0], mesh=Mesh(pp=2, dp=1))
+    assert plan.mesh.pp == 2
+    assert {la.module for la in plan.layers} >= {"inp", "block", "head"}
+
+
+def _job(plan_json: str) -> dict:
+    import torch.distributed as dist
+
+    import autopar
+
+    plan = Plan.from_json(plan_json)
+    trainer = autopar.compile(_model(), autopar.Cluster.local(2), _batch(0)[0],
+                              loss_fn=F.mse_loss, plan=plan)
+
+    def first_grads(t) -> dict:
+        mine = {n: full_tensor(p.grad) for m in t.stages for n, p in m.named_parameters()}
+        parts: list = [None] * plan.mesh.pp
+        dist.all_gather_object(parts, mine)
+        return {n: g for part in parts for n, g in part.items()}
+
+    return train_under_plan(trainer, _batch, first_grads, steps=STEPS)
+
+
+@pytest.mark.parametrize("block_stage", [0, 1])
+def test_reused_block_pp2_trains_like_one_process(pool2, block_stage):
+    ref = train_one_process(_model(), lambda m, s: F.mse_loss(m(*_batch(s)[0]), _batch(s)[1]),
+                            steps=STEPS, lr=LR)
+    for out in pool2.run(_job, _plan(block_stage).to_json(), timeout_s=300):
+        torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]),
+                                   **TOL)
+        assert out["grads"].keys() == ref["grads"].keys()
+        for name, grad in ref["grads"].items():
+            torch.testing.assert_close(out["grads"][name], grad, **TOL, msg=name)
+        assert out["params"].keys() == ref["params"].keys()
+        for name, param in ref["params"].items():
+            torch.testing.assert_close(out["params"][name], param, rtol=1e-5, atol=1e-5,
+                                       msg=name)
