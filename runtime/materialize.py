@@ -26,6 +26,15 @@ together. The cost is one full parameter at a time in host memory: the stated ov
 of ``bench/materialize.py``. DTensor's own random-number tracker would avoid it but runs
 on CUDA only and gives values that depend on the sharding.
 
+**Writes into part of a sharded parameter** (``nn.Embedding`` zeroing
+``weight[padding_idx]``, Hugging Face's ``init.zeros_(weight[padding_idx])``,
+``weight[a:b] = …``) land as in one process too. DTensor makes a view that cuts across
+shards by gathering that part into a new tensor, so a write through it would be lost;
+such a view (``PARTIAL``) is taken instead of the parameter's full value, gathered on its
+device (a collective over its mesh, whose ranks all run the same init). While a view of
+it lives, every op on the parameter acts on that full value, and each write into it is
+copied into this rank's shard.
+
 A model built with real weights is broadcast from rank 0 instead (``broadcast_weights``),
 so ranks seeded differently still train one model.
 """
@@ -37,7 +46,9 @@ import functools
 import hashlib
 import inspect
 import logging
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -107,8 +118,30 @@ def _seed_for(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
+PARTIAL = frozenset({
+    "__getitem__", "__setitem__", "select", "narrow", "split", "split_with_sizes",
+    "tensor_split", "chunk", "unbind", "diagonal", "as_strided", "fill_diagonal_",
+    "index_fill_", "index_copy_", "index_put_", "masked_fill_",
+})
+"""Ops that reach part of a tensor. On a sharded DTensor, one that cuts across the shards
+makes a new tensor (a write through it is lost) or is refused."""
+
+
+class _Full(NamedTuple):
+    """A sharded parameter's full value, gathered for a view of part of it."""
+
+    ref: weakref.ref  # alive while a view of it is
+    param: DTensor
+    name: str
+
+
+def _sharded(t: object) -> bool:
+    return isinstance(t, DTensor) and not all(p.is_replicate() for p in t.placements)
+
+
 class SeededInit(TorchFunctionMode):
-    """Random fills of the named tensors drawn from per-name generators (module docstring).
+    """Random fills of the named tensors drawn from per-name generators, and writes into
+    part of a sharded one made on its full value (module docstring).
 
     ``names`` maps ``_address(tensor)`` to the tensor's fully-qualified name. A fill of
     anything else (a temporary an initialiser makes) uses the global generator, which
@@ -119,15 +152,26 @@ class SeededInit(TorchFunctionMode):
         super().__init__()
         self.names = dict(names)
         self.seed = seed
+        self.fulls: dict[int, _Full] = {}  # by the parameter's address
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
+        args, kwargs = self._redirect(func, args, kwargs)
         # ``nn.init`` functions reach a mode as themselves (they check for overrides
         # first), a direct ``p.data.normal_()`` as the tensor method.
         target = kwargs.get("tensor", args[0] if args else None)
+        owner = self._owner(target)
+        full = owner.ref() if owner else None  # held: ``target`` may not keep it alive
+        version = target._version if owner else None
+        result = self._fill(func, target, args, kwargs)
+        if owner and target._version != version:  # written: into this rank's shard
+            _copy_local_shard(owner.param, full)
+        return result
+
+    def _fill(self, func, target, args, kwargs):
         name = None
         if _is_fill(func) and isinstance(target, torch.Tensor) and target.numel():
-            name = self.names.get(_address(target))
+            name = self._name(target)
         if name is None:
             return func(*args, **kwargs)
         full = torch.empty(target.shape, dtype=target.dtype)
@@ -144,6 +188,53 @@ class SeededInit(TorchFunctionMode):
             else:
                 target.copy_(full)
         return target
+
+    def _name(self, t: torch.Tensor) -> str | None:
+        """The name a fill of ``t`` draws under: a parameter's, or a full value's (one
+        process names a view that starts where the parameter starts)."""
+        owner = self._owner(t)
+        if owner is None:
+            return self.names.get(_address(t))
+        return owner.name if t.data_ptr() == owner.ref().data_ptr() else None
+
+    def _redirect(self, func, args, kwargs):
+        """Point an op on a sharded named parameter at its full value: a ``PARTIAL`` op
+        (gathering the full value), or any op while a view of the full value lives, so
+        that the full value stays the parameter's."""
+        key = "tensor" if "tensor" in kwargs else None
+        t = kwargs[key] if key else (args[0] if args else None)
+        if not _sharded(t) or (name := self.names.get(_address(t))) is None:
+            return args, kwargs
+        full = self._live(_address(t))
+        if full is None:
+            if getattr(func, "__name__", None) not in PARTIAL:
+                return args, kwargs
+            # Collective over the parameter's mesh: every rank of it runs this init.
+            full = t.full_tensor()
+            if full._base is not None:  # a view's views keep only its base alive
+                full = full.clone()
+            self.fulls[_address(t)] = _Full(weakref.ref(full), t, name)
+        if key:
+            return args, {**kwargs, key: full}
+        return (full, *args[1:]), kwargs
+
+    def _live(self, address: int) -> torch.Tensor | None:
+        entry = self.fulls.get(address)
+        return None if entry is None else entry.ref()
+
+    def _owner(self, t: object) -> _Full | None:
+        """The full value ``t`` is (a view of), while it lives."""
+        if (not self.fulls or type(t) is not torch.Tensor or t.is_meta
+                or t.layout != torch.strided):
+            return None
+        storage = t.untyped_storage().data_ptr()
+        for address, entry in list(self.fulls.items()):
+            full = entry.ref()
+            if full is None:
+                del self.fulls[address]
+            elif full.untyped_storage().data_ptr() == storage:
+                return entry
+        return None
 
 
 def _copy_local_shard(target: DTensor, full: torch.Tensor) -> None:

@@ -209,6 +209,68 @@ def test_meta_model_trains_like_one_process(pool2, model_name, kind):
             assert res["local_bytes"] < 0.75 * size
 
 
+class Padded(nn.Module):
+    """Embeddings whose padding row the initialisation zeroes through a view of the
+    weight (row 0 on the first rank's shard, row 9 on the second's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(16, 8, padding_idx=0)
+        self.pos = nn.Embedding(16, 8, padding_idx=9)
+        self.head = nn.Linear(8, 16)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tok(ids) + self.pos(ids))
+
+
+class HFPadded(Padded):
+    """Initialised as Hugging Face's ``_init_weights`` does, plus writes into rows of
+    either rank's shard: an item assignment across both, a row copied from another."""
+
+    def init_weights(self) -> None:
+        for m in (self.tok, self.pos):
+            nn.init.normal_(m.weight, std=0.02)
+            nn.init.zeros_(m.weight[m.padding_idx])  # transformers 5
+        self.pos.weight.data[self.pos.padding_idx].zero_()  # transformers 4
+        self.pos.weight[5:9] = 0.5
+        self.tok.weight[12].copy_(self.pos.weight[3])
+        self.head.reset_parameters()
+
+
+def _padded_plan(kind: str) -> Plan:
+    if kind == "fsdp":
+        return Plan(global_batch=BATCH, mesh=Mesh(dp=2), layers=tuple(
+            LayerPlan(module=n, strategy="fsdp") for n in ("tok", "pos", "head")))
+    return Plan(global_batch=BATCH, mesh=Mesh(dp=1, tp=2), layers=tuple(
+        LayerPlan(module=n, strategy="tp", tp_styles={"": "embedding_rowwise"})
+        for n in ("tok", "pos")) + (LayerPlan(module="head", strategy="fsdp"),))
+
+
+def padded_job(cls: type, kind: str) -> dict:
+    import torch.distributed as dist
+
+    from autopar.lower import make_trainer
+
+    torch.manual_seed(1000 + dist.get_rank())
+    ids = torch.arange(16).repeat(BATCH, 1)
+    trainer = make_trainer(_meta(cls), _padded_plan(kind), lambda out, y: out.mean(),
+                           (ids,), seed=SEED)
+    return trainer.full_state_dict()
+
+
+@pytest.mark.parametrize("kind", ["fsdp", "tp"])
+@pytest.mark.parametrize("cls", [Padded, HFPadded])
+def test_writes_into_part_of_a_sharded_weight_land(pool2, cls, kind):
+    """``weight[padding_idx].fill_(0)`` and the like write into a view that DTensor makes
+    by gathering the rows; on the ranks they must reach the shards as in one process."""
+    ref = _meta(cls)
+    materialize(ref, "cpu", SEED)
+    assert torch.count_nonzero(ref.pos.weight[9]) == 0
+    for rank, state in enumerate(pool2.run(padded_job, cls, kind)):
+        for name, value in ref.named_parameters():
+            assert torch.equal(state[name], value.detach()), f"rank {rank} {name}"
+
+
 def real_weights_job(plan_json: str) -> dict:
     """Ranks build the model with real weights from different seeds."""
     import torch.distributed as dist
