@@ -72,6 +72,17 @@ def train_under_plan(trainer, step_batch, first_grads, *, steps: int) -> dict:
     return {"losses": losses, "grads": grads, "params": trainer.full_state_dict()}
 
 
+def pipeline_grads(trainer) -> dict:
+    """Every stage's full gradients, gathered from all pipeline ranks (a ``first_grads``
+    for ``train_under_plan`` under pipelining; collective over the world)."""
+    import torch.distributed as dist
+
+    mine = {n: full_tensor(p.grad) for m in trainer.stages for n, p in m.named_parameters()}
+    parts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, mine)
+    return {n: g for part in parts for n, g in part.items()}
+
+
 def hf_gpt2(use_cache: bool = False) -> nn.Module:
     """A 2-layer Hugging Face GPT-2 (fused qkv Conv1D), seeded."""
     import transformers

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import full_tensor, train_one_process, train_under_plan
+from reference import pipeline_grads, train_one_process, train_under_plan
 
 from passes.split_stages import split_pipeline
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
@@ -115,21 +115,11 @@ def test_planner_pipelines_a_reused_block():
 
 
 def _job(plan_json: str) -> dict:
-    import torch.distributed as dist
-
     import autopar
 
-    plan = Plan.from_json(plan_json)
     trainer = autopar.compile(_model(), autopar.Cluster.local(2), _batch(0)[0],
-                              loss_fn=F.mse_loss, plan=plan)
-
-    def first_grads(t) -> dict:
-        mine = {n: full_tensor(p.grad) for m in t.stages for n, p in m.named_parameters()}
-        parts: list = [None] * plan.mesh.pp
-        dist.all_gather_object(parts, mine)
-        return {n: g for part in parts for n, g in part.items()}
-
-    return train_under_plan(trainer, _batch, first_grads, steps=STEPS)
+                              loss_fn=F.mse_loss, plan=Plan.from_json(plan_json))
+    return train_under_plan(trainer, _batch, pipeline_grads, steps=STEPS)
 
 
 @pytest.mark.parametrize("block_stage", [0, 1])

@@ -180,6 +180,19 @@ def bad_batch_job(plan_json: str) -> list[str]:
 # -- helpers ---------------------------------------------------------------------------------
 
 
+def _logits_reference(model: nn.Module) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process training ``model`` on the dict batches with ``logits_loss``."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for b in batches("dict"):
+        loss = logits_loss(model(b["input_ids"], b["attention_mask"]), b["labels"])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def _mlp() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
@@ -227,15 +240,7 @@ def test_planner_plans_dict_batches_at_their_batch_and_sequence():
 
 def test_compile_takes_a_dict_example_and_loss_fn_gets_the_output_as_is(pool2):
     model = build("dict")
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for b in batches("dict"):
-        loss = logits_loss(model(b["input_ids"], b["attention_mask"]), b["labels"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    expected = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    expected = _logits_reference(model)
     _assert_matches(pool2.run(compile_job, timeout_s=300), expected)
 
 
@@ -272,15 +277,7 @@ def test_a_dict_batch_trains_with_two_stages_on_a_rank(pool2, schedule):
                 layers=tuple(LayerPlan(module=u, stage=stage[u]) for u in units),
                 pipeline=PipelineSpec(schedule=schedule, num_microbatches=2, virtual_stages=2))
     model = _masked_stack()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
-    for b in batches("dict"):
-        loss = logits_loss(model(b["input_ids"], b["attention_mask"]), b["labels"])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    expected = (losses, {n: p.detach().clone() for n, p in model.named_parameters()})
+    expected = _logits_reference(model)
     _assert_matches(pool2.run(dict_pipeline_job, plan.to_json(), timeout_s=300), expected)
 
 

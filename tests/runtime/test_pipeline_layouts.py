@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from reference import full_tensor, train_one_process, train_under_plan
+from reference import pipeline_grads, train_one_process, train_under_plan
 
 from runtime.plan import LayerPlan, Mesh, PipelineSpec, Plan
 
@@ -83,21 +83,11 @@ def _plan(schedule: str) -> Plan:
 
 
 def _job(plan_json: str) -> dict:
-    import torch.distributed as dist
-
     import autopar
 
-    plan = Plan.from_json(plan_json)
     trainer = autopar.compile(_model(), autopar.Cluster.local(2), _batch(0)[0],
-                              loss_fn=F.mse_loss, plan=plan)
-
-    def first_grads(t) -> dict:
-        mine = {n: full_tensor(p.grad) for m in t.stages for n, p in m.named_parameters()}
-        parts: list = [None] * plan.mesh.pp
-        dist.all_gather_object(parts, mine)
-        return {n: g for part in parts for n, g in part.items()}
-
-    return train_under_plan(trainer, _batch, first_grads, steps=STEPS)
+                              loss_fn=F.mse_loss, plan=Plan.from_json(plan_json))
+    return train_under_plan(trainer, _batch, pipeline_grads, steps=STEPS)
 
 
 @pytest.mark.parametrize("schedule", ["1F1B", "ZBVZeroBubble"])
