@@ -347,10 +347,10 @@ def _drop_unread_state(stage: nn.Module) -> None:
                     path, _, attr = str(node.target).rpartition(".")
                     read.add((id(module.get_submodule(path)), attr))
     for module in stage.modules():  # each holder once
-        held = [*module._parameters.items(), *module._buffers.items()]
-        for attr in [a for a, value in held if value is not None]:
-            if (id(module), attr) not in read:
-                delattr(module, attr)
+        held = [*module.named_parameters(recurse=False, remove_duplicate=False),
+                *module.named_buffers(recurse=False, remove_duplicate=False)]
+        for attr in [a for a, _ in held if (id(module), a) not in read]:
+            delattr(module, attr)
 
 
 def _output_structure(split_gm: GraphModule, out_spec) -> Callable[[object], object] | None:

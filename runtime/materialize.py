@@ -157,9 +157,7 @@ class SeededInit(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = dict(kwargs or {})
         args, kwargs = self._redirect(func, args, kwargs)
-        # ``nn.init`` functions reach a mode as themselves (they check for overrides
-        # first), a direct ``p.data.normal_()`` as the tensor method.
-        target = kwargs.get("tensor", args[0] if args else None)
+        target = _target(args, kwargs)
         owner = self._owner(target)
         full = owner.ref() if owner else None  # held: ``target`` may not keep it alive
         version = target._version if owner else None
@@ -175,10 +173,7 @@ class SeededInit(TorchFunctionMode):
         if name is None:
             return func(*args, **kwargs)
         full = torch.empty(target.shape, dtype=target.dtype)
-        if "tensor" in kwargs:
-            kwargs["tensor"] = full
-        else:
-            args = (full, *args[1:])
+        args, kwargs = _retarget(args, kwargs, full)
         if _takes_generator(func):
             kwargs["generator"] = torch.Generator().manual_seed(_seed_for(self.seed, name))
         func(*args, **kwargs)
@@ -201,8 +196,7 @@ class SeededInit(TorchFunctionMode):
         """Point an op on a sharded named parameter at its full value: a ``PARTIAL`` op
         (gathering the full value), or any op while a view of the full value lives, so
         that the full value stays the parameter's."""
-        key = "tensor" if "tensor" in kwargs else None
-        t = kwargs[key] if key else (args[0] if args else None)
+        t = _target(args, kwargs)
         if not _sharded(t) or (name := self.names.get(_address(t))) is None:
             return args, kwargs
         full = self._live(_address(t))
@@ -214,9 +208,7 @@ class SeededInit(TorchFunctionMode):
             if full._base is not None:  # a view's views keep only its base alive
                 full = full.clone()
             self.fulls[_address(t)] = _Full(weakref.ref(full), t, name)
-        if key:
-            return args, {**kwargs, key: full}
-        return (full, *args[1:]), kwargs
+        return _retarget(args, kwargs, full)
 
     def _live(self, address: int) -> torch.Tensor | None:
         entry = self.fulls.get(address)
@@ -235,6 +227,20 @@ class SeededInit(TorchFunctionMode):
             elif full.untyped_storage().data_ptr() == storage:
                 return entry
         return None
+
+
+def _target(args: tuple, kwargs: dict) -> object:
+    """The tensor an op acts on. ``nn.init`` functions reach a mode as themselves (they
+    check for overrides first) with ``tensor``, a direct ``p.data.normal_()`` as the tensor
+    method with the tensor first."""
+    return kwargs.get("tensor", args[0] if args else None)
+
+
+def _retarget(args: tuple, kwargs: dict, t: torch.Tensor) -> tuple[tuple, dict]:
+    """``args``, ``kwargs`` with ``t`` in place of the op's target."""
+    if "tensor" in kwargs:
+        return args, {**kwargs, "tensor": t}
+    return (t, *args[1:]), kwargs
 
 
 def _copy_local_shard(target: DTensor, full: torch.Tensor) -> None:

@@ -211,6 +211,17 @@ def _drop_root_kwargs(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tup
     return args, {}
 
 
+def _adapt_boundaries(module: nn.Module, stage_id: int, plan: Plan) -> None:
+    """What a stage receives and sends, as torch's schedules hand and take it: no root
+    keyword inputs past the first stage, contiguous sends both ways (after any scattered
+    send's slicing, which registers first)."""
+    if stage_id > 0:
+        module.register_forward_pre_hook(_drop_root_kwargs, prepend=True, with_kwargs=True)
+    module.register_forward_pre_hook(_sendable_input_grads)
+    split = plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES
+    module.register_forward_hook(_sendable_outputs(own_storage=split))
+
+
 def _schedule(plan: Plan, stages: list[PipelineStage], loss_fn: LossFn, scale_grads: bool):
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     m = plan.pipeline.num_microbatches
@@ -279,9 +290,6 @@ class PipelineTrainer(Trainer):
                 broadcast_weights(module)
         for s, module in zip(self.stage_ids, self.stages, strict=True):
             self._parallelize(s, module, meta)
-            if s > 0:
-                module.register_forward_pre_hook(_drop_root_kwargs, prepend=True,
-                                                 with_kwargs=True)
         if meta:
             materialize(model, self._device, common_seed(seed), stages=self.stages)
         pipe_stages = [PipelineStage(module, s, plan.num_stages, self._device,
@@ -321,9 +329,7 @@ class PipelineTrainer(Trainer):
         _keep_unsharded_through_step(module)
         add_scattered_sends(module, stage_id, plan, self.mesh.get_group("tp"),
                             self.mesh.get_local_rank("tp"))
-        split = plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES
-        module.register_forward_hook(_sendable_outputs(own_storage=split))
-        module.register_forward_pre_hook(_sendable_input_grads)
+        _adapt_boundaries(module, stage_id, plan)
 
     def _stage_mesh(self, dim_names: tuple[str, ...], layout: object) -> DeviceMesh | None:
         """The mesh a DTensor received from a neighbouring stage lives on here: sequence

@@ -72,6 +72,18 @@ def train_under_plan(trainer, step_batch, first_grads, *, steps: int) -> dict:
     return {"losses": losses, "grads": grads, "params": trainer.full_state_dict()}
 
 
+def assert_trains_like(out: dict, ref: dict, *, tol: dict, param_tol: dict) -> None:
+    """One rank's ``train_under_plan`` result against ``train_one_process``'s: every loss
+    and first gradient within ``tol``, every final parameter within ``param_tol``."""
+    torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(ref["losses"]), **tol)
+    assert out["grads"].keys() == ref["grads"].keys()
+    for name, grad in ref["grads"].items():
+        torch.testing.assert_close(out["grads"][name], grad, **tol, msg=name)
+    assert out["params"].keys() == ref["params"].keys()
+    for name, param in ref["params"].items():
+        torch.testing.assert_close(out["params"][name], param, **param_tol, msg=name)
+
+
 def pipeline_grads(trainer) -> dict:
     """Every stage's full gradients, gathered from all pipeline ranks (a ``first_grads``
     for ``train_under_plan`` under pipelining; collective over the world)."""
