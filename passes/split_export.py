@@ -32,12 +32,15 @@ replaces ``nn.Linear``/``nn.Embedding`` weights, needs the symbolic-tracing spli
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.distributed.pipelining import pipeline
 from torch.distributed.pipelining._IR import aten_pipe_split_alias
 from torch.fx import GraphModule, Node
@@ -47,6 +50,7 @@ from passes import meta_keys as K
 from passes.annotate import annotate_module_paths
 from passes.group_layers import owning_layer
 from passes.trace import GraphCaptureError, explain_failure
+from runtime.materialize import on_meta
 from runtime.pipeline_sends import Send
 from runtime.plan import PlanError
 
@@ -79,24 +83,30 @@ class StageSplit:
 def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_stages: int,
                   example_inputs: tuple, example_kwargs: dict | None = None) -> StageSplit:
     """Split ``model`` into ``num_stages`` stage modules with ``pipeline()``; see the module
-    docstring. ``example_inputs``/``example_kwargs``: one micro-batch (meta tensors are
-    replaced by zeros, as export needs the device of the parameters)."""
+    docstring. ``example_inputs``/``example_kwargs``: one micro-batch (real or meta).
+
+    A model on meta is exported on fake CPU tensors, so that it is captured as the same
+    model built on CPU is: its code sees a CPU device (transformers' MoE layers pick their
+    ``histc`` by ``device.type``), and a constant it makes in ``forward`` (Falcon's
+    ``torch.tensor([-2])``) keeps its value. The stages then hold meta tensors, allocated
+    by ``runtime.materialize``, and those constants."""
     policy = _CutPolicy(units, stages_of, num_stages)
-    device = next(model.parameters(), torch.empty(0)).device
-    inputs = tuple(_real(x, device) for x in example_inputs)
-    kwargs = {k: _real(v, device) for k, v in (example_kwargs or {}).items()}
-    try:
-        pipe = pipeline(model, inputs, kwargs or None, split_policy=policy)
-    except RuntimeError as e:
-        if "cannot capture your model" not in str(e) or e.__cause__ is None:
-            raise  # not the export: a bug to see as it is
-        raise GraphCaptureError(
-            "splitting into pipeline stages exports the model with torch.export, which "
-            "failed:\n" + explain_failure(model, {"export": e.__cause__})
-        ) from e
+    with _captured_on_cpu(model) as to_capture:
+        inputs = tuple(to_capture(x) for x in example_inputs)
+        kwargs = {k: to_capture(v) for k, v in (example_kwargs or {}).items()}
+        try:
+            pipe = pipeline(model, inputs, kwargs or None, split_policy=policy)
+        except RuntimeError as e:
+            if "cannot capture your model" not in str(e) or e.__cause__ is None:
+                raise  # not the export: a bug to see as it is
+            raise GraphCaptureError(
+                "splitting into pipeline stages exports the model with torch.export, which "
+                "failed:\n" + explain_failure(model, {"export": e.__cause__})
+            ) from e
     modules = [pipe.get_stage_module(s) for s in range(num_stages)]
     for module in modules:
         _drop_unread_state(module)
+        _fake_to_meta(module)
     restore = None
     if policy.out_spec is not None:
         restore = _output_structure(pipe.split_gm, policy.out_spec)
@@ -107,10 +117,60 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
                       sends=policy.sends)
 
 
-def _real(x: object, device: torch.device) -> object:
-    if isinstance(x, torch.Tensor) and x.is_meta:
-        return torch.zeros(x.shape, dtype=x.dtype, device=device)
-    return x
+@contextlib.contextmanager
+def _captured_on_cpu(model: nn.Module) -> Iterator[Callable[[object], object]]:
+    """While open, a model with meta tensors holds fake CPU tensors in their place (tied
+    ones stay tied); yields what turns an example input into one the capture accepts."""
+    if not on_meta(model):
+        device = next(model.parameters(), torch.empty(0)).device
+        yield lambda x: (torch.zeros(x.shape, dtype=x.dtype, device=device)
+                         if isinstance(x, torch.Tensor) and x.is_meta else x)
+        return
+    mode = FakeTensorMode()
+
+    def fake(t: torch.Tensor) -> torch.Tensor:
+        if t.is_meta:
+            with mode:
+                return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+        return mode.from_tensor(t)
+
+    fakes: dict[int, torch.Tensor] = {}
+    swapped: list[tuple[dict, str, torch.Tensor]] = []
+    with warnings.catch_warnings():
+        # pipeline() deep-copies a weight two stages use (a tied head), and Tensor's
+        # __deepcopy__ reads data_ptr(), which a fake tensor warns of; it has no data.
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        try:
+            for module in model.modules():
+                for slots in (module._parameters, module._buffers):
+                    for name, t in list(slots.items()):
+                        if t is None:
+                            continue
+                        if id(t) not in fakes:
+                            f = fake(t)
+                            fakes[id(t)] = (nn.Parameter(f, t.requires_grad)
+                                            if isinstance(t, nn.Parameter) else f)
+                        swapped.append((slots, name, t))
+                        slots[name] = fakes[id(t)]
+            yield lambda x: fake(x) if isinstance(x, torch.Tensor) else x
+        finally:
+            for slots, name, t in swapped:
+                slots[name] = t
+
+
+def _fake_to_meta(stage: nn.Module) -> None:
+    """Replace the fake tensors a capture on fake tensors left in ``stage`` by meta ones."""
+    metas: dict[int, torch.Tensor] = {}  # one meta tensor per fake one: ties stay tied
+    for module in stage.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in list(slots.items()):
+                if isinstance(t, FakeTensor):
+                    if id(t) not in metas:
+                        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
+                                                   device="meta")
+                        metas[id(t)] = (nn.Parameter(meta, t.requires_grad)
+                                        if isinstance(t, nn.Parameter) else meta)
+                    slots[name] = metas[id(t)]
 
 
 # -- the split policy -------------------------------------------------------------------------

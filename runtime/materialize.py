@@ -310,9 +310,8 @@ def materialize(model: nn.Module, device: torch.device | str, seed: int,
         _retie(model, first)
         copies = []
     else:
-        for stage in stages:
-            stage.to_empty(device=device)
-        copies = _graft(model, stages, first)
+        constants = [name for stage in stages for name in _allocate(stage, device)]
+        copies = _graft(model, stages, first, constants)
     addresses = {
         _address(t): first.get(name, name)
         for name, t in _named_tensors(model) if not t.is_meta and t.numel()
@@ -358,11 +357,39 @@ def _retie(model: nn.Module, first: Mapping[str, str]) -> None:
             _slots(model, name, name)[name.rpartition(".")[2]] = source
 
 
-def _graft(model: nn.Module, stages: Sequence[nn.Module], first: Mapping[str, str]
-           ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _allocate(stage: nn.Module, device: torch.device | str) -> list[str]:
+    """Allocate ``stage``'s meta tensors on ``device``, and move its others there with their
+    values: the constants an export lifted from ``forward`` (Falcon's ``torch.tensor([-2])``),
+    which the model does not hold. A tensor several module objects hold stays one tensor
+    (``to_empty`` gives each holder its own): an export unflattens a module run at several
+    depths into one module per call (ALBERT's one layer, as ``attention`` and
+    ``attention@1``), all holding its tensors. Returns the names of the moved tensors."""
+    holders: dict[int, list[tuple[dict, str]]] = {}
+    kept: dict[int, torch.Tensor] = {}
+    for module in stage.modules():
+        for slots in (module._parameters, module._buffers):
+            for name, t in slots.items():
+                if t is not None:
+                    holders.setdefault(id(t), []).append((slots, name))
+                    if not t.is_meta:
+                        kept[id(t)] = t
+    moved = [name for name, t in _named_tensors(stage) if id(t) in kept]
+    stage.to_empty(device=device)
+    with torch.no_grad():
+        for key, ((slots, name), *others) in holders.items():
+            if key in kept:
+                slots[name].copy_(kept[key])
+            for other_slots, other_name in others:
+                other_slots[other_name] = slots[name]
+    return moved
+
+
+def _graft(model: nn.Module, stages: Sequence[nn.Module], first: Mapping[str, str],
+           constants: Sequence[str] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Put the stages' tensors into ``model`` under their names. A tied weight goes in
     under every name it has, so that whichever of its modules fills it last (a tied head's
     ``reset_parameters`` after the embedding's) fills this rank's copy, as in one process.
+    A stage's constant (``_allocate``) the model has no slot for stays the stage's only.
     Returns (copy, source) for a second copy of one weight on this rank, to be copied from
     the grafted one once it is filled."""
     aliases: dict[str, list[str]] = {}
@@ -371,28 +398,47 @@ def _graft(model: nn.Module, stages: Sequence[nn.Module], first: Mapping[str, st
     grafted: dict[str, torch.Tensor] = {}
     copies = []
     for stage in stages:
-        for name, t in _named_tensors(stage):
+        for name, t in _stage_tensors(stage, first):
             key = first.get(name, name)
             if key in grafted:
                 if grafted[key] is not t:
                     copies.append((t, grafted[key]))
                 continue
             grafted[key] = t
+            if name in constants and _find_slots(model, name) is None:
+                continue
             for alias in aliases.get(key, [name]):
                 _slots(model, alias, name)[alias.rpartition(".")[2]] = t
     return copies
 
 
-def _slots(model: nn.Module, name: str, stage_name: str) -> dict:
-    """The parameter or buffer dict of ``model`` that holds ``name``."""
+def _stage_tensors(stage: nn.Module, first: Mapping[str, str]
+                   ) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of ``stage`` once, under a name the model has where one does: an export
+    names a module run at several depths once per call (ALBERT's one layer, as
+    ``attention`` and ``attention@1``), all holding the same tensors."""
+    named: dict[int, tuple[str, torch.Tensor]] = {}
+    for name, t in _named_tensors(stage):
+        if id(t) not in named or (name in first and named[id(t)][0] not in first):
+            named[id(t)] = (name, t)
+    return list(named.values())
+
+
+def _find_slots(model: nn.Module, name: str) -> dict | None:
     prefix, _, leaf = name.rpartition(".")
     try:
         owner = model.get_submodule(prefix)
     except AttributeError:
-        owner = None
-    for slots in () if owner is None else (owner._parameters, owner._buffers):
-        if leaf in slots:
-            return slots
+        return None
+    return next((slots for slots in (owner._parameters, owner._buffers) if leaf in slots),
+                None)
+
+
+def _slots(model: nn.Module, name: str, stage_name: str) -> dict:
+    """The parameter or buffer dict of ``model`` that holds ``name``."""
+    slots = _find_slots(model, name)
+    if slots is not None:
+        return slots
     raise PlanError(
         f"pipeline stage tensor {stage_name!r} has no counterpart in the model, so the "
         "model's initialisation cannot reach it; build the model with real weights for "

@@ -52,7 +52,6 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage, schedules
-from torch.distributed.pipelining._IR import _modify_graph_op_device
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
@@ -74,6 +73,7 @@ from runtime.pipeline_sends import add_scattered_sends, sequence_sharded_boundar
 from runtime.plan import SPLIT_BACKWARD_SCHEDULES, Plan, PlanError, stage_rank
 from runtime.precision import fsdp_policies, make_loss_scaler
 from runtime.recompute import apply_recompute
+from runtime.stage_graphs import on_rank_device, uses_a_weight_twice
 from runtime.tensor_parallel import apply_tensor_parallel, validate_tp_layer
 from runtime.tied import TiedGradSync, shared_across_stages
 from runtime.train import LossFn, OptimizerFactory, SchedulerFactory, Trainer, _adamw
@@ -123,25 +123,8 @@ def validate_pipeline(stages: Sequence[nn.Module], plan: Plan, model: nn.Module 
             validate_tp_layer(module, layer, plan.mesh.tp)
 
 
-def _off_meta(module: nn.Module, device: torch.device) -> None:
-    """A stage exported from a model on meta names the meta device in its ops, as a
-    keyword (``arange(..., device=meta)``) or an argument (``aten.to.device(x, meta)``,
-    as Llama's rotary embedding does); run them on ``device``."""
-    def move(arg: object) -> object:
-        return device if isinstance(arg, torch.device) and arg.type == "meta" else arg
-
-    # Graph modules, and the interpreted submodules of an unflattened export, which keep
-    # a graph (and may keep a graph module) of their own.
-    holders = [*module.modules(), *(getattr(m, "graph_module", None) for m in module.modules())]
-    for holder in holders:
-        graph = getattr(holder, "graph", None)
-        if not isinstance(graph, torch.fx.Graph):
-            continue
-        for node in graph.nodes:
-            node.args = torch.fx.node.map_aggregate(node.args, move)
-            node.kwargs = torch.fx.node.map_aggregate(node.kwargs, move)
-        if isinstance(holder, torch.fx.GraphModule):
-            holder.recompile()
+def _no_weight_pass() -> Callable[[], None]:
+    return lambda: None
 
 
 def _keep_unsharded_through_step(module: nn.Module) -> None:
@@ -288,13 +271,21 @@ class PipelineTrainer(Trainer):
         if not meta:  # ranks seeded differently: every stage of every rank holds rank 0's
             for module in stages:
                 broadcast_weights(module)
+        # torch's split backward groups a stage's weights by the autograd nodes that lead to
+        # them, and does not merge the groups a weight used twice joins: its weight pass
+        # then runs backward twice through one node. Such a stage computes its weight
+        # gradients with its input gradients (a ``dw_builder`` whose weight pass is empty).
+        whole_backward = [plan.pipeline.schedule in SPLIT_BACKWARD_SCHEDULES
+                          and uses_a_weight_twice(module) for module in self.stages]
         for s, module in zip(self.stage_ids, self.stages, strict=True):
             self._parallelize(s, module, meta)
         if meta:
             materialize(model, self._device, common_seed(seed), stages=self.stages)
         pipe_stages = [PipelineStage(module, s, plan.num_stages, self._device,
-                                     group=self.mesh.get_group("pp"), get_mesh=self._stage_mesh)
-                       for s, module in zip(self.stage_ids, self.stages, strict=True)]
+                                     group=self.mesh.get_group("pp"), get_mesh=self._stage_mesh,
+                                     dw_builder=_no_weight_pass if whole else None)
+                       for s, module, whole in zip(self.stage_ids, self.stages, whole_backward,
+                                                   strict=True)]
         self.schedule = _schedule(plan, pipe_stages, self._scaled_loss, scale_grads)
         self.has_first = 0 in self.stage_ids
         self.has_last = plan.num_stages - 1 in self.stage_ids
@@ -307,12 +298,7 @@ class PipelineTrainer(Trainer):
         """TP, recompute and FSDP2 on one stage module (in place; on meta, allocated
         afterwards by ``runtime.materialize``)."""
         plan = self.plan
-        if meta:
-            _off_meta(module, self._device)
-        if isinstance(module, torch.fx.GraphModule) and self._device.type != "cpu":
-            # An exported stage has the capture's device baked into its factory ops
-            # (arange, ones); what Pipe.build_stage does before making a stage.
-            _modify_graph_op_device(module, self._device)
+        on_rank_device(module, self._device)
         if not meta:
             module.to(self._device)
         meshes = data_parallel_meshes(self.mesh["dp", "tp"], plan.hsdp_shard_size)

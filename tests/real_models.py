@@ -152,6 +152,34 @@ def opt() -> nn.Module:
     return t.OPTForCausalLM(cfg)
 
 
+def mixtral() -> nn.Module:
+    t = _hf()
+    cfg = t.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    return t.MixtralForCausalLM(cfg)
+
+
+def falcon() -> nn.Module:
+    t = _hf()
+    cfg = t.FalconConfig(
+        vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_kv_heads=2, new_decoder_architecture=True, max_position_embeddings=64,
+        attention_dropout=0.0, hidden_dropout=0.0, use_cache=False)
+    cfg._attn_implementation = "eager"
+    return t.FalconForCausalLM(cfg)
+
+
+def albert() -> nn.Module:
+    t = _hf()
+    return t.AlbertForMaskedLM(t.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=32, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, intermediate_size=128, max_position_embeddings=64,
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+
+
 def gpt2() -> nn.Module:
     t = _hf()
     return t.GPT2LMHeadModel(t.GPT2Config(
@@ -257,3 +285,15 @@ MODELS: dict[str, RealModel] = {m.name: m for m in (
     RealModel("dict-batch", DictBatchClassifier, _dict_batch, sample_loss,
               note="model(**batch) with an attention mask, returns {'logits', 'loss'}"),
 )}
+
+
+META_PIPELINE_MODELS: dict[str, RealModel] = {m.name: m for m in (
+    RealModel("hf-mixtral", mixtral, _lm_batch, causal_lm_loss,
+              note="picks its expert count's op by device type (histc is float-only on CPU)"),
+    RealModel("hf-falcon", falcon, _lm_batch, causal_lm_loss,
+              note="makes index constants in forward (torch.tensor([-2]))"),
+    RealModel("hf-albert", albert, _mlm_batch, token_loss,
+              note="one layer module run at every depth"),
+)}
+"""Models whose pipeline split once went wrong only when built on meta;
+tests/test_real_models.py trains them under pp=2 built on meta."""

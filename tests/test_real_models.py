@@ -24,7 +24,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from real_models import MODELS, RealModel, pipeline_inputs, planning_inputs
+from real_models import META_PIPELINE_MODELS, MODELS, RealModel, pipeline_inputs, planning_inputs
 from reference import full_tensor, train_one_process, train_under_plan
 
 import autopar
@@ -35,6 +35,7 @@ from runtime.materialize import materialize
 from runtime.plan import Mesh, Plan
 from runtime.tied import tie_groups
 
+SPECS = {**MODELS, **META_PIPELINE_MODELS}
 STEPS = 3
 SEED = 7
 """Of a model built on meta (each rank is seeded otherwise, on purpose)."""
@@ -73,7 +74,7 @@ def reference(name: str, pipeline: bool = False, meta: bool = False) -> dict:
     """One process, the whole batch: losses, first gradients and final parameters, under
     every name a parameter has (pipeline stages hold a tied parameter under each stage's
     own name: the head's weight where the embedding's is shared with it)."""
-    spec = MODELS[name]
+    spec = SPECS[name]
     net = _build(spec, meta)
     if meta:
         materialize(net, "cpu", SEED)
@@ -95,7 +96,7 @@ def train_job(name: str, plan_json: str, meta: bool = False) -> dict:
 
     from autopar.lower import make_trainer
 
-    spec = MODELS[name]
+    spec = SPECS[name]
     torch.manual_seed(100 + dist.get_rank())
     plan = Plan.from_json(plan_json)
     pipeline = plan.mesh.pp > 1
@@ -209,7 +210,7 @@ class Unavailable(Exception):
 @functools.cache
 def variant_plan(name: str, variant: str) -> tuple[str | None, str]:
     """The plan of one variant as JSON and '', or None and why the model does not allow it."""
-    spec = MODELS[name]
+    spec = SPECS[name]
     model, batch = spec.build(seed=0), spec.batch(BATCH)
     inputs = planning_inputs(spec, batch)
     local = Cluster.local(2)
@@ -262,13 +263,15 @@ META_CASES = [
     ("hf-llama", "fsdp"), ("hf-llama", "tp2"), ("hf-llama", "pp2"), ("hf-gpt2", "fsdp"),
     ("hf-gpt2", "tp2"), ("hf-bert-mlm", "pp2"), ("hf-t5", "fsdp"), ("hf-vit", "tp2"),
     ("hf-vit", "pp2"), ("nanogpt-tied", "pp2"), ("resnet50-layout", "fsdp"),
-    ("dict-batch", "pp2"),
+    ("dict-batch", "pp2"), ("hf-mixtral", "pp2"), ("hf-falcon", "pp2"), ("hf-albert", "pp2"),
 ]
 """Models built on the meta device: compile allocates each rank's shards (a pipeline
 rank's stages) and initialises them as one process does. Every model, and each way the
 meta path once went wrong: Hugging Face's init under FSDP2 (GPT-2), an exported stage
 naming the meta device (Llama's rotary embedding), tied copies on two stages
-(nanoGPT-tied), capture from meta inputs (ViT, dict batch), TP shards (Llama, GPT-2, ViT)."""
+(nanoGPT-tied), capture from meta inputs (ViT, dict batch), TP shards (Llama, GPT-2, ViT),
+and the export of a model on meta (``META_PIPELINE_MODELS``: code that branches on the
+device type, constants made in ``forward``, a layer run at every depth)."""
 
 
 @pytest.mark.parametrize(("name", "variant"), META_CASES, ids=[f"{n}-{v}" for n, v in META_CASES])

@@ -58,6 +58,7 @@ class SharedBlockNet(nn.Module):
         super().__init__()
         self.inp = nn.Linear(4, 8)
         self.block = Block()
+        self.mid = nn.Linear(8, 8)
         self.head = nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,7 +67,7 @@ class SharedBlockNet(nn.Module):
         h = self.inp(x)
         for _ in range(2):
             h = self.block(h)
-        return self.head(h).flatten(1)
+        return self.head(torch.relu(self.mid(h))).flatten(1)
 
 
 def _model() -> SharedBlockNet:
@@ -80,7 +81,7 @@ def _batch(step: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
 
 
 def _plan(block_stage: int) -> Plan:
-    stages = {"inp": 0, "block": block_stage, "head": 1}
+    stages = {"inp": 0, "block": block_stage, "mid": 1, "head": 1}
     return Plan(global_batch=BATCH, mesh=Mesh(pp=2),
                 layers=tuple(LayerPlan(module=n, stage=s) for n, s in stages.items()),
                 pipeline=PipelineSpec(schedule="1F1B", num_microbatches=2))
@@ -112,7 +113,7 @@ def test_planner_pipelines_a_reused_block():
 
     plan = autopar.plan(_model(), autopar.Cluster.local(2), _batch(0)[0], mesh=Mesh(pp=2, dp=1))
     assert plan.mesh.pp == 2
-    assert {la.module for la in plan.layers} >= {"inp", "block", "head"}
+    assert {la.module for la in plan.layers} >= {"inp", "block", "mid", "head"}
 
 
 def _job(plan_json: str) -> dict:
@@ -123,9 +124,25 @@ def _job(plan_json: str) -> dict:
     return train_under_plan(trainer, _batch, pipeline_grads, steps=STEPS)
 
 
-@pytest.mark.parametrize("block_stage", [0, 1])
-def test_reused_block_pp2_trains_like_one_process(pool2, block_stage):
+def _zero_bubble_plan(schedule: str) -> Plan:
+    """Four stages, two per rank; the block's stage computes its weight gradients apart
+    from its input gradients (the split backward of the zero-bubble schedules)."""
+    stages = {"inp": 0, "block": 1, "mid": 2, "head": 3}
+    return Plan(global_batch=BATCH, mesh=Mesh(pp=2),
+                layers=tuple(LayerPlan(module=n, stage=s) for n, s in stages.items()),
+                pipeline=PipelineSpec(schedule=schedule, num_microbatches=4,
+                                      virtual_stages=2))
+
+
+@pytest.mark.parametrize("plan", [_plan(0), _plan(1), _zero_bubble_plan("ZBVZeroBubble"),
+                                  _zero_bubble_plan("InterleavedZeroBubble")],
+                         ids=["block-on-stage-0", "block-on-stage-1", "zbv", "interleaved-zb"])
+def test_reused_block_trains_like_one_process(pool2, plan):
+    """torch's split backward groups a stage's weights by the autograd nodes that lead to
+    them, and a weight used at two depths joins two groups it does not merge: its weight
+    pass then ran backward twice through one node ("Trying to backward through the graph a
+    second time"). Such a stage computes its weight gradients with its input gradients."""
     ref = train_one_process(_model(), lambda m, s: F.mse_loss(m(*_batch(s)[0]), _batch(s)[1]),
                             steps=STEPS, lr=LR)
-    for out in pool2.run(_job, _plan(block_stage).to_json(), timeout_s=300):
+    for out in pool2.run(_job, plan.to_json(), timeout_s=300):
         assert_trains_like(out, ref, tol=TOL, param_tol=PARAM_TOL)

@@ -1,0 +1,68 @@
+"""What a pipeline stage module's graphs say, and rewrites of them.
+
+A stage split by symbolic tracing is a ``GraphModule``; one split from ``torch.export`` is
+an unflattened tree of ``InterpreterModule``s, each with a graph of its own (and a graph
+module holding the same graph). Both are walked through ``graphs``.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+
+import torch
+import torch.nn as nn
+
+
+def graphs(stage: nn.Module) -> Iterator[tuple[nn.Module, torch.fx.Graph]]:
+    """Each graph of ``stage`` once, with the module that runs it."""
+    seen: set[int] = set()
+    for module in stage.modules():
+        for holder in (module, getattr(module, "graph_module", None)):
+            graph = getattr(holder, "graph", None)
+            if isinstance(graph, torch.fx.Graph) and id(graph) not in seen:
+                seen.add(id(graph))
+                yield holder, graph
+
+
+def on_rank_device(stage: nn.Module, device: torch.device) -> None:
+    """A stage split from a capture names the capture's device (CPU: a model on meta is
+    captured on fake CPU tensors) in its ops, as a keyword (``arange(..., device=cpu)``) or
+    an argument (``aten.to.device(x, cpu)``, as Llama's rotary embedding does); run them on
+    ``device``. torch's ``_modify_graph_op_device`` rewrites keywords only."""
+    def move(arg: object) -> object:
+        return device if isinstance(arg, torch.device) and arg != device else arg
+
+    for holder, graph in graphs(stage):
+        changed = False
+        for node in graph.nodes:
+            args = torch.fx.node.map_aggregate(node.args, move)
+            kwargs = torch.fx.node.map_aggregate(node.kwargs, move)
+            if args != node.args or kwargs != node.kwargs:
+                node.args, node.kwargs, changed = args, kwargs, True
+        if changed and isinstance(holder, torch.fx.GraphModule):
+            holder.recompile()
+
+
+def uses_a_weight_twice(stage: nn.Module) -> bool:
+    """Whether some parameter of ``stage`` is used more than once in its forward: read by
+    two ops, or held by a module the stage calls twice (ALBERT's one layer at every depth,
+    which an export unflattens into one module per call, all holding its parameters)."""
+    parameters = {id(p) for p in stage.parameters()}
+    uses: Counter[int] = Counter()
+    for holder, graph in graphs(stage):
+        for node in graph.nodes:
+            if node.op == "get_attr":
+                t = _attr(holder, str(node.target))
+                if id(t) in parameters:
+                    uses[id(t)] += len(node.users)
+            elif node.op == "call_module":
+                called = holder.get_submodule(str(node.target))
+                if not any(True for _ in graphs(called)):  # a leaf: its own forward
+                    uses.update(id(p) for p in called.parameters())
+    return any(n > 1 for n in uses.values())
+
+
+def _attr(holder: nn.Module, target: str) -> object:
+    path, _, name = target.rpartition(".")
+    return getattr(holder.get_submodule(path) if path else holder, name)
