@@ -33,6 +33,7 @@ replaces ``nn.Linear``/``nn.Embedding`` weights, needs the symbolic-tracing spli
 from __future__ import annotations
 
 import contextlib
+import functools
 import operator
 import warnings
 from collections.abc import Callable, Iterator
@@ -107,6 +108,7 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
     for module in modules:
         _drop_unread_state(module)
         _fake_to_meta(module)
+        _state_dict_names_as_in(model, module)
     restore = None
     if policy.out_spec is not None:
         restore = _output_structure(pipe.split_gm, policy.out_spec)
@@ -411,6 +413,64 @@ def _drop_unread_state(stage: nn.Module) -> None:
                 *module.named_buffers(recurse=False, remove_duplicate=False)]
         for attr in [a for a, _ in held if (id(module), a) not in read]:
             delattr(module, attr)
+
+
+def _state_dict_names_as_in(model: nn.Module, stage: nn.Module) -> None:
+    """Give ``stage`` the state-dict names ``model`` has for what it holds, so that a
+    checkpoint saved under a pipeline loads under any plan (runtime.checkpoint compares
+    and loads by state-dict name):
+
+    - a buffer the model does not save is not saved by the stage either: a non-persistent
+      one (Llama's ``rotary_emb.inv_freq``, BERT's ``position_ids``) and a constant the
+      export lifted from ``forward`` (Falcon's ``lifted_tensor_0``);
+    - a tensor the model holds under several names (BERT's head bias, ``cls.predictions.bias``
+      and ``cls.predictions.decoder.bias``) is held by the stage under each of them whose
+      module the stage has; the export names it once;
+    - a module the model runs at several depths (ALBERT's layer) is one module per call in
+      the stage (``attention``, ``attention@1``), all holding its tensors: they are saved
+      under the model's name only, and loaded from it into every copy.
+    """
+    saved = set(model.state_dict(keep_vars=True))
+    aliases: dict[int, list[str]] = {}
+    for name, t in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(t), []).append(name)
+    names_of = {name: group for group in aliases.values() for name in group}
+    for prefix, module in stage.named_modules():
+        for name, _ in module.named_buffers(recurse=False):
+            if f"{prefix}.{name}".lstrip(".") not in saved:
+                module._non_persistent_buffers_set.add(name)
+    for name, t in list(stage.named_parameters(remove_duplicate=False)):
+        for alias in names_of.get(name, ()):
+            path, _, leaf = alias.rpartition(".")
+            try:
+                owner = stage.get_submodule(path)
+            except AttributeError:
+                continue  # the alias's module is on another stage
+            if leaf not in owner._parameters:
+                owner.register_parameter(leaf, t)
+    named = stage.state_dict(keep_vars=True)
+    first: dict[int, str] = {}
+    for name, t in named.items():
+        if name in saved:
+            first.setdefault(id(t), name)
+    copies = {name: first[id(t)] for name, t in named.items()
+              if name not in saved and id(t) in first}
+    if copies:
+        stage.register_state_dict_post_hook(functools.partial(_drop_copies, copies))
+        stage.register_load_state_dict_pre_hook(functools.partial(_fill_copies, copies))
+
+
+def _drop_copies(copies: dict[str, str], module: nn.Module, state_dict: dict, prefix: str,
+                 local_metadata: dict) -> None:
+    for name in copies:
+        state_dict.pop(prefix + name, None)
+
+
+def _fill_copies(copies: dict[str, str], module: nn.Module, state_dict: dict, prefix: str,
+                 *_: object) -> None:
+    for name, source in copies.items():
+        if prefix + source in state_dict:
+            state_dict.setdefault(prefix + name, state_dict[prefix + source])
 
 
 def _output_structure(split_gm: GraphModule, out_spec) -> Callable[[object], object] | None:

@@ -122,22 +122,22 @@ def _parts(trainer: Any) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]
 
 
 def merged_view(stages: list[nn.Module]) -> nn.Module:
-    """One module whose parameters and buffers are those of ``stages`` (the same objects,
-    not copies) under their fully-qualified names, for the stages one rank holds."""
+    """One module whose state dict is that of ``stages`` together (the same objects, not
+    copies), for the stages one rank holds: a tensor under each name a stage saves it by,
+    and no buffer a stage does not save."""
     root = nn.Module()
     for stage in stages:
-        for kind, items in (("param", stage.named_parameters()), ("buffer", stage.named_buffers())):
-            for name, value in items:
-                *path, leaf = name.split(".")
-                owner = root
-                for part in path:
-                    if not hasattr(owner, part):
-                        owner.add_module(part, nn.Module())
-                    owner = getattr(owner, part)
-                if kind == "param":
-                    owner.register_parameter(leaf, value)
-                else:
-                    owner.register_buffer(leaf, value)
+        for name, value in stage.state_dict(keep_vars=True).items():
+            *path, leaf = name.split(".")
+            owner = root
+            for part in path:
+                if not hasattr(owner, part):
+                    owner.add_module(part, nn.Module())
+                owner = getattr(owner, part)
+            if isinstance(value, nn.Parameter):
+                owner.register_parameter(leaf, value)
+            else:
+                owner.register_buffer(leaf, value)
     return root
 
 
