@@ -29,7 +29,7 @@ from passes import meta_keys as K
 from passes.annotate import fail
 from runtime.tied import Tie, tie_groups
 
-_CALLS = ("call_function", "call_method", "call_module")
+CALL_OPS = ("call_function", "call_method", "call_module")
 
 
 @dataclass(kw_only=True)
@@ -104,7 +104,7 @@ def group_layers(gm: GraphModule, model: nn.Module, opaque: tuple[str, ...] = ()
     pending: list[Node] = []  # orphans before any layer ran
     last: str | None = None
     for node in gm.graph.nodes:
-        if node.op not in _CALLS:
+        if node.op not in CALL_OPS:
             continue
         layer = owning_layer(node.meta[K.MODULE_PATH], name_set)
         if layer is None or (layer == "" and names != [""]):
@@ -206,7 +206,7 @@ def _signature(g: LayerGroup, module: nn.Module) -> tuple:
         (n.removeprefix(prefix), tuple(p.shape), str(p.dtype), p.requires_grad)
         for n, p in g.params
     )
-    local = {n: i for i, n in enumerate(n for n in g.nodes if n.op in _CALLS)}
+    local = {n: i for i, n in enumerate(n for n in g.nodes if n.op in CALL_OPS)}
 
     def rel(path: str) -> str:
         if path == g.name:

@@ -58,7 +58,7 @@ from passes.annotate import (
     propagate_shapes,
 )
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
-from passes.group_layers import LayerGroup, find_ties, group_layers, owning_layer
+from passes.group_layers import CALL_OPS, LayerGroup, find_ties, group_layers, owning_layer
 from passes.inplace import count_inplace_inputs, inplace_input_bytes
 from passes.low_precision import casts_up, saved_at_16_bits
 from passes.memory_bound import memory_bound_bytes
@@ -284,14 +284,24 @@ def _is_scalar_float(node: Node) -> bool:
 
 
 def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup]) -> frozenset[int]:
-    """Indices k such that a pipeline stage starting at layer k would receive a value that
-    is not a floating-point tensor (``LayerGraph.uncuttable``). A value made in layer i (or
-    an input: before layer 0) and used in layer j > i crosses every cut i < k <= j; the
-    model's output is used on the last stage. Python values made inside a layer are not
-    checked: the runtime's split keeps each layer whole and traces such values inside it."""
+    """Indices k at which no pipeline stage may start (``LayerGraph.uncuttable``):
+
+    - a stage starting at layer k would receive a value that is not a floating-point
+      tensor. A value made in layer i (or an input: before layer 0) and used in layer
+      j > i crosses every cut i < k <= j; the model's output is used on the last stage.
+      Python values made inside a layer are not checked: the runtime's split keeps each
+      layer whole and traces such values inside it.
+    - layer k runs between two calls of an earlier layer i (one module called again after
+      others): layer i is on one stage, so the layers between its calls are too."""
     layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
     last = len(groups) - 1
     out: set[int] = set()
+    latest = -1  # the highest layer index run so far
+    for node in gm.graph.nodes:
+        i = layer_index.get(node) if node.op in CALL_OPS else None
+        if i is not None and i < latest:  # layer i again, after layers up to `latest`
+            out.update(range(i + 1, latest + 1))
+        latest = max(latest, -1 if i is None else i)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             made = -1

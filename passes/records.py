@@ -248,7 +248,8 @@ class LayerGraph:
     uncuttable: frozenset[int] = frozenset()
     """Layer indices no pipeline stage may start at: a cut there would send a value other
     than a floating-point tensor between stages (an int64 position tensor made before
-    the first layer, a Python number), which the runtime refuses (passes/split_stages.py)."""
+    the first layer, a Python number), which the runtime refuses (passes/split_stages.py),
+    or would put a layer run between two calls of one module on another stage than it."""
     ties: tuple[Tie, ...] = ()
     """Layers sharing parameters (tied weights; passes/group_layers.py ``find_ties``): each
     tie's layers must take one strategy (the runtime shards them as one FSDP2 unit). The

@@ -42,8 +42,17 @@ class Tie:
     numels: tuple[int, ...] = ()
     """Elements of each shared parameter (each tensor once): what a pipeline stage holding
     a copy of them holds."""
+    registered_at: tuple[str, ...] = ()
+    """When the sharing is one module object registered at several paths
+    (``ModuleList([b, c, b])``): those paths. The plan names such a module once, at its
+    first path, so its other paths belong to no planned module."""
 
     def describe(self) -> str:
+        if self.registered_at:
+            places = " and ".join(map(repr, self.registered_at))
+            return (f"one module is registered at {places}, and the plan names it once, as "
+                    f"{self.registered_at[0]!r}, so its parameters "
+                    f"({', '.join(map(repr, self.params))}) are also reached from outside it")
         names = ", ".join(repr(m) if m else "the root (no planned module)" for m in self.modules)
         return f"{names} share parameter {' = '.join(map(repr, self.params))}"
 
@@ -82,8 +91,24 @@ def tie_groups(model: nn.Module, modules: Iterable[str]) -> list[Tie]:
                   [k for g in joined for k in g[2]] + [model.get_parameter(names[0]).numel()])
         groups = [g for g in groups if g not in joined] + [merged]
     order = {m: i for i, m in enumerate(["", *modules])}
-    return [Tie(tuple(sorted(users, key=order.__getitem__)), tuple(params), tuple(numels))
+    return [Tie(tuple(sorted(users, key=order.__getitem__)), tuple(params), tuple(numels),
+                _registered_at(model, params))
             for users, params, numels in groups]
+
+
+def _registered_at(model: nn.Module, params: Sequence[str]) -> tuple[str, ...]:
+    """The paths of one module object that every name in ``params`` is reached through
+    (the highest such module), or () when the names reach different modules."""
+    paths = list(dict.fromkeys(name.rpartition(".")[0] for name in params))
+    if len(paths) < 2 or len({id(model.get_submodule(p)) for p in paths}) > 1:
+        return ()
+    while all(paths) and len({id(model.get_submodule(p.rpartition(".")[0]))
+                              for p in paths}) == 1:
+        parents = list(dict.fromkeys(p.rpartition(".")[0] for p in paths))
+        if len(parents) < 2:
+            break
+        paths = parents
+    return tuple(paths)
 
 
 def check_ties(model: nn.Module, layers: Sequence[LayerPlan]) -> list[Tie]:

@@ -140,6 +140,10 @@ def pipeline_problem(graph: LayerGraph) -> str | None:
                 "on its last stage from the stage's output: plan with inputs without labels "
                 "and train with a loss_fn")
     for tie in graph.ties:
+        if tie.registered_at:
+            return (f"{tie.describe()}: a pipeline places a module by its name; register it "
+                    "once and call it again where it is reused (as ALBERT does), or give "
+                    "each place its own module")
         if "" in tie.modules:
             return (f"tied weights ({tie.describe()}): a parameter the root uses is on no "
                     "planned stage; add the module using it to the plan")

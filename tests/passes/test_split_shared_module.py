@@ -116,10 +116,10 @@ def test_planner_pipelines_a_reused_block():
     assert {la.module for la in plan.layers} >= {"inp", "block", "mid", "head"}
 
 
-def _job(plan_json: str) -> dict:
+def _job(plan_json: str, build=_model) -> dict:
     import autopar
 
-    trainer = autopar.compile(_model(), autopar.Cluster.local(2), _batch(0)[0],
+    trainer = autopar.compile(build(), autopar.Cluster.local(2), _batch(0)[0],
                               loss_fn=F.mse_loss, plan=Plan.from_json(plan_json))
     return train_under_plan(trainer, _batch, pipeline_grads, steps=STEPS)
 
@@ -146,3 +146,64 @@ def test_reused_block_trains_like_one_process(pool2, plan):
                             steps=STEPS, lr=LR)
     for out in pool2.run(_job, plan.to_json(), timeout_s=300):
         assert_trains_like(out, ref, tol=TOL, param_tol=PARAM_TOL)
+
+
+class CalledAgainNet(SharedBlockNet):
+    """``block`` runs, then ``mid``, then ``block`` again: ``mid`` must share its stage.
+    Symbolic tracing captures it (no branch on the input)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.block(self.inp(x))
+        h = self.block(torch.relu(self.mid(h)))
+        return self.head(h)
+
+
+def _called_again() -> CalledAgainNet:
+    torch.manual_seed(0)
+    return CalledAgainNet()
+
+
+def test_a_module_called_again_after_another_layer_keeps_them_on_one_stage(pool2):
+    """The planner once cut between ``mid`` and the block's second call, and
+    ``autopar.plan`` failed inside the symbolic split with "KeyError: relu_1"."""
+    import autopar
+
+    plan = autopar.plan(_called_again(), autopar.Cluster.local(2), _batch(0)[0],
+                        mesh=Mesh(pp=2, dp=1))
+    stage = {la.module: la.stage for la in plan.layers}
+    assert stage["block"] == stage["mid"]
+    assert len(set(stage.values())) == plan.num_stages
+    ref = train_one_process(_called_again(),
+                            lambda m, s: F.mse_loss(m(*_batch(s)[0]), _batch(s)[1]),
+                            steps=STEPS, lr=LR)
+    for out in pool2.run(_job, plan.to_json(), _called_again, timeout_s=300):
+        assert_trains_like(out, ref, tol=TOL, param_tol=PARAM_TOL)
+
+
+class TwoPlacesNet(nn.Module):
+    """One module object at two places of a ModuleList."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        block = nn.Linear(8, 8)
+        self.inp = nn.Linear(4, 8)
+        self.blocks = nn.ModuleList([block, nn.Linear(8, 8), block])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.head(h)
+
+
+def test_one_module_at_two_places_is_refused_for_a_pipeline_naming_both():
+    """The refusal once blamed "the root (no planned module)" for the second place."""
+    import autopar
+
+    with pytest.raises(autopar.AutoparError) as e:
+        autopar.plan(TwoPlacesNet(), autopar.Cluster.local(2), _batch(0)[0], mesh=Mesh(pp=2, dp=1))
+    message = str(e.value)
+    assert "one module is registered at 'blocks.0' and 'blocks.2'" in message
+    assert "register it once and call it again where it is reused" in message
+    assert "the root" not in message
