@@ -180,6 +180,7 @@ class LayerCosts:
         self.attention_fwd_flops = attention_flops(nodes)
         self.gemms = _gemms(calls, layer)
         self.batch_norm_channels: tuple[int, ...] = ()
+        self.reuses_weights = _reuses_weights(nodes)
 
 
 def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
@@ -231,7 +232,30 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
         loss_bytes=loss_bytes,
         batch_norm_channels=costs.batch_norm_channels,
         output_last_dims=costs.output_last_dims,
+        reuses_weights=costs.reuses_weights,
     )
+
+
+def _reuses_weights(nodes: list[Node]) -> bool:
+    """``LayerInfo.reuses_weights``: a parameter read by two ops, or a module holding
+    parameters called twice (a leaf of symbolic tracing)."""
+    uses: Counter[str] = Counter()
+    for node in nodes:
+        owner = node.graph.owning_module
+        if node.op == "get_attr" and _is_parameter(owner, str(node.target)):
+            uses[str(node.target)] += len(node.users)
+        elif node.op == "call_module" and any(True for _ in
+                                              owner.get_submodule(node.target).parameters()):
+            uses[str(node.target)] += 1
+    return any(n > 1 for n in uses.values())
+
+
+def _is_parameter(gm: nn.Module, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
 
 
 def _loss_bytes(gm: GraphModule, groups: list[LayerGroup]) -> dict[str, int]:

@@ -210,6 +210,11 @@ class LayerInfo:
     (training mode): the runtime all-reduces their statistics over the data-parallel
     replicas every forward and backward (runtime/batch_norm.py), and they forbid
     micro-batching (gradient accumulation, pipelines), which would change the statistics."""
+    reuses_weights: bool = False
+    """The layer uses one of its parameters twice (a module run at several depths, as
+    ALBERT's layer): torch's split backward cannot defer its weight gradients, so a
+    stage holding it runs them in its backward (runtime/pipeline.py) and the planner
+    prices them there (planner/costs.py)."""
     loss_bytes: int = 0
     """Float32 bytes of the model's output this layer produces (the logits), at the
     captured batch; 0 on every other layer. The runtime computes the user's loss on the

@@ -395,6 +395,8 @@ def layer_cost(
         ddp_saving += _hidden_comm_s(s, mesh, cluster.overlap, dp_comm, ddp=True,
                                      **windows).step - hidden.step
     per_step_comm = dp_comm.per_step + host.per_step_s - hidden.step + wait
+    # The part of the backward a split-backward schedule may defer (its W pass).
+    deferrable = 0.0 if layer.reuses_weights else WGRAD_FRACTION
     return LayerCost(
         option=option_label(strategy, recompute, offload, sp, async_tp=overlap),
         strategy=strategy, recompute=recompute, offload=offload, sequence_parallel=sp,
@@ -402,10 +404,10 @@ def layer_cost(
         microbatches=m,
         fwd_s=(fwd_compute + tp_fwd + dp_comm.gather_per_micro - hidden.fwd
                + host.per_micro_s / 2 + engine_micro / 2),
-        bwd_s=((1 - WGRAD_FRACTION) * bwd_compute + recompute_s + recompute_comm + tp_bwd
+        bwd_s=((1 - deferrable) * bwd_compute + recompute_s + recompute_comm + tp_bwd
                + dp_comm.gather_per_micro + dp_comm.reduce_per_micro - hidden.bwd
                + host.per_micro_s / 2 + engine_micro / 2),
-        wgrad_s=WGRAD_FRACTION * bwd_compute,
+        wgrad_s=deferrable * bwd_compute,
         step_s=per_step_comm + optimizer,
         compute_s=m * (fwd_compute + bwd_compute + recompute_s + engine_micro) + optimizer,
         comm_s=m * per_micro_comm + per_step_comm,

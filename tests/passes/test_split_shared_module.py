@@ -17,6 +17,8 @@ calls), so the reused parameters are on one stage, whichever it is.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -207,3 +209,25 @@ def test_one_module_at_two_places_is_refused_for_a_pipeline_naming_both():
     assert "one module is registered at 'blocks.0' and 'blocks.2'" in message
     assert "register it once and call it again where it is reused" in message
     assert "the root" not in message
+
+
+def test_the_planner_prices_a_reused_layers_weight_gradients_in_its_backward():
+    """A split-backward schedule cannot defer the weight gradients of a layer that uses a
+    weight twice (the runtime computes them with the input gradients), so its W pass is
+    empty and its B pass holds the whole backward."""
+    from dataclasses import replace
+
+    from autopar.planner.costs import layer_cost
+    from cost_models.hardware import Cluster
+    from cost_models.memory import precision
+    from passes.layer_graph import build_layer_graph
+
+    for make in (_model, _called_again):  # captured by export, and by symbolic tracing
+        graph = build_layer_graph(make(), _batch(0)[0])
+        assert {la.name for la in graph.layers if la.reuses_weights} == {"block"}
+    block = next(la for la in graph.layers if la.name == "block")
+    cost = functools.partial(layer_cost, option="replicate", mesh=Mesh(dp=2),
+                             cluster=Cluster.local(2), prec=precision("float32"))
+    reused, plain = cost(block), cost(replace(block, reuses_weights=False))
+    assert reused.wgrad_s == 0 < plain.wgrad_s
+    assert reused.bwd_s == pytest.approx(plain.bwd_s + plain.wgrad_s)
