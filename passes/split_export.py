@@ -425,7 +425,7 @@ def _state_dict_names_as_in(model: nn.Module, stage: nn.Module) -> None:
       export lifted from ``forward`` (Falcon's ``lifted_tensor_0``);
     - a tensor the model holds under several names (BERT's head bias, ``cls.predictions.bias``
       and ``cls.predictions.decoder.bias``) is held by the stage under each of them whose
-      module the stage has; the export names it once;
+      module the stage runs; the export names it once;
     - a module the model runs at several depths (ALBERT's layer) is one module per call in
       the stage (``attention``, ``attention@1``), all holding its tensors: they are saved
       under the model's name only, and loaded from it into every copy.
@@ -446,6 +446,8 @@ def _state_dict_names_as_in(model: nn.Module, stage: nn.Module) -> None:
                 owner = stage.get_submodule(path)
             except AttributeError:
                 continue  # the alias's module is on another stage
+            if not isinstance(getattr(owner, "graph", None), torch.fx.Graph):
+                continue  # a module left without a graph: it runs on another stage
             if leaf not in owner._parameters:
                 owner.register_parameter(leaf, t)
     named = stage.state_dict(keep_vars=True)
