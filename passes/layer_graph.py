@@ -239,23 +239,18 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
 def _reuses_weights(nodes: list[Node]) -> bool:
     """``LayerInfo.reuses_weights``: a parameter read by two ops, or a module holding
     parameters called twice (a leaf of symbolic tracing)."""
+    if not nodes:
+        return False
+    gm = nodes[0].graph.owning_module
+    parameters = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
     uses: Counter[str] = Counter()
     for node in nodes:
-        owner = node.graph.owning_module
-        if node.op == "get_attr" and _is_parameter(owner, str(node.target)):
+        if node.op == "get_attr" and node.target in parameters:
             uses[str(node.target)] += len(node.users)
         elif node.op == "call_module" and any(True for _ in
-                                              owner.get_submodule(node.target).parameters()):
+                                              gm.get_submodule(node.target).parameters()):
             uses[str(node.target)] += 1
     return any(n > 1 for n in uses.values())
-
-
-def _is_parameter(gm: nn.Module, target: str) -> bool:
-    try:
-        gm.get_parameter(target)
-    except AttributeError:
-        return False
-    return True
 
 
 def _loss_bytes(gm: GraphModule, groups: list[LayerGroup]) -> dict[str, int]:
