@@ -67,6 +67,7 @@ from passes.records import GemmShape, LayerGraph, LayerInfo, SavedSplit, TPOptio
 from passes.tensor_parallel import find_tensor_parallel
 from passes.trace import inputs_to_meta, placeholder_values, to_meta, trace_module
 from runtime.batch import Inputs, as_inputs, batch_size
+from runtime.stage_graphs import weight_uses
 
 BWD_FLOPS_PER_FWD = 2.0
 LOSS_DTYPE_BYTES = 4
@@ -237,19 +238,12 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
 
 
 def _reuses_weights(nodes: list[Node]) -> bool:
-    """``LayerInfo.reuses_weights``: a parameter read by two ops, or a module holding
-    parameters called twice (a leaf of symbolic tracing)."""
+    """``LayerInfo.reuses_weights``, counted as a pipeline stage's are
+    (``runtime.stage_graphs.weight_uses``)."""
     if not nodes:
         return False
     gm = nodes[0].graph.owning_module
-    parameters = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
-    uses: Counter[str] = Counter()
-    for node in nodes:
-        if node.op == "get_attr" and node.target in parameters:
-            uses[str(node.target)] += len(node.users)
-        elif node.op == "call_module" and any(True for _ in
-                                              gm.get_submodule(node.target).parameters()):
-            uses[str(node.target)] += 1
+    uses = weight_uses(gm, nodes, {id(p) for p in gm.parameters()})
     return any(n > 1 for n in uses.values())
 
 

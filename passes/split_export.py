@@ -136,24 +136,13 @@ def _captured_on_cpu(model: nn.Module) -> Iterator[Callable[[object], object]]:
                 return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
         return mode.from_tensor(t)
 
-    fakes: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict, str, torch.Tensor]] = []
     with warnings.catch_warnings():
         # pipeline() deep-copies a weight two stages use (a tied head), and Tensor's
         # __deepcopy__ reads data_ptr(), which a fake tensor warns of; it has no data.
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         try:
-            for module in model.modules():
-                for slots in (module._parameters, module._buffers):
-                    for name, t in list(slots.items()):
-                        if t is None:
-                            continue
-                        if id(t) not in fakes:
-                            f = fake(t)
-                            fakes[id(t)] = (nn.Parameter(f, t.requires_grad)
-                                            if isinstance(t, nn.Parameter) else f)
-                        swapped.append((slots, name, t))
-                        slots[name] = fakes[id(t)]
+            _replace_tensors(model, fake, swapped)
             yield lambda x: fake(x) if isinstance(x, torch.Tensor) else x
         finally:
             for slots, name, t in swapped:
@@ -162,17 +151,32 @@ def _captured_on_cpu(model: nn.Module) -> Iterator[Callable[[object], object]]:
 
 def _fake_to_meta(stage: nn.Module) -> None:
     """Replace the fake tensors a capture on fake tensors left in ``stage`` by meta ones."""
-    metas: dict[int, torch.Tensor] = {}  # one meta tensor per fake one: ties stay tied
-    for module in stage.modules():
-        for slots in (module._parameters, module._buffers):
+    def meta(t: torch.Tensor) -> torch.Tensor | None:
+        if not isinstance(t, FakeTensor):
+            return None
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    _replace_tensors(stage, meta, [])
+
+
+def _replace_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Tensor | None],
+                     replaced: list[tuple[dict, str, torch.Tensor]]) -> None:
+    """Put ``make(t)`` in place of each parameter and buffer ``t`` of ``module`` it is not
+    None for: one replacement per tensor object (tied tensors stay tied), a parameter's a
+    parameter. Appends (slots, name, t) per slot replaced, as it goes."""
+    new: dict[int, torch.Tensor | None] = {}
+    for m in module.modules():
+        for slots in (m._parameters, m._buffers):
             for name, t in list(slots.items()):
-                if isinstance(t, FakeTensor):
-                    if id(t) not in metas:
-                        meta = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype,
-                                                   device="meta")
-                        metas[id(t)] = (nn.Parameter(meta, t.requires_grad)
-                                        if isinstance(t, nn.Parameter) else meta)
-                    slots[name] = metas[id(t)]
+                if t is None:
+                    continue
+                if id(t) not in new:
+                    made = make(t)
+                    new[id(t)] = (nn.Parameter(made, t.requires_grad)
+                                  if made is not None and isinstance(t, nn.Parameter) else made)
+                if new[id(t)] is not None:
+                    replaced.append((slots, name, t))
+                    slots[name] = new[id(t)]
 
 
 # -- the split policy -------------------------------------------------------------------------

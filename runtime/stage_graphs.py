@@ -8,7 +8,7 @@ module holding the same graph). Both are walked through ``graphs``.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -51,16 +51,26 @@ def uses_a_weight_twice(stage: nn.Module) -> bool:
     parameters = {id(p) for p in stage.parameters()}
     uses: Counter[int] = Counter()
     for holder, graph in graphs(stage):
-        for node in graph.nodes:
-            if node.op == "get_attr":
-                t = _attr(holder, str(node.target))
-                if id(t) in parameters:
-                    uses[id(t)] += len(node.users)
-            elif node.op == "call_module":
-                called = holder.get_submodule(str(node.target))
-                if not any(True for _ in graphs(called)):  # a leaf: its own forward
-                    uses.update(id(p) for p in called.parameters())
+        uses += weight_uses(holder, graph.nodes, parameters)
     return any(n > 1 for n in uses.values())
+
+
+def weight_uses(holder: nn.Module, nodes: Iterable[torch.fx.Node], parameters: set[int]
+                ) -> Counter[int]:
+    """How often ``nodes`` (of a graph ``holder`` runs) use each of ``parameters`` (by
+    ``id``): every op reading one, and every call of a leaf module (one running its own
+    forward, not a graph) holding one."""
+    uses: Counter[int] = Counter()
+    for node in nodes:
+        if node.op == "get_attr":
+            t = _attr(holder, str(node.target))
+            if id(t) in parameters:
+                uses[id(t)] += len(node.users)
+        elif node.op == "call_module":
+            called = holder.get_submodule(str(node.target))
+            if not any(True for _ in graphs(called)):
+                uses.update(id(p) for p in called.parameters() if id(p) in parameters)
+    return uses
 
 
 def _attr(holder: nn.Module, target: str) -> object:
