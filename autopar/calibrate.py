@@ -36,6 +36,7 @@ import torch.distributed as dist
 
 from autopar.calibration_measure import (
     COLLECTIVES,
+    HOST_TRIES,
     OVERLAP_PATTERNS,
     AttentionTiming,
     HostTiming,
@@ -141,6 +142,8 @@ def calibrate(nproc: int = 2, *, backend: str = "auto", settings: Settings | Non
 
 def fit(m: Measurements, settings: Settings, *, name: str | None = None,
         topology: Cluster | None = None) -> Calibration:
+    if m.host is not None:
+        _check_host_overheads(m.host)
     fits, notes = {}, []
     for kind, v in m.comm_s.items():
         try:
@@ -169,6 +172,19 @@ def fit(m: Measurements, settings: Settings, *, name: str | None = None,
     return Calibration(measurements=m, cluster_text=text, fits=fits, rows=rows, notes=notes,
                        overlap=overlap, gemm_spread=gemm_spread,
                        reference=topology.device if topology is not None else None)
+
+
+
+def _check_host_overheads(host: HostTiming) -> None:
+    """A profile never records an engine as free on CPU ranks: that would be the
+    measurement lost in noise (``calibration_measure._measure_host`` tries again)."""
+    lost = [name for name, s in (("FSDP2", host.fsdp_s), ("TP", host.tp_s),
+                                 ("DTensor", host.dtensor_op_s)) if s <= 0]
+    if lost:
+        raise CalibrationError(
+            f"the host overhead of {', '.join(lost)} measured {HOST_TRIES} times was never "
+            "above zero: the plain ops ran as slow as the wrapped ones, so other work on "
+            "this machine swamped the measurement; calibrate again when it is idle")
 
 
 # -- the profile -----------------------------------------------------------------------------

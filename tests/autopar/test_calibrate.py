@@ -196,6 +196,16 @@ def test_profile_writes_the_host_overheads_and_reads_them_back(tmp_path):
     assert "after 10 ms" in (tmp_path / "p.toml").read_text()
 
 
+
+def test_an_engine_measured_as_free_on_cpu_ranks_is_refused_not_written():
+    # fsdp - plain <= 0 on every try: the plain stack ran as slow as the wrapped one
+    # (other work swamped it); a profile saying FSDP2 costs no host time would be wrong.
+    m = synthetic_measurements({})
+    m.host = HostTiming(fsdp_s=0.0, tp_s=1.1e-3, dtensor_op_s=0.0, skew_s=None, skew_at=(),
+                        skew_window_s=0.01)
+    with pytest.raises(CalibrationError, match=r"FSDP2, DTensor measured 3 times .* idle"):
+        fit(m, Settings())
+
 @pytest.mark.parametrize("values, fitted", [
     ([1, 2, 3], [1, 2, 3]),
     ([3, 1, 2], [2, 2, 2]),
