@@ -85,4 +85,17 @@ def repeat_blocks(graph: LayerGraph, n_layer: int) -> LayerGraph:
     blocks = [dataclasses.replace(members[0], name=f"{prefix}.{i}") for i in range(n_layer)]
     layers = [*graph.layers[:first], *blocks, *graph.layers[last + 1:]]
     layers = [dataclasses.replace(x, index=i) for i, x in enumerate(layers)]
-    return dataclasses.replace(graph, layers=tuple(layers))
+    # Per-layer facts of the cuts follow their layers: a block's cut is the first block's,
+    # the run's last the last block's; a stage may start inside the new run if it could
+    # inside the old one.
+    shift = n_layer - len(members)
+    crossing = graph.boundary_bytes
+    if crossing:
+        crossing = (*crossing[:first], *[crossing[first]] * (n_layer - 1), crossing[last],
+                    *crossing[last + 1:])
+    inside = any(first < k <= last for k in graph.uncuttable)
+    uncuttable = {k for k in graph.uncuttable if k <= first}
+    uncuttable |= {k + shift for k in graph.uncuttable if k > last}
+    uncuttable |= set(range(first + 1, first + n_layer)) if inside else set()
+    return dataclasses.replace(graph, layers=tuple(layers), boundary_bytes=crossing,
+                               uncuttable=frozenset(uncuttable))

@@ -176,6 +176,27 @@ def find_ties(model: nn.Module, groups: list[LayerGroup]) -> tuple[Tie, ...]:
     return tuple(tie_groups(model, [g.name for g in groups]))
 
 
+def read_by_others(gm: GraphModule, model: nn.Module, groups: list[LayerGroup]
+                   ) -> frozenset[str]:
+    """``LayerGraph.read_by_others``: parameters an op reads in a layer whose module does not
+    hold them (an op of the root's own forward counts in the layer that ran before it)."""
+    group_of = {n: g for g in groups for n in g.nodes}
+    held: dict[str, set[int]] = {}
+    out: set[str] = set()
+    for node in gm.graph.find_nodes(op="get_attr"):
+        try:
+            param = model.get_parameter(str(node.target))
+        except AttributeError:
+            continue  # a buffer
+        for user in node.users:
+            group = group_of.get(user)
+            if group is not None and group.name not in held:
+                held[group.name] = {id(p) for p in model.get_submodule(group.name).parameters()}
+            if group is None or id(param) not in held[group.name]:
+                out.add(str(node.target))
+    return frozenset(out)
+
+
 def _first_user(groups: list[LayerGroup], param_name: str) -> LayerGroup | None:
     for g in groups:
         if any(n.op == "get_attr" and n.target == param_name for n in g.nodes):

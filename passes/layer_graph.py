@@ -36,6 +36,7 @@ with recomputation (flash) is ~2.5×; the difference is inside the cost model's 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import time
@@ -57,8 +58,16 @@ from passes.annotate import (
     count_saved_bytes,
     propagate_shapes,
 )
+from passes.constants import constant_nodes
 from passes.context_parallel import attention_flops, context_parallel_problem, kv_bytes
-from passes.group_layers import CALL_OPS, LayerGroup, find_ties, group_layers, owning_layer
+from passes.group_layers import (
+    CALL_OPS,
+    LayerGroup,
+    find_ties,
+    group_layers,
+    owning_layer,
+    read_by_others,
+)
 from passes.inplace import count_inplace_inputs, inplace_input_bytes
 from passes.low_precision import casts_up, saved_at_16_bits
 from passes.memory_bound import memory_bound_bytes
@@ -125,7 +134,9 @@ def build_layer_graph(
         model_name=model_name,
         context_parallel_problem=context_parallel_problem(gm, model),
         uncuttable=uncuttable_boundaries(gm, groups),
+        boundary_bytes=boundary_bytes(gm, groups),
         ties=ties,
+        read_by_others=read_by_others(gm, meta_model, groups),
         returns_loss=any(_is_scalar_float(a) for n in gm.graph.find_nodes(op="output")
                          for a in n.all_input_nodes),
         exported_stages=info.method == "export" or bool(inputs.kwargs) or bool(ties),
@@ -301,7 +312,9 @@ def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup]) -> frozense
 
     - a stage starting at layer k would receive a value that is not a floating-point
       tensor. A value made in layer i (or an input: before layer 0) and used in layer
-      j > i crosses every cut i < k <= j; the model's output is used on the last stage.
+      j > i crosses every cut i < k <= j; the model's output is used on the last stage;
+      a constant (Hugging Face Llama's boolean causal mask, its positions) crosses none,
+      as each stage remakes it (``passes.constants``).
       Python values made inside a layer are not checked: the runtime's split keeps each
       layer whole and traces such values inside it.
     - layer k runs between two calls of an earlier layer i (one module called again after
@@ -315,18 +328,48 @@ def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup]) -> frozense
         if i is not None and i < latest:  # layer i again, after layers up to `latest`
             out.update(range(i + 1, latest + 1))
         latest = max(latest, -1 if i is None else i)
+    constants = constant_nodes(gm)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             made = -1
+        elif node in layer_index and node not in constants:
+            made = layer_index[node]
+        else:
+            continue  # a constant crosses no cut: each stage remakes it
+        used = max((last if u.op == "output" else layer_index.get(u, made) for u in node.users),
+                   default=made)
+        if used > max(made, 0) and not _sendable(node, inside_layer=made >= 0):
+            out.update(range(max(made, 0) + 1, used + 1))
+    return frozenset(out)
+
+
+def boundary_bytes(gm: GraphModule, groups: list[LayerGroup]) -> tuple[int, ...]:
+    """``LayerGraph.boundary_bytes``: per layer i, the bytes of the floating tensors that
+    cross a cut after it. A value made in layer i (or an input: before layer 0) and used in
+    layer j > i crosses every cut between them, as the split sends it
+    (``passes.split_export``'s pass-through); the model's output is used on the last
+    stage; a constant crosses none (each stage recomputes it)."""
+    layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
+    last = len(groups) - 1
+    constants = constant_nodes(gm)
+    change = [0] * (len(groups) + 1)  # += where a value starts crossing, -= where it stops
+    for node in gm.graph.nodes:
+        if node in constants or node.op == "get_attr" or K.TENSOR not in node.meta:
+            continue
+        if node.op == "placeholder":
+            made = 0
         elif node in layer_index:
             made = layer_index[node]
         else:
             continue
         used = max((last if u.op == "output" else layer_index.get(u, made) for u in node.users),
                    default=made)
-        if used > max(made, 0) and not _sendable(node, inside_layer=made >= 0):
-            out.update(range(max(made, 0) + 1, used + 1))
-    return frozenset(out)
+        if used > made:
+            nbytes = sum(t.nbytes for t in node.meta[K.TENSOR].tensors
+                         if getattr(torch, t.dtype).is_floating_point)
+            change[made] += nbytes
+            change[used] -= nbytes
+    return tuple(itertools.accumulate(change[:-1]))
 
 
 def _sendable(node: Node, *, inside_layer: bool) -> bool:

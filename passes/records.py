@@ -255,11 +255,22 @@ class LayerGraph:
     than a floating-point tensor between stages (an int64 position tensor made before
     the first layer, a Python number), which the runtime refuses (passes/split_stages.py),
     or would put a layer run between two calls of one module on another stage than it."""
+    boundary_bytes: tuple[int, ...] = ()
+    """Per layer, the bytes of the floating tensors crossing a cut after it, at the
+    global batch (as ``output_bytes``): its output, and what an earlier layer or input
+    hands to a later layer (T5's encoder output, a padding mask), constants excepted
+    (each stage recomputes them; ``passes.layer_graph.boundary_bytes``). Empty for a graph
+    made by hand: each layer's ``output_bytes`` stands for its cut."""
     ties: tuple[Tie, ...] = ()
     """Layers sharing parameters (tied weights; passes/group_layers.py ``find_ties``): each
     tie's layers must take one strategy (the runtime shards them as one FSDP2 unit). The
     shared parameter's bytes are in one layer's ``param_bytes``, its owner's; '' among a
     tie's modules stands for the root."""
+    read_by_others: frozenset[str] = frozenset()
+    """Parameters an op reads in a layer that does not hold them (an op of the root's own
+    forward counts in the layer that ran before it), by the name the capture reads them
+    under. A tie's '' whose parameters none reads is a name only (T5's and BART's
+    ``shared`` embedding, run as the encoder's and the decoder's ``embed_tokens``)."""
     returns_loss: bool = False
     """The model returns a loss it computes itself (Hugging Face's ``labels=``): a pipeline
     cannot run it, since its last stage computes the loss from its output with a loss_fn."""

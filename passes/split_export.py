@@ -22,7 +22,8 @@ The policy's steps, on the exported graph, in order:
    activations, and a constant needs no gradient.
 3. **pass through.** A value used two or more stages later is cloned on every stage in
    between, and a model input used past stage 0 is cloned on stage 0, because a
-   ``PipelineStage`` receives only its neighbour's outputs.
+   ``PipelineStage`` receives only its neighbour's outputs; a model output made before the
+   last stage is cloned on every stage after it, as the last stage returns the outputs.
 4. **check** that every value crossing a cut is a floating-point tensor.
 
 The stages are exported at the example micro-batch's shapes, and their modules are the
@@ -49,11 +50,18 @@ from torch.utils._pytree import tree_unflatten
 
 from passes import meta_keys as K
 from passes.annotate import annotate_module_paths
+from passes.constants import constant_nodes
 from passes.group_layers import owning_layer
 from passes.trace import GraphCaptureError, explain_failure
 from runtime.materialize import on_meta
 from runtime.pipeline_sends import Send
 from runtime.plan import PlanError
+from runtime.stage_graphs import (
+    StateAlias,
+    set_state_aliases,
+    set_tensor_names,
+    state_aliases,
+)
 
 _CALLS = ("call_function", "call_method", "call_module")
 
@@ -109,6 +117,7 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
         _drop_unread_state(module)
         _fake_to_meta(module)
         _state_dict_names_as_in(model, module)
+    _names_no_stage_runs(model, modules)
     restore = None
     if policy.out_spec is not None:
         restore = _output_structure(pipe.split_gm, policy.out_spec)
@@ -264,31 +273,9 @@ def _users_by_stage(node: Node, node_stage: dict[Node, int]) -> dict[int, list[N
     return out
 
 
-def _is_parameter(gm: GraphModule, node: Node) -> bool:
-    return isinstance(operator.attrgetter(str(node.target))(gm), nn.Parameter)
-
-
-def _seeded(node: Node) -> bool:
-    target = node.target
-    return isinstance(target, torch._ops.OpOverload) and \
-        torch.Tag.nondeterministic_seeded in target.tags
-
-
-def _constants(gm: GraphModule) -> set[Node]:
-    """Nodes computable from buffers and constants alone, without randomness."""
-    out: set[Node] = set()
-    for node in gm.graph.nodes:
-        if node.op == "get_attr" and not _is_parameter(gm, node):
-            out.add(node)
-        elif node.op == "call_function" and not _seeded(node) and node.target is not \
-                aten_pipe_split_alias and all(a in out for a in node.all_input_nodes):
-            out.add(node)
-    return out
-
-
 def _recompute_constants(gm: GraphModule, node_stage: dict[Node, int], firsts: list[Node]
                          ) -> None:
-    constants = _constants(gm)
+    constants = {n for n in constant_nodes(gm) if n.target is not aten_pipe_split_alias}
     for s in range(1, len(firsts)):
         copies: dict[Node, Node] = {}
         for node in list(gm.graph.nodes):
@@ -318,11 +305,20 @@ def _copy_onto(gm: GraphModule, node: Node, s: int, node_stage: dict[Node, int],
 
 
 def _pass_through(gm: GraphModule, node_stage: dict[Node, int], firsts: list[Node]) -> None:
+    last = len(firsts) - 1
     for node in list(gm.graph.nodes):
         if node not in node_stage or node.op == "output":
             continue  # get_attr (moved into each stage that reads it), pipe_split
         made = node_stage[node]
-        later = {s: us for s, us in _users_by_stage(node, node_stage).items() if s > made}
+        users = _users_by_stage(node, node_stage)
+        if made < last:
+            # The pipeline returns what its last stage returns, so a model output made
+            # earlier (T5's and BART's encoder_last_hidden_state) is carried through it:
+            # the output node reads it as a stage after the last would.
+            returned = [u for u in users.get(last, []) if u.op == "output"]
+            users[last] = [u for u in users.get(last, []) if u.op != "output"]
+            users[last + 1] = returned
+        later = {s: us for s, us in users.items() if s > made and us}
         if not later or (node.op != "placeholder" and max(later) == made + 1):
             continue
         carrier = node  # the value as held on stage `at`
@@ -428,23 +424,30 @@ def _state_dict_names_as_in(model: nn.Module, stage: nn.Module) -> None:
       one (Llama's ``rotary_emb.inv_freq``, BERT's ``position_ids``) and a constant the
       export lifted from ``forward`` (Falcon's ``lifted_tensor_0``);
     - a tensor the model holds under several names (BERT's head bias, ``cls.predictions.bias``
-      and ``cls.predictions.decoder.bias``) is held by the stage under each of them whose
-      module the stage runs; the export names it once;
+      and ``cls.predictions.decoder.bias``) is held by the stage, as one object, under each
+      of them whose module the stage runs; the export names it once;
     - a module the model runs at several depths (ALBERT's layer) is one module per call in
       the stage (``attention``, ``attention@1``), all holding its tensors: they are saved
       under the model's name only, and loaded from it into every copy.
     """
     saved = set(model.state_dict(keep_vars=True))
+    params = dict(model.named_parameters(remove_duplicate=False))
     aliases: dict[int, list[str]] = {}
-    for name, t in model.named_parameters(remove_duplicate=False):
+    for name, t in params.items():
         aliases.setdefault(id(t), []).append(name)
-    names_of = {name: group for group in aliases.values() for name in group}
     for prefix, module in stage.named_modules():
         for name, _ in module.named_buffers(recurse=False):
             if f"{prefix}.{name}".lstrip(".") not in saved:
                 module._non_persistent_buffers_set.add(name)
+    held: dict[int, torch.Tensor] = {}
     for name, t in list(stage.named_parameters(remove_duplicate=False)):
-        for alias in names_of.get(name, ()):
+        if name not in params:
+            continue  # a per-call copy's name (``attention@1``)
+        # One object per model tensor: the split can hold two (T5's encoder and decoder
+        # embed_tokens on one stage, one of them ``pipeline()``'s copy), and each would take
+        # only its own module's gradient.
+        t = held.setdefault(id(params[name]), t)
+        for alias in aliases[id(params[name])]:
             path, _, leaf = alias.rpartition(".")
             try:
                 owner = stage.get_submodule(path)
@@ -452,8 +455,11 @@ def _state_dict_names_as_in(model: nn.Module, stage: nn.Module) -> None:
                 continue  # the alias's module is on another stage
             if not isinstance(getattr(owner, "graph", None), torch.fx.Graph):
                 continue  # a module left without a graph: it runs on another stage
-            if leaf not in owner._parameters:
+            if owner._parameters.get(leaf) is not t:
                 owner.register_parameter(leaf, t)
+    set_tensor_names(stage, {name: tuple(aliases[id(params[name])])
+                             for name, _ in stage.named_parameters(remove_duplicate=False)
+                             if len(aliases.get(id(params.get(name)), ())) > 1})
     named = stage.state_dict(keep_vars=True)
     first: dict[int, str] = {}
     for name, t in named.items():
@@ -466,8 +472,28 @@ def _state_dict_names_as_in(model: nn.Module, stage: nn.Module) -> None:
         stage.register_load_state_dict_pre_hook(functools.partial(_fill_copies, copies))
 
 
+def _names_no_stage_runs(model: nn.Module, stages: list[nn.Module]) -> None:
+    """A model's name for a tensor whose module runs no op (T5's and BART's ``shared``
+    embedding, run as the encoder's and the decoder's ``embed_tokens``) is in no stage.
+    The first stage holding the tensor under another name records it (``state_aliases``),
+    so that a pipeline checkpoint names what one process's does. Not as a parameter of
+    the stage: FSDP2 would shard it apart from its other name's."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    order = {name: i for i, name in enumerate(params)}
+    held = [set(stage.state_dict(keep_vars=True)) for stage in stages]
+    missing = set(model.state_dict(keep_vars=True)) & params.keys() - set().union(*held)
+    for name in sorted(missing, key=order.__getitem__):
+        for stage, names in zip(stages, held, strict=True):
+            same = [n for n in names if params.get(n) is params[name]]
+            if same:
+                source = min(same, key=order.__getitem__)
+                alias = StateAlias(source, first=order[name] < order[source])
+                set_state_aliases(stage, {**state_aliases(stage), name: alias})
+                break
+
+
 def _drop_copies(copies: dict[str, str], module: nn.Module, state_dict: dict, prefix: str,
-                 local_metadata: dict) -> None:
+                 *_: object) -> None:
     for name in copies:
         state_dict.pop(prefix + name, None)
 

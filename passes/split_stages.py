@@ -51,6 +51,7 @@ import torch.fx
 import torch.nn as nn
 from torch.fx import GraphModule, Node
 
+from passes.constants import constant_nodes
 from passes.group_layers import layer_names, owning_layer
 from passes.split_export import Send, StageSplit, check_sendable, export_stages, send_record
 from passes.trace import (
@@ -320,7 +321,10 @@ class _MetaRun(torch.fx.Interpreter):
         return self.meta_model.get_submodule(target)(*args, **kwargs)
 
     def get_attr(self, target, args, kwargs):
-        return operator.attrgetter(target)(self.meta_model)
+        value = operator.attrgetter(target)(self.meta_model)
+        # A tensor the trace folded (``_tensor_constant0``) is a plain attribute that
+        # ``to_meta`` leaves where it is.
+        return value.to("meta") if isinstance(value, torch.Tensor) else value
 
 
 def _propagate(gm: GraphModule, model: nn.Module, example_inputs: tuple) -> dict[Node, object]:
@@ -339,10 +343,12 @@ def _propagate(gm: GraphModule, model: nn.Module, example_inputs: tuple) -> dict
 
 
 def _crossing(gm: GraphModule, node_stage: dict[Node, int], s: int) -> list[Node]:
-    """Values made on a stage <= s and used on a stage > s, in graph order."""
+    """Values made on a stage <= s and used on a stage > s, in graph order; constants
+    (``passes.constants``: a causal mask, positions) are remade on the later stage."""
+    constants = constant_nodes(gm)
     return [
         n for n in gm.graph.nodes
-        if n in node_stage and n.op != "output" and node_stage[n] <= s
+        if n in node_stage and n.op != "output" and node_stage[n] <= s and n not in constants
         and any(node_stage.get(u, -1) > s for u in n.users)
     ]
 
@@ -367,9 +373,11 @@ def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int]
             check_sendable(node, values[node], s - 1, _user(node))
             env[node] = graph.placeholder(node.name)
 
+    constants = constant_nodes(gm)
+
     def arg(n: Node) -> Node:
-        if n not in env and n.op == "get_attr":
-            env[n] = graph.node_copy(n)
+        if n not in env and (n.op == "get_attr" or n in constants):
+            env[n] = graph.node_copy(n, arg)  # a constant made on an earlier stage: remade
         return env[n]
 
     for node in gm.graph.nodes:

@@ -73,6 +73,7 @@ from runtime.checkpoint_format import (
 )
 from runtime.dcp_safe import SafeFileSystemReader, SafeLoadPlanner
 from runtime.plan import Plan
+from runtime.stage_graphs import state_aliases, tensor_names
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +110,11 @@ class Restored:
 
 def _parts(trainer: Any) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]:
     stages = getattr(trainer, "stages", ())
-    if len(stages) > 1 and not hasattr(trainer, "model_parts"):
+    if (len(stages) > 1 or any(map(state_aliases, stages))) and \
+            not hasattr(trainer, "model_parts"):
         # get_state_dict names an optimizer's parameters through one module: give it one
-        # that holds every stage's parameters under their full names.
+        # that holds every stage's parameters under their full names (and the names the
+        # model has for them that no stage has a module for).
         return [(merged_view(stages), getattr(trainer, "optimizer", None))]
     if hasattr(trainer, "model_parts"):
         optimizers = list(getattr(trainer, "optimizers", []) or [None] * len(trainer.model_parts))
@@ -123,11 +126,12 @@ def _parts(trainer: Any) -> list[tuple[nn.Module, torch.optim.Optimizer | None]]
 
 def merged_view(stages: list[nn.Module]) -> nn.Module:
     """One module whose state dict is that of ``stages`` together (the same objects, not
-    copies), for the stages one rank holds: a tensor under each name a stage saves it by,
-    and no buffer a stage does not save."""
+    copies), for the stages one rank holds: a tensor under each name a stage saves it by
+    or records for it (``runtime.stage_graphs.state_aliases``), and no buffer a stage does
+    not save."""
     root = nn.Module()
     for stage in stages:
-        for name, value in stage.state_dict(keep_vars=True).items():
+        for name, value in _with_aliases(stage).items():
             *path, leaf = name.split(".")
             owner = root
             for part in path:
@@ -139,6 +143,18 @@ def merged_view(stages: list[nn.Module]) -> nn.Module:
             else:
                 owner.register_buffer(leaf, value)
     return root
+
+
+def _with_aliases(stage: nn.Module) -> dict[str, torch.Tensor]:
+    """``stage``'s state dict, each of its aliases beside its source in the model's order."""
+    aliases = state_aliases(stage)
+    out: dict[str, torch.Tensor] = {}
+    for name, value in stage.state_dict(keep_vars=True).items():
+        ahead = [a for a, alias in aliases.items() if alias.source == name]
+        out.update((a, value) for a in ahead if aliases[a].first)
+        out[name] = value
+        out.update((a, value) for a in ahead if not aliases[a].first)
+    return out
 
 
 def _group() -> dist.ProcessGroup:
@@ -358,6 +374,9 @@ def load(trainer: Any, path: str | os.PathLike) -> Restored:
         rng_ok = manifest.world_size == dist.get_world_size() and any(
             k.startswith(f"rng.{rng_key}.") for k in metadata.state_dict_metadata)
         state["rng"] = {rng_key: state["rng"][rng_key]} if rng_ok else {}
+        optim_keys = list(state["optim"])
+        read_as = _optimizer_keys_by_first_name(state["optim"], metadata, _names(trainer))
+        state["optim"] = {read_as.get(k, k): v for k, v in state["optim"].items()}
         error = None
         try:
             check_keys(metadata, state, ckpt)
@@ -370,6 +389,7 @@ def load(trainer: Any, path: str | os.PathLike) -> Restored:
                      planner=SafeLoadPlanner(), process_group=group)
         except (Exception, CheckpointException) as e:  # noqa: BLE001 - DCP raises CheckpointException on every rank
             raise CheckpointCorruptError(f"{ckpt}: reading the data failed: {e}") from e
+        scratch["optim"] = {k: scratch["optim"][read_as.get(k, k)] for k in optim_keys}
     except BaseException:
         for (_, opt), was_fresh in zip(parts, fresh, strict=True):
             if was_fresh:
@@ -388,6 +408,37 @@ def load(trainer: Any, path: str | os.PathLike) -> Restored:
     resharded = plan.to_dict() != trainer.plan.to_dict()
     logger.info("restored step %d from %s%s", manifest.step, ckpt, " (resharded)" if resharded else "")
     return Restored(ckpt, manifest.step, manifest.loader_state, plan, resharded, rng_ok)
+
+
+def _names(trainer: Any) -> dict[str, tuple[str, ...]]:
+    """Every name the model has for each tied weight a pipeline rank's stages hold
+    (``runtime.stage_graphs.tensor_names``)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for stage in getattr(trainer, "stages", ()):
+        out.update(tensor_names(stage))
+    return out
+
+
+def _optimizer_keys_by_first_name(optim: dict[str, Any], metadata: Any,
+                                  names: dict[str, tuple[str, ...]]) -> dict[str, str]:
+    """Flat optimizer keys (``state.<fqn>.<field>``) to read under another of the
+    parameter's names: DCP keys a parameter's optimizer state by its first name, so a
+    checkpoint saved where one parameter held a tied weight (one process, FSDP) has none
+    for the copy a pipeline's later stage holds under another name. The copies take the
+    same updates, so their states are equal."""
+    have = metadata.state_dict_metadata
+    out = {}
+    for key in optim:
+        section, _, rest = key.partition(".")
+        fqn, _, fld = rest.rpartition(".")
+        if f"optim.{key}" in have or fqn not in names:
+            continue
+        for other in names[fqn]:
+            alt = f"{section}.{other}.{fld}"
+            if f"optim.{alt}" in have and alt not in optim:
+                out[key] = alt
+                break
+    return out
 
 
 def _set_rng(state: dict[str, torch.Tensor]) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
@@ -23,6 +24,45 @@ def graphs(stage: nn.Module) -> Iterator[tuple[nn.Module, torch.fx.Graph]]:
             if isinstance(graph, torch.fx.Graph) and id(graph) not in seen:
                 seen.add(id(graph))
                 yield holder, graph
+
+
+_STATE_ALIASES = "_autopar_state_aliases"
+
+
+@dataclass(frozen=True)
+class StateAlias:
+    """A name the model saves a tensor of a stage under, that the stage has no module for."""
+
+    source: str
+    """The tensor's name in the stage."""
+    first: bool
+    """The model names the tensor so before ``source``: DCP keys optimizer state by a
+    parameter's first name, so the checkpoint's view must have the model's order."""
+
+
+def state_aliases(stage: nn.Module) -> dict[str, StateAlias]:
+    """``stage``'s aliases by the model's name, set by ``passes.split_export``; the
+    checkpoint's view of the stage (``runtime.checkpoint.merged_view``) adds them."""
+    return dict(getattr(stage, _STATE_ALIASES, {}))
+
+
+def set_state_aliases(stage: nn.Module, aliases: dict[str, StateAlias]) -> None:
+    setattr(stage, _STATE_ALIASES, dict(aliases))
+
+
+_TENSOR_NAMES = "_autopar_tensor_names"
+
+
+def tensor_names(stage: nn.Module) -> dict[str, tuple[str, ...]]:
+    """For each parameter of ``stage`` the model holds under several names (a tied weight,
+    whose copies other stages hold under the others), every one of them in the model's
+    order, set by ``passes.split_export``: a checkpoint saved by one process keys the
+    optimizer state by the first only (``runtime.checkpoint.load``)."""
+    return dict(getattr(stage, _TENSOR_NAMES, {}))
+
+
+def set_tensor_names(stage: nn.Module, names: dict[str, tuple[str, ...]]) -> None:
+    setattr(stage, _TENSOR_NAMES, dict(names))
 
 
 def on_rank_device(stage: nn.Module, device: torch.device) -> None:

@@ -236,8 +236,6 @@ def variant_plan(name: str, variant: str) -> tuple[str | None, str]:
 VARIANTS = ("planned", "fsdp", "zero2_full", "mixed", "tp2", "pp2")
 UNAVAILABLE: dict[tuple[str, str], str] = {
     ("resnet50-layout", "pp2"): "BatchNorm in training mode",
-    # T5's embeddings are reached through `shared`, a module that runs no op of its own.
-    ("hf-t5", "pp2"): "a parameter the root uses is on no planned stage",
 }
 """Variants a model does not allow, and a phrase the reason given must contain."""
 CASES = [(n, v) for n in MODELS for v in VARIANTS if (n, v) not in UNAVAILABLE]
@@ -261,7 +259,8 @@ def test_unavailable_variant_says_why(name, variant):
 
 META_CASES = [
     ("hf-llama", "fsdp"), ("hf-llama", "tp2"), ("hf-llama", "pp2"), ("hf-gpt2", "fsdp"),
-    ("hf-gpt2", "tp2"), ("hf-bert-mlm", "pp2"), ("hf-t5", "fsdp"), ("hf-vit", "tp2"),
+    ("hf-gpt2", "tp2"), ("hf-bert-mlm", "pp2"), ("hf-t5", "fsdp"), ("hf-t5", "pp2"),
+    ("hf-vit", "tp2"),
     ("hf-vit", "pp2"), ("nanogpt-tied", "pp2"), ("resnet50-layout", "fsdp"),
     ("dict-batch", "pp2"), ("hf-mixtral", "pp2"), ("hf-falcon", "pp2"), ("hf-albert", "pp2"),
 ]
@@ -269,7 +268,8 @@ META_CASES = [
 rank's stages) and initialises them as one process does. Every model, and each way the
 meta path once went wrong: Hugging Face's init under FSDP2 (GPT-2), an exported stage
 naming the meta device (Llama's rotary embedding), tied copies on two stages
-(nanoGPT-tied), capture from meta inputs (ViT, dict batch), TP shards (Llama, GPT-2, ViT),
+(nanoGPT-tied) and one tensor under two names on one stage (T5's encoder and decoder
+embeddings), capture from meta inputs (ViT, dict batch), TP shards (Llama, GPT-2, ViT),
 and the export of a model on meta (``META_PIPELINE_MODELS``: code that branches on the
 device type, constants made in ``forward``, a layer run at every depth)."""
 

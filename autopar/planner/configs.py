@@ -133,8 +133,9 @@ def pipeline_problem(graph: LayerGraph) -> str | None:
     """Why the planner offers no pipeline for this model, or None.
 
     A model that computes its own loss: a pipeline's loss is its last stage's loss_fn. A
-    layer tied to a parameter of the root (no planned module): the root's parameters are on
-    no stage of the plan, so no stage can be said to hold that copy."""
+    layer tied to a parameter the root's own forward reads: the root is on no stage of the
+    plan, so no stage can be said to hold that copy. A root that only names the parameter
+    (T5's and BART's ``shared`` embedding, run as ``embed_tokens``) holds no copy."""
     if graph.returns_loss:
         return ("the model computes its own loss (labels=), and a pipeline computes the loss "
                 "on its last stage from the stage's output: plan with inputs without labels "
@@ -144,9 +145,11 @@ def pipeline_problem(graph: LayerGraph) -> str | None:
             return (f"{tie.describe()}: a pipeline places a module by its name; register it "
                     "once and call it again where it is reused (as ALBERT does), or give "
                     "each place its own module")
-        if "" in tie.modules:
-            return (f"tied weights ({tie.describe()}): a parameter the root uses is on no "
-                    "planned stage; add the module using it to the plan")
+        if "" in tie.modules and graph.read_by_others & set(tie.params):
+            return (f"tied weights ({tie.describe()}): the model's own forward reads the "
+                    "shared parameter outside every planned module, and a pipeline places "
+                    "planned modules only; read it inside a module (as an nn.Embedding or "
+                    "nn.Linear holding it)")
     return None
 
 

@@ -887,12 +887,12 @@ class Engine:
         mesh = config.mesh
         link = group_link(self.cluster, Group(2, mesh.dp * mesh.tp))
         owner = _stage_ranks(config.schedule, mesh.pp, config.num_stages)
-        pairs = [(prepared.costs[i], prepared.costs[i + 1])
+        pairs = [(prepared.costs[i], prepared.costs[i + 1], self._crossing(i))
                  for i, s in self._boundaries(prepared) if owner[s] != owner[s + 1]]
 
         def slowest(scatter: bool) -> float:
-            return max((send_s(a, b, mesh.tp, link, self.cluster, scatter) for a, b in pairs),
-                       default=0.0)
+            return max((send_s(a, b, mesh.tp, link, self.cluster, scatter, crossing=c)
+                        for a, b, c in pairs), default=0.0)
 
         whole = slowest(False)
         if mesh.tp == 1 or prepared.scatter_sends is False:
@@ -905,6 +905,14 @@ class Engine:
             self.graph.layers, prepared.stage_of_layer, strict=True) if s != last
             for d in layer.output_last_dims)
         return (scattered, True) if splits and scattered < whole else (whole, False)
+
+    def _crossing(self, i: int) -> float:
+        """What crosses the cut after layer ``i``, as a multiple of its output: more where
+        values made earlier cross it too (``LayerGraph.boundary_bytes``)."""
+        out = self.graph.layers[i].output_bytes
+        if not self.graph.boundary_bytes or out <= 0:
+            return 1.0
+        return self.graph.boundary_bytes[i] / out
 
     @staticmethod
     def _boundaries(prepared: _Prepared) -> list[tuple[int, int]]:

@@ -1,7 +1,8 @@
 """What crossing a pipeline stage boundary costs, as the runtime crosses it.
 
 The boundary after layer A (last of stage s) and before layer B (first of s + 1), with S
-the bytes of A's whole output per micro-batch and tp the tensor-parallel degree:
+the bytes of A's whole output per micro-batch (a send also carries what earlier layers
+made for later stages: ``send_s``'s ``crossing``) and tp the tensor-parallel degree:
 
     A and B sequence-parallel   each tp rank hands on its sequence shard, S/tp, as it is
                                 (runtime.pipeline_sends.sequence_sharded_boundaries): one
@@ -37,9 +38,11 @@ def sharded(out: LayerCost, into: LayerCost, tp: int) -> bool:
 
 
 def send_s(out: LayerCost, into: LayerCost, tp: int, link: Link, cluster: Cluster,
-           scatter: bool) -> float:
-    """One send across the boundary on ``link`` (forward; the gradient's is the same)."""
-    nbytes = whole_bytes(out, tp)
+           scatter: bool, crossing: float = 1.0) -> float:
+    """One send across the boundary on ``link`` (forward; the gradient's is the same).
+    ``crossing``: what crosses it as a multiple of A's output (values made before A that a
+    later stage uses cross too: ``LayerGraph.boundary_bytes``)."""
+    nbytes = whole_bytes(out, tp) * crossing
     if nbytes <= 0:
         return 0.0
     if sharded(out, into, tp):

@@ -289,3 +289,151 @@ def test_a_stage_recomputing_a_constant_and_passing_a_value_through_runs():
     mask[:, :2] = 0
     stages = split_stages(model, plan, (ids, mask), method="export")
     torch.testing.assert_close(run_stages(stages, ids, mask), model(ids, mask), rtol=0, atol=0)
+
+
+class TiedEncoderDecoder(nn.Module):
+    """T5's and BART's layout: one weight held by ``shared`` (which runs nothing), by the
+    encoder's and the decoder's embeddings and by the head; the model returns the
+    encoder's output beside the logits (``encoder_last_hidden_state``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.shared = nn.Embedding(16, 4)
+        self.enc_embed, self.dec_embed = nn.Embedding(16, 4), nn.Embedding(16, 4)
+        self.encoder, self.decoder = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.head = nn.Linear(4, 16, bias=False)
+        for module in (self.enc_embed, self.dec_embed, self.head):
+            module.weight = self.shared.weight
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memory = self.encoder(self.enc_embed(src))
+        out = self.decoder(self.dec_embed(tgt) + memory.mean(1, keepdim=True))
+        return self.head(out), memory
+
+
+def _encoder_decoder_split():
+    torch.manual_seed(0)
+    model = TiedEncoderDecoder()
+    plan = pipeline_plan({"enc_embed": 0, "encoder": 0, "dec_embed": 0, "decoder": 0,
+                          "head": 1})
+    gen = torch.Generator().manual_seed(0)
+    src, tgt = torch.randint(0, 16, (2, 6), generator=gen), torch.randint(0, 16, (2, 3),
+                                                                         generator=gen)
+    return model, split_pipeline(model, plan, (src, tgt)), (src, tgt)
+
+
+def test_an_output_made_before_the_last_stage_is_returned_by_it():
+    """The pipeline returns what its last stage returns: the encoder's output, made on
+    stage 0, is passed through stage 1 (which once took only the decoder's output and
+    failed: "forward() takes 2 positional arguments but 3 were given")."""
+    model, split, inputs = _encoder_decoder_split()
+    assert split.method == "export"
+    out = run_stages(split.modules, *inputs)
+    assert [n.op for n in split.modules[1].graph.nodes].count("placeholder") == 2
+    for got, want in zip(split.output_fn(out), model(*inputs), strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_tensor_a_stage_runs_under_two_names_is_one_parameter_there():
+    """Stage 0 runs both embeddings: one parameter, or each would take only its own
+    module's gradient and the two would part (T5 trained apart from one process). The
+    model's name in ``shared``, a module no stage runs, is recorded for the checkpoint,
+    ahead of the stage's (the optimizer state is keyed by the first)."""
+    from runtime.checkpoint import merged_view
+    from runtime.stage_graphs import StateAlias, state_aliases, tensor_names
+
+    model, split, _ = _encoder_decoder_split()
+    first, last = split.modules
+    assert first.get_parameter("enc_embed.weight") is first.get_parameter("dec_embed.weight")
+    assert split.tied == ({0: "enc_embed.weight", 1: "head.weight"},)
+    assert state_aliases(first) == {"shared.weight": StateAlias("enc_embed.weight", first=True)}
+    assert not state_aliases(last)
+    names = ("shared.weight", "enc_embed.weight", "dec_embed.weight", "head.weight")
+    assert tensor_names(last) == {"head.weight": names}
+    view = merged_view([first])
+    assert next(iter(view.state_dict())) == "shared.weight"
+    assert view.get_parameter("shared.weight") is first.get_parameter("enc_embed.weight")
+    assert set(view.state_dict()) | {"head.weight"} == set(model.state_dict())
+
+
+class RootReadsTheWeight(TiedEncoderDecoder):
+    """The head's product taken in the model's own forward, from ``shared``'s weight."""
+
+    def forward(self, src: torch.Tensor, tgt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        memory = self.encoder(self.enc_embed(src))
+        out = self.decoder(self.dec_embed(tgt) + memory.mean(1, keepdim=True))
+        return out @ self.shared.weight.t(), memory
+
+
+def test_the_planner_pipelines_a_weight_the_root_only_names_not_one_it_reads():
+    """T5's ``shared`` names the embeddings' weight and runs nothing: the root holds no
+    copy, so the pipeline is planned (it was refused: "a parameter the root uses is on no
+    planned stage"). A root reading the weight itself still is."""
+    import autopar
+
+    _, _, inputs = _encoder_decoder_split()
+    plan = autopar.plan(TiedEncoderDecoder(), autopar.Cluster.local(2), inputs,
+                        mesh=Mesh(pp=2, dp=1))
+    assert plan.num_stages == 2
+    with pytest.raises(autopar.AutoparError, match=r"'shared.weight' = 'enc_embed.weight'.*"
+                                                   r"own forward reads the shared parameter"):
+        autopar.plan(RootReadsTheWeight(), autopar.Cluster.local(2), inputs,
+                     mesh=Mesh(pp=2, dp=1))
+
+
+class MaskedStack(nn.Module):
+    """Blocks reading a boolean mask the model makes from a buffer alone, as Hugging Face
+    Llama makes its causal mask and positions from the sequence length."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 16)
+        self.register_buffer("keep", torch.arange(6 * 8).reshape(6, 8) % 3 > 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.emb(ids)
+        hidden = self.keep.logical_not()
+        for block in self.blocks:
+            h = block(h).masked_fill(hidden, 0.0)
+        return self.head(h)
+
+
+@pytest.mark.parametrize("method", ["symbolic_trace", "export"])
+def test_a_constant_crosses_no_cut_each_stage_remakes_it(method):
+    """The boolean mask, made before the blocks and read by each, is no value to send: a
+    stage may start at any block (the planner once let no stage start inside Hugging Face
+    Llama's stack, whose causal mask is such a constant), and the stage remakes it."""
+    from passes.layer_graph import build_layer_graph
+
+    torch.manual_seed(0)
+    model, ids = MaskedStack(), torch.randint(0, 16, (2, 6))
+    graph = build_layer_graph(model, ids)
+    assert [layer.name for layer in graph.layers] == ["emb", "blocks.0", "blocks.1", "blocks.2",
+                                                      "head"]
+    assert graph.uncuttable == frozenset()
+    assert graph.boundary_bytes[:4] == (2 * 6 * 8 * 4,) * 4  # the hidden state, not the mask
+    plan = pipeline_plan({"emb": 0, "blocks.0": 0, "blocks.1": 1, "blocks.2": 1, "head": 1})
+    split = split_pipeline(model, plan, (ids,), method=method)
+    assert [len(sends) for sends in split.sends] == [1]
+    torch.testing.assert_close(run_stages(split.modules, ids), model(ids), rtol=0, atol=0)
+
+
+def test_a_value_made_early_and_used_late_is_priced_on_every_cut_it_crosses():
+    """The encoder's output crosses the cuts after the decoder's embedding and after the
+    decoder (it is returned, so the last stage returns it): the planner prices those sends
+    as that much more than the layer's own output (``Engine._crossing``)."""
+    from autopar.planner.engine import Engine
+    from cost_models.hardware import Cluster
+    from cost_models.memory import precision
+    from passes.layer_graph import build_layer_graph
+
+    _, _, inputs = _encoder_decoder_split()
+    graph = build_layer_graph(TiedEncoderDecoder(), inputs)
+    names = [layer.name for layer in graph.layers]
+    assert names == ["enc_embed", "encoder", "dec_embed", "decoder", "head"]
+    memory, step = 2 * 6 * 4 * 4, 2 * 3 * 4 * 4  # encoder output; a decoder-side activation
+    assert graph.boundary_bytes[1:4] == (memory, memory + step, memory + step)
+    engine = Engine(graph, Cluster.local(2), precision("float32"), 10.0)
+    assert engine._crossing(2) == pytest.approx((memory + step) / graph.layers[2].output_bytes)

@@ -248,11 +248,16 @@ def test_every_cut_offered_keeps_the_copies_on_distinct_ranks():
             assert owner[cut[wte]] != owner[cut[head]], (config, cut)
 
 
-def test_a_tie_with_the_root_is_not_pipelined():
+def test_a_tie_with_a_root_reading_the_weight_is_not_pipelined():
+    """The root's own ops are on no stage of the plan. A root that only names the weight
+    (read by the tied layers alone: T5's ``shared``) holds no copy, and is pipelined."""
     from autopar.errors import ConfigError
 
     graph = _nanogpt_graph(8)
     tie = Tie(modules=("", "lm_head"), params=("w", "lm_head.weight"), numels=(8192,))
-    rooted = dataclasses.replace(graph, ties=(tie,))
-    with pytest.raises(ConfigError, match="a parameter the root uses is on no planned stage"):
+    rooted = dataclasses.replace(graph, ties=(tie,), read_by_others=frozenset({"w"}))
+    with pytest.raises(ConfigError, match="own forward reads the shared parameter outside "
+                                          "every planned module"):
         search(rooted, Cluster.local(2), mesh=Mesh(pp=2, dp=1))
+    named = dataclasses.replace(rooted, read_by_others=frozenset())
+    assert search(named, Cluster.local(2), mesh=Mesh(pp=2, dp=1)).plan.num_stages >= 2
