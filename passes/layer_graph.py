@@ -126,6 +126,7 @@ def build_layer_graph(
     layers = attach_moe_blocks(layers, groups, meta_model)
     info: K.CaptureInfo = gm.meta[K.CAPTURE]
     ties = find_ties(meta_model, groups)
+    spans = _value_spans(gm, groups)
     return LayerGraph(
         layers=layers,
         batch_size=batch,
@@ -133,8 +134,8 @@ def build_layer_graph(
         param_dtype=_param_dtype(model),
         model_name=model_name,
         context_parallel_problem=context_parallel_problem(gm, model),
-        uncuttable=uncuttable_boundaries(gm, groups),
-        boundary_bytes=boundary_bytes(gm, groups),
+        uncuttable=uncuttable_boundaries(gm, groups, spans),
+        boundary_bytes=boundary_bytes(len(groups), spans),
         ties=ties,
         read_by_others=read_by_others(gm, meta_model, groups),
         returns_loss=any(_is_scalar_float(a) for n in gm.graph.find_nodes(op="output")
@@ -307,20 +308,41 @@ def _is_scalar_float(node: Node) -> bool:
             and getattr(torch, meta.tensors[0].dtype).is_floating_point)
 
 
-def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup]) -> frozenset[int]:
+def _value_spans(gm: GraphModule, groups: list[LayerGroup]) -> list[tuple[Node, int, int]]:
+    """(node, made, used) for each value a later layer uses: the layer making it (-1: a model
+    input), the last layer using it (the model's output is used on the last stage). A
+    constant (Hugging Face Llama's boolean causal mask, its positions) is left out: each
+    stage remakes it (``passes.constants``), so it crosses no cut."""
+    layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
+    last = len(groups) - 1
+    constants = constant_nodes(gm)
+    out = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            made = -1
+        elif node in layer_index and node not in constants:
+            made = layer_index[node]
+        else:
+            continue
+        used = max((last if u.op == "output" else layer_index.get(u, made) for u in node.users),
+                   default=made)
+        if used > max(made, 0):
+            out.append((node, made, used))
+    return out
+
+
+def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup],
+                          spans: list[tuple[Node, int, int]]) -> frozenset[int]:
     """Indices k at which no pipeline stage may start (``LayerGraph.uncuttable``):
 
     - a stage starting at layer k would receive a value that is not a floating-point
       tensor. A value made in layer i (or an input: before layer 0) and used in layer
-      j > i crosses every cut i < k <= j; the model's output is used on the last stage;
-      a constant (Hugging Face Llama's boolean causal mask, its positions) crosses none,
-      as each stage remakes it (``passes.constants``).
+      j > i (``spans``, from ``_value_spans``) crosses every cut i < k <= j.
       Python values made inside a layer are not checked: the runtime's split keeps each
       layer whole and traces such values inside it.
     - layer k runs between two calls of an earlier layer i (one module called again after
       others): layer i is on one stage, so the layers between its calls are too."""
     layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
-    last = len(groups) - 1
     out: set[int] = set()
     latest = -1  # the highest layer index run so far
     for node in gm.graph.nodes:
@@ -328,47 +350,25 @@ def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup]) -> frozense
         if i is not None and i < latest:  # layer i again, after layers up to `latest`
             out.update(range(i + 1, latest + 1))
         latest = max(latest, -1 if i is None else i)
-    constants = constant_nodes(gm)
-    for node in gm.graph.nodes:
-        if node.op == "placeholder":
-            made = -1
-        elif node in layer_index and node not in constants:
-            made = layer_index[node]
-        else:
-            continue  # a constant crosses no cut: each stage remakes it
-        used = max((last if u.op == "output" else layer_index.get(u, made) for u in node.users),
-                   default=made)
-        if used > max(made, 0) and not _sendable(node, inside_layer=made >= 0):
+    for node, made, used in spans:
+        if not _sendable(node, inside_layer=made >= 0):
             out.update(range(max(made, 0) + 1, used + 1))
     return frozenset(out)
 
 
-def boundary_bytes(gm: GraphModule, groups: list[LayerGroup]) -> tuple[int, ...]:
-    """``LayerGraph.boundary_bytes``: per layer i, the bytes of the floating tensors that
-    cross a cut after it. A value made in layer i (or an input: before layer 0) and used in
-    layer j > i crosses every cut between them, as the split sends it
-    (``passes.split_export``'s pass-through); the model's output is used on the last
-    stage; a constant crosses none (each stage recomputes it)."""
-    layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
-    last = len(groups) - 1
-    constants = constant_nodes(gm)
-    change = [0] * (len(groups) + 1)  # += where a value starts crossing, -= where it stops
-    for node in gm.graph.nodes:
-        if node in constants or node.op == "get_attr" or K.TENSOR not in node.meta:
-            continue
-        if node.op == "placeholder":
-            made = 0
-        elif node in layer_index:
-            made = layer_index[node]
-        else:
-            continue
-        used = max((last if u.op == "output" else layer_index.get(u, made) for u in node.users),
-                   default=made)
-        if used > made:
-            nbytes = sum(t.nbytes for t in node.meta[K.TENSOR].tensors
-                         if getattr(torch, t.dtype).is_floating_point)
-            change[made] += nbytes
-            change[used] -= nbytes
+def boundary_bytes(layers: int, spans: list[tuple[Node, int, int]]) -> tuple[int, ...]:
+    """``LayerGraph.boundary_bytes`` of ``layers`` layers: a value made in layer i (or an
+    input: before layer 0) and used in layer j > i (``spans``) crosses every cut between
+    them, as the split sends it (``passes.split_export``'s pass-through); its floating
+    tensors count."""
+    change = [0] * (layers + 1)  # += where a value starts crossing, -= where it stops
+    for node, made, used in spans:
+        if node.op == "get_attr" or K.TENSOR not in node.meta:
+            continue  # a parameter: each stage holds its own
+        nbytes = sum(t.nbytes for t in node.meta[K.TENSOR].tensors
+                     if getattr(torch, t.dtype).is_floating_point)
+        change[max(made, 0)] += nbytes
+        change[used] -= nbytes
     return tuple(itertools.accumulate(change[:-1]))
 
 

@@ -459,7 +459,7 @@ def _state_dict_names_as_in(model: nn.Module, stage: nn.Module) -> None:
                 owner.register_parameter(leaf, t)
     set_tensor_names(stage, {name: tuple(aliases[id(params[name])])
                              for name, _ in stage.named_parameters(remove_duplicate=False)
-                             if len(aliases.get(id(params.get(name)), ())) > 1})
+                             if name in params and len(aliases[id(params[name])]) > 1})
     named = stage.state_dict(keep_vars=True)
     first: dict[int, str] = {}
     for name, t in named.items():

@@ -132,13 +132,12 @@ def _symbolic_stages(model: nn.Module, plan: Plan, units: list[str], example_inp
     stages = _layer_stages(model, plan, order)
     node_stage = _node_stages(gm, stages, set(units), plan.num_stages)
     values = _propagate(gm, model, example_inputs)
-    modules = [
-        _stage_module(gm, model, node_stage, values, s, plan.num_stages)
-        for s in range(plan.num_stages)
-    ]
+    constants = constant_nodes(gm)
+    crossing = [_crossing(gm, node_stage, s, constants) for s in range(plan.num_stages - 1)]
+    modules = [_stage_module(gm, model, node_stage, values, s, crossing, constants)
+               for s in range(plan.num_stages)]
     _check_tied(modules)
-    sends = tuple(tuple(send_record(n, values[n]) for n in _crossing(gm, node_stage, s))
-                  for s in range(plan.num_stages - 1))
+    sends = tuple(tuple(send_record(n, values[n]) for n in sent) for sent in crossing)
     return modules, sends
 
 
@@ -342,10 +341,10 @@ def _propagate(gm: GraphModule, model: nn.Module, example_inputs: tuple) -> dict
     return values
 
 
-def _crossing(gm: GraphModule, node_stage: dict[Node, int], s: int) -> list[Node]:
-    """Values made on a stage <= s and used on a stage > s, in graph order; constants
+def _crossing(gm: GraphModule, node_stage: dict[Node, int], s: int, constants: set[Node]
+              ) -> list[Node]:
+    """Values made on a stage <= s and used on a stage > s, in graph order; ``constants``
     (``passes.constants``: a causal mask, positions) are remade on the later stage."""
-    constants = constant_nodes(gm)
     return [
         n for n in gm.graph.nodes
         if n in node_stage and n.op != "output" and node_stage[n] <= s and n not in constants
@@ -361,7 +360,9 @@ def _user(node: Node) -> Node:
 
 
 def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int],
-                  values: dict[Node, object], s: int, num_stages: int) -> GraphModule:
+                  values: dict[Node, object], s: int, crossing: list[list[Node]],
+                  constants: set[Node]) -> GraphModule:
+    """Stage ``s``: it receives ``crossing[s - 1]`` and sends ``crossing[s]``."""
     graph = torch.fx.Graph()
     env: dict[Node, Node] = {}
     if s == 0:
@@ -369,11 +370,9 @@ def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int]
             if node.op == "placeholder":
                 env[node] = graph.node_copy(node)
     else:
-        for node in _crossing(gm, node_stage, s - 1):
+        for node in crossing[s - 1]:
             check_sendable(node, values[node], s - 1, _user(node))
             env[node] = graph.placeholder(node.name)
-
-    constants = constant_nodes(gm)
 
     def arg(n: Node) -> Node:
         if n not in env and (n.op == "get_attr" or n in constants):
@@ -383,11 +382,11 @@ def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int]
     for node in gm.graph.nodes:
         if node.op in _CALLS and node_stage[node] == s:
             env[node] = graph.node_copy(node, arg)
-    if s == num_stages - 1:
+    if s == len(crossing):
         out = next(n for n in gm.graph.nodes if n.op == "output")
         graph.node_copy(out, arg)
     else:
-        sent = _crossing(gm, node_stage, s)
+        sent = crossing[s]
         for node in sent:
             check_sendable(node, values[node], s, _user(node))
         graph.output(arg(sent[0]) if len(sent) == 1 else tuple(arg(n) for n in sent))
