@@ -111,6 +111,10 @@ class TPOption:
     """With sequence parallelism: the ``tp_styles`` a plan gives the layer when it sets
     ``sequence_parallel`` (``styles`` plus 'sequence_parallel' for the norm/element-wise
     submodules run on sequence shards). None exactly when ``sp_collectives`` is None."""
+    sp_seq_len: int | None = None
+    """With sequence parallelism: the length of the sequence the layer splits (dim 1 of its
+    residual stream at the captured batch; an encoder's and a decoder's may differ), which
+    the TP degree must divide."""
 
 
 @dataclass(frozen=True, kw_only=True)

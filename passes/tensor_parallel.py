@@ -8,12 +8,18 @@ it shards flows through ops that are exact on shards, ending in a row-parallel L
   of two colwise outputs, as in SwiGLU) -> Linear B (rowwise).
 - Attention: q/k/v Linears (colwise) -> view splitting features into (heads, head_dim) ->
   transpose -> scaled_dot_product_attention -> transpose -> reshape -> out Linear (rowwise).
-  The degree must divide the number of heads. Limitation: only head *alignment* can be
-  checked; the model's reshapes must read the head count from the tensor (``view(B, T, -1,
-  hd)``, as autopar.zoo does). A literal head count with every other size literal fails
-  loudly on a shard; with another size inferred (Hugging Face OPT's ``view(b, -1,
-  num_heads, hd)``) the inferred size would silently take the shard's smaller extent and
-  regroup the wrong elements, so such a view gets no split.
+  The degree must divide the number of heads (of kv heads under grouped-query attention).
+  On the way, ops along other dims act per head shard: Hugging Face's rotary embedding
+  (halves of head_dim sliced, negated and concatenated, cos/sin broadcast over heads),
+  its ``repeat_kv`` (unsqueeze, expand) and reductions over head_dim. A tensor that needs
+  a gradient and is broadcast over the heads (Qwen3's per-head norm weight, a learned bias
+  shared by heads) gets no split: each rank's gradient of it would sum its own heads only.
+  Limitation: only head *alignment* can be checked; the model's reshapes must read the
+  head count from the tensor (``view(B, T, -1, hd)``, as autopar.zoo does). A literal
+  head count with every other size literal fails loudly on a shard; with another size
+  inferred (Hugging Face OPT's ``view(b, -1, num_heads, hd)``) the inferred size would
+  silently take the shard's smaller extent and regroup the wrong elements, so such a view
+  gets no split.
 - A layer that is one ``nn.Linear`` -> ``colwise_gather``; one ``nn.Embedding`` ->
   ``embedding_rowwise``.
 
@@ -29,8 +35,11 @@ Sequence parallelism (Korthikanti et al. 2022) is offered on top of a block's sp
 the graph shows that everything outside the TP regions acts per token, so it can run on
 sequence shards (dim 1 of the [batch, seq, hidden] residual stream):
 
-- the layer reads one floating [b, s, h] tensor from outside and hands one of the same
-  shape on; every node of the layer runs under the layer's module (no root ops joined);
+- the layer reads one floating [b, s, h] tensor from outside (the residual stream) and
+  hands one of the same shape on; every node of the layer runs under the layer's module
+  (no root ops joined). What else it reads from outside (rotary tables, masks) is whole
+  on every rank and needs no gradient (a gradient taken on shards would be partial), and
+  may be read inside the gathered parents or where it is constant along the sequence;
 - every node outside the TP-sharded set that touches the residual stream is a norm over
   the last dim, dropout, an element-wise op (anything it combines with the stream is
   constant along the sequence) or a reduction over the last dim; shape reads of the
@@ -38,7 +47,7 @@ sequence shards (dim 1 of the [batch, seq, hidden] residual stream):
 - each distinct colwise input is gathered once (one all-gather along the sequence) where
   the runtime gathers it: on entry to the colwise Linears' parent module when that is a
   submodule of the layer (torchtitan's ``PrepareModuleInput`` on ``attention``), which
-  must read nothing else from outside and may read the gathered tensor only through the
+  must read no other value made on shards and may read the gathered tensor only through the
   colwise Linears and shape queries (those then see the whole sequence); at each colwise
   Linear when they sit directly in the layer;
 - parameters used on sequence shards belong to submodules run wholly on shards; those
@@ -64,14 +73,15 @@ import torch.nn.functional as F
 from torch.fx import GraphModule, Node
 
 from passes import meta_keys as K
-from passes.annotate import SDPA_TARGETS, fail, op_name, sdpa_arguments
+from passes.annotate import SDPA_TARGETS, fail, needs_grad, op_name, sdpa_arguments
 from passes.group_layers import LayerGroup
 from passes.memory_bound import memory_bound_bytes
 from passes.records import Collective, SavedSplit, TPOption
 
 _UNARY = {"gelu", "relu", "silu", "tanh", "sigmoid", "dropout", "erf", "neg", "contiguous",
           "clone", "alias", "pow", "mul", "add", "sub", "div", "truediv", "to", "_to_copy",
-          "type_as", "float", "half", "bfloat16", "relu_", "gelu_", "dropout_", "feature_dropout"}
+          "type_as", "float", "half", "bfloat16", "relu_", "gelu_", "dropout_", "feature_dropout",
+          "rsqrt", "sqrt", "exp", "log", "abs"}
 _BINARY = {"mul", "add", "sub", "div", "truediv"}
 _MASKED = {"masked_fill", "masked_fill_", "where"}
 _SOFTMAX = {"softmax", "_softmax", "log_softmax", "_log_softmax"}
@@ -226,6 +236,8 @@ def _propagate(gm, model, group, inside, seeds):
         for user in node.users:
             if user not in inside or user.op == "output":
                 raise _Reject  # a shard would leave the layer
+    if need - inside:
+        raise _Reject  # the operand comes from a Linear of another layer
     return need, rows, states, units
 
 
@@ -253,9 +265,88 @@ def _rule(gm, node: Node, states: dict[Node, State], need: set[Node], seeds, mod
     if name in ("size", "sym_size"):
         _size_of_unsharded_dim(node, states[node.args[0]])
         return None  # an int, the same on every shard
+    if name == "_assert_tensor_metadata":
+        return None  # export's dtype check at a `.to()`, no output: eager runs none
+    if name in ("mean", "sum", "amax", "amin"):  # (self, dim, keepdim, ...) in each
+        return _reduction(node, states[node.args[0]])
+    if name == "unsqueeze":
+        return _unsqueeze(node, states[node.args[0]])
+    if name == "expand":
+        return _expand(node, states[node.args[0]])
+    if name == "slice":
+        return _slice(node, states[node.args[0]])
+    if name == "cat":
+        return _cat(node, states, need, seeds, gm, model)
     if name in _BATCHED_PRODUCTS:
         return _batched_product(node, states, need, seeds, gm, model)
     raise _Reject
+
+
+def _dim_arg(node: Node, default: int | None = None) -> int | None:
+    dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", default)
+    return dim if isinstance(dim, int) else None
+
+
+def _reduction(node: Node, state: State) -> State:
+    """A reduction over other dims acts per shard (Qwen3's RMSNorm over head_dim)."""
+    dim, unit = state
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    dims = dims if isinstance(dims, (list, tuple)) else [dims]
+    keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+    ndim = _ndim(node.args[0])
+    if not dims or any(not isinstance(d, int) for d in dims) or \
+            dim in {d % ndim for d in dims}:
+        raise _Reject
+    return (dim if keep else dim - sum(d % ndim < dim for d in dims)), unit
+
+
+def _unsqueeze(node: Node, state: State) -> State:
+    """A new dim of size 1 (Hugging Face's ``cos.unsqueeze(1)``, ``x[:, :, None]``)."""
+    dim, unit = state
+    new = _dim_arg(node)
+    if new is None:
+        raise _Reject
+    return (dim + 1 if new % _ndim(node) <= dim else dim), unit
+
+
+def _expand(node: Node, state: State) -> State:
+    """Broadcast along other dims (Hugging Face's ``repeat_kv``: kv heads expanded to
+    (kv heads, groups)). The sharded dim keeps its extent; were it given as a literal it
+    would broadcast a one-head shard to the whole extent, which then meets the
+    shard-sized operands it is combined with (the query heads) or the row-parallel
+    Linear's weight: a loud shape error, never a silent one."""
+    dim, unit = state
+    s_in, s_out = _shape(node.args[0]), _shape(node)
+    out_dim = dim + len(s_out) - len(s_in)
+    if s_out[out_dim] != s_in[dim]:
+        raise _Reject
+    return out_dim, unit
+
+
+def _slice(node: Node, state: State) -> State:
+    """A slice along another dim (rotary embedding's halves of head_dim) acts per shard."""
+    dim, unit = state
+    along = _dim_arg(node, 0)
+    if along is None or along % _ndim(node) == dim:
+        raise _Reject
+    return state
+
+
+def _cat(node, states, need, seeds, gm, model) -> State | None:
+    """Concatenation along another dim of tensors sharded alike (``rotate_half``)."""
+    parts = node.args[0]
+    along = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    if not isinstance(parts, (list, tuple)) or not all(isinstance(t, Node) for t in parts) \
+            or not isinstance(along, int):
+        raise _Reject
+    if _await_operands(parts, states, need, seeds, gm, model):
+        return None
+    found = {states[t][0] for t in parts}
+    (dim,) = found if len(found) == 1 else (None,)
+    if dim is None or along % _ndim(node) == dim or \
+            any(_ndim(t) != _ndim(node) for t in parts):
+        raise _Reject
+    return dim, math.gcd(*(states[t][1] for t in parts))
 
 
 def _size_of_unsharded_dim(node: Node, state: State) -> None:
@@ -305,10 +396,11 @@ def _elementwise(node, states, need, seeds, gm, model) -> State | None:
     shape = _shape(node)
     out: State | None = None
     for a in tensors:
-        if a in states:
-            if _shape(a) != shape:
+        if a in states:  # broadcast along other dims only (RMSNorm's per-head statistics)
+            a_dim, unit = states[a]
+            dim = a_dim + len(shape) - len(_shape(a))
+            if _shape(a)[a_dim] != shape[dim] or (out and out[0] != dim):
                 raise _Reject
-            dim, unit = states[a]
             out = (dim, math.gcd(unit, out[1]) if out else unit)
     dim = out[0]
     for a in tensors:
@@ -317,6 +409,8 @@ def _elementwise(node, states, need, seeds, gm, model) -> State | None:
         a_shape = _shape(a)
         offset = len(shape) - len(a_shape)
         if dim - offset < 0 or a_shape[dim - offset] == 1:
+            if needs_grad(gm, a):  # Qwen3's per-head norm weight
+                raise _Reject  # its gradient would sum this rank's shard only
             continue  # broadcast along the sharded dim: the same on every shard
         producer = _trace_back(a, gm, model)
         if producer is None or producer in seeds:
@@ -328,13 +422,13 @@ def _elementwise(node, states, need, seeds, gm, model) -> State | None:
 
 def _sdpa(node, states, need, seeds, gm, model) -> State | None:
     bound = sdpa_arguments(node)
-    if bound.get("enable_gqa"):
-        raise _Reject
     mask = bound.get("attn_mask")
     if isinstance(mask, Node):
         m_shape = _shape(mask)
         if mask in states or (len(m_shape) >= 3 and m_shape[-3] != 1):
             raise _Reject  # a per-head mask would need sharding too
+        if needs_grad(gm, mask):
+            raise _Reject  # a learned bias shared by heads: its gradient would be partial
     qkv = [bound[k] for k in ("query", "key", "value")]
     if _await_operands(qkv, states, need, seeds, gm, model):
         return None
@@ -387,20 +481,30 @@ def _transpose(node: Node, state: State) -> State:
     return (b if dim == a else a if dim == b else dim), unit
 
 
+_TRACED = _VIEWS | _UNARY | _BINARY | {"transpose", "permute", "unsqueeze", "expand", "slice",
+                                      "cat"}
+"""Ops a head-sharded tensor is followed back through to its Linear (``_trace_back``)."""
+
+
 def _trace_back(node: Node, gm, model) -> Node | None:
-    """The Linear a tensor comes from through single-input views/elementwise ops, if any."""
-    for _ in range(16):
-        if linear_of(gm, model, node) is not None:
-            return node
-        if node.op == "call_function" and node.target in SDPA_TARGETS:
+    """The one Linear a tensor comes from through views and element-wise ops (Hugging
+    Face's rotary embedding: q·cos + rotate_half(q)·sin comes from q_proj alone), if
+    any. Operands no Linear made (cos, sin, constants) do not count; two Linears do."""
+    found: set[Node] = set()
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if len(seen) > 64:
             return None
-        name = op_name(node)
-        inputs = _tensor_inputs(node)
-        if len(inputs) != 1 or not (name in _VIEWS or name in _UNARY or
-                                    name in ("transpose", "permute") or node.op == "call_module"):
-            return None
-        node = inputs[0]
-    return None
+        if linear_of(gm, model, n) is not None:
+            found.add(n)
+        elif n.op == "call_module" or (n.op in ("call_function", "call_method")
+                                       and op_name(n) in _TRACED):
+            todo += _tensor_inputs(n)
+    return found.pop() if len(found) == 1 else None
 
 
 # -- the option -----------------------------------------------------------------------------
@@ -442,6 +546,7 @@ def _option(gm, model, group, colwise, rowwise, states, units) -> TPOption:
         sp_saved=sp[1] if sp else None,
         sp_collectives=sp[2] if sp else None,
         sp_styles=sp[0] if sp else None,
+        sp_seq_len=sp[3] if sp else None,
     )
 
 
@@ -457,8 +562,7 @@ def _node_of(group: LayerGroup, rel: str) -> Node:
 
 _NORMS = {"layer_norm", "native_layer_norm", "rms_norm", "_fused_rms_norm"}
 _NORM_MODULES = (nn.LayerNorm, nn.RMSNorm)
-_PER_TOKEN = _UNARY | _BINARY | {"rsqrt", "sqrt", "exp", "log", "abs", "native_dropout",
-                                 "getitem"}
+_PER_TOKEN = _UNARY | _BINARY | {"native_dropout", "getitem"}
 _LAST_DIM_REDUCTIONS = {"mean", "sum", "var", "std", "amax", "amin"}
 
 
@@ -482,7 +586,7 @@ class _SequenceSplit:
         """Nodes whose output is a [b, s, ...] tensor held as sequence shards."""
 
     def result(self, styles: dict[str, str]
-               ) -> tuple[dict[str, str], SavedSplit, tuple[Collective, ...]]:
+               ) -> tuple[dict[str, str], SavedSplit, tuple[Collective, ...], int]:
         for node in self.calls:
             self._classify(node)
         self._check_output()
@@ -499,17 +603,27 @@ class _SequenceSplit:
                 if rel not in first and _under(n, f"{prefix}{rel}"):
                     first[rel] = order[n]
         sp_styles = dict(sorted(sp_styles.items(), key=lambda kv: first[kv[0]]))
-        return sp_styles, self._saved(runs), self._collectives()
+        return sp_styles, self._saved(runs), self._collectives(), _shape(self.stream)[1]
 
     # -- facts the classification needs ------------------------------------------------------
 
     def _stream_input(self) -> Node:
-        """The one floating [b, s, h] tensor the layer reads from outside."""
+        """The floating [b, s, h] tensor the layer reads from outside and hands on: the one
+        outside input shaped like the layer's output. The others are side inputs, the same
+        on every rank and whole along the sequence (Hugging Face's rotary cos/sin, masks);
+        ``_classify`` and ``_gather_points`` decide where they may be read."""
         outside = list(dict.fromkeys(a for n in self.calls for a in n.all_input_nodes
                                      if a not in self.inside and a.op != "get_attr"))
-        if len(outside) != 1 or not _is_stream(outside[0]):
+        outs = [n for n in self.calls if any(u not in self.inside for u in n.users)]
+        if len(outs) != 1:
             raise _Reject
-        return outside[0]
+        streams = [a for a in outside if _is_stream(a) and _shape(a) == _shape(outs[0])]
+        if len(streams) != 1:
+            raise _Reject
+        self.side = set(outside) - set(streams)
+        if any(needs_grad(self.gm, a) for a in self.side):
+            raise _Reject  # its gradient from ops on shards would be partial
+        return streams[0]
 
     def _gather_points(self) -> dict[Node, tuple[str | None, int]]:
         """colwise input -> (module entered with it gathered, or None: gathered at each
@@ -531,8 +645,9 @@ class _SequenceSplit:
                 raise _Reject
             for n in self.calls:
                 if _under(n, parent) and any(a is not x and a.op != "get_attr" and
-                                             not _under(a, parent) for a in n.all_input_nodes):
-                    raise _Reject  # the module reads more than the gathered tensor
+                                             a not in self.side and not _under(a, parent)
+                                             for a in n.all_input_nodes):
+                    raise _Reject  # the module reads a value made on sequence shards
             out[x] = (parent, 1)
         return out
 
@@ -551,6 +666,8 @@ class _SequenceSplit:
         if not node.meta[K.TENSOR].tensors:
             if node.op == "call_module" and str(node.target) == "_guards_fn":
                 return  # torch.export's check of the captured input shapes
+            if op_name(node) == "_assert_tensor_metadata":
+                return  # export's dtype check at a `.to()`: eager runs none
             if any(a in self.seq and a not in gathered for a in ins):
                 raise _Reject  # a shape read of sequence shards
             return

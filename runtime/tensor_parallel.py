@@ -27,7 +27,9 @@ The layer itself gets ``PrepareModuleInputOutput``: its input arrives as sequenc
 from a sequence-parallel layer just before it in the plan (plan order is execution order),
 else whole and split locally (no communication); its output stays sharded, as a DTensor,
 when the next layer of the plan is sequence-parallel too, else it is all-gathered whole.
-Across a pipeline stage boundary likewise (``sp_before``/``sp_after``): the shard crosses
+The layer and each gathering parent get the residual stream as their one positional
+input (``_first_input_alone``); what else they take (masks, rotary tables) passes by name,
+whole. Across a pipeline stage boundary likewise (``sp_before``/``sp_after``): the shard crosses
 as it is (``runtime.pipeline_sends.sequence_sharded_boundaries``).
 A sequence-parallel layer may also ask for PyTorch's async TP (``LayerPlan.async_tp``):
 after its styles are applied it is compiled with Inductor's micro-pipeline pass, which
@@ -43,6 +45,7 @@ the graph shows it acts per token.
 
 from __future__ import annotations
 
+import inspect
 import logging
 from collections.abc import Callable
 
@@ -238,6 +241,8 @@ def _apply_async_tp(model: nn.Module, layers: list[LayerPlan], tp_mesh: DeviceMe
 def _apply_sequence_parallel(root: nn.Module, layer: LayerPlan, tp_mesh: DeviceMesh, *,
                              prev_sp: bool, next_sp: bool) -> None:
     """One SP layer: its boundary layouts from its neighbours, then its submodules."""
+    # before the layouts' hooks, which lay out positional inputs only
+    root.register_forward_pre_hook(_first_input_alone(root, layer.module), with_kwargs=True)
     root.register_forward_pre_hook(_sequence_check(layer, tp_mesh.size(), prev_sp))
     parallelize_module(root, tp_mesh, PrepareModuleInputOutput(
         input_layouts=(Shard(1) if prev_sp else Replicate(),),
@@ -247,7 +252,52 @@ def _apply_sequence_parallel(root: nn.Module, layer: LayerPlan, tp_mesh: DeviceM
         desired_output_layouts=(Shard(1) if next_sp else Replicate(),),
         use_local_output=not next_sp,
     ))
-    parallelize_module(root, tp_mesh, sequence_parallel_styles(layer.tp_styles))
+    styles = sequence_parallel_styles(layer.tp_styles)
+    for path, style in styles.items():
+        if isinstance(style, PrepareModuleInput):
+            module = root.get_submodule(path)
+            module.register_forward_pre_hook(
+                _first_input_alone(module, f"{layer.module}.{path}"), with_kwargs=True)
+    parallelize_module(root, tp_mesh, styles)
+
+
+def _first_input_alone(module: nn.Module, path: str) -> Callable:
+    """A forward pre-hook passing the module's first parameter positionally and the rest
+    by name. The layouts of a sequence-parallel layer and of the parents it gathers for
+    apply to the one positional input (the residual stream); Hugging Face calls them with
+    more (BERT: ``layer(hidden_states, attention_mask)``) or with keywords only (Llama:
+    ``self_attn(hidden_states=..., position_embeddings=...)``)."""
+    signature = inspect.signature(module.forward)
+    params = list(signature.parameters.values())
+    first = params[0].name if params and params[0].kind in _BY_POSITION else None
+
+    def hook(_module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+        if first is None or (len(args) == 1 and first not in kwargs):
+            return None
+        bound = signature.bind(*args, **kwargs).arguments
+        if first not in bound:
+            return None
+        rest: dict = {}
+        for name, value in bound.items():
+            kind = signature.parameters[name].kind
+            if name == first:
+                continue
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                rest.update(value)
+            elif kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                          inspect.Parameter.KEYWORD_ONLY):
+                rest[name] = value
+            else:
+                raise PlanError(
+                    f"{path!r} (sequence_parallel): its forward takes {name!r} by position "
+                    "only, so its input cannot be gathered alone; set sequence_parallel "
+                    "false for the layer")
+        return (bound[first],), rest
+
+    return hook
+
+
+_BY_POSITION = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 def sequence_parallel_styles(tp_styles: dict[str, str]) -> dict[str, ParallelStyle]:

@@ -203,6 +203,21 @@ def _tp2(model, batch, plan: Plan) -> Plan:
         tp_styles=splittable.get(layer.module, {})), mesh=Mesh(dp=1, tp=2))
 
 
+def _sp2(model, batch, plan: Plan) -> Plan:
+    """tp = 2 with sequence parallelism on every layer that offers it."""
+    from passes.layer_graph import build_layer_graph
+
+    graph = build_layer_graph(model, batch)
+    sp = {layer.name: dict(layer.tp.sp_styles) for layer in graph.layers
+          if layer.tp is not None and layer.tp.sp_styles is not None}
+    if not sp:
+        raise Unavailable("no layer offers sequence parallelism")
+    return _forced(model, plan, lambda layer: dict(
+        strategy="tp" if layer.module in sp else "replicate",
+        tp_styles=sp.get(layer.module, {}), sequence_parallel=layer.module in sp),
+        mesh=Mesh(dp=1, tp=2))
+
+
 class Unavailable(Exception):
     """A variant the model does not allow, with the reason a user would be told."""
 
@@ -227,6 +242,7 @@ def variant_plan(name: str, variant: str) -> tuple[str | None, str]:
                                                                       recompute="full")),
             "mixed": lambda: _mixed(model, base),
             "tp2": lambda: _tp2(model, inputs, base),
+            "sp2": lambda: _sp2(model, inputs, base),
         }[variant]()
     except (Unavailable, autopar.AutoparError) as e:
         return None, str(e)
@@ -247,6 +263,20 @@ def test_trains_like_one_process(pool2, name, variant):
     assert plan is not None, f"{name} has no {variant} plan: {why}"
     pipeline = Plan.from_json(plan).mesh.pp > 1
     assert_matches_reference(pool2.run(train_job, name, plan), name, pipeline)
+
+
+SP_CASES = [("hf-mistral-mask", "sp2"), ("hf-bert-mlm", "sp2")]
+"""Sequence parallelism on Hugging Face layers: Mistral's attention is called with keywords
+only and reads rotary tables and a mask made outside the layer; BERT's layers are called
+with the mask as a second positional argument."""
+
+
+@pytest.mark.parametrize(("name", "variant"), SP_CASES, ids=[f"{n}-{v}" for n, v in SP_CASES])
+def test_sequence_parallel_trains_like_one_process(pool2, name, variant):
+    plan, why = variant_plan(name, variant)
+    assert plan is not None, f"{name} has no {variant} plan: {why}"
+    assert any(layer.sequence_parallel for layer in Plan.from_json(plan).layers)
+    assert_matches_reference(pool2.run(train_job, name, plan), name, False)
 
 
 @pytest.mark.parametrize(("name", "variant"), list(UNAVAILABLE),

@@ -263,7 +263,8 @@ def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
     if not selective or layer.selective_saved_bytes + layer.selective_fixed_bytes <= 0:
         modes = [r for r in modes if r != "selective"]
     can_sp = (sequence_parallel and layer.tp is not None and layer.tp.sp_collectives is not None
-              and seq_len is not None and seq_len % mesh.tp == 0)
+              and seq_len is not None and seq_len % mesh.tp == 0
+              and (layer.tp.sp_seq_len or seq_len) % mesh.tp == 0)
     out = []
     for strategy in allowed_strategies(layer, mesh, hsdp_shard_size=hsdp_shard_size,
                                        microbatches=microbatches):
