@@ -349,7 +349,26 @@ class _LiteralHeads(nn.Module):
         return self.o(y.transpose(1, 2).reshape(b, t, -1))
 
 
-@pytest.mark.parametrize("block", [_BiasAfterShard, _ShardEscapes, _PerHeadMask, _LiteralHeads])
+class _ScaledHeads(nn.Module):
+    """Queries scaled by a learned vector shared by all heads (the shape of Qwen3's per-head
+    norm weight): on head shards each rank's gradient of it sums its own heads only."""
+
+    def __init__(self, d: int = 16, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.scale = nn.Parameter(torch.ones(d // heads))
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = (p(x).view(b, t, -1, d // self.heads).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q * self.scale, k, v, is_causal=True)
+        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
+
+
+@pytest.mark.parametrize("block", [_BiasAfterShard, _ShardEscapes, _PerHeadMask, _LiteralHeads,
+                                   _ScaledHeads])
 def test_no_split_offered_when_it_would_change_results(block):
     lg = _one_block(block(), torch.randn(2, 5, 8 if block in (_BiasAfterShard, _ShardEscapes)
                                           else 16))

@@ -16,8 +16,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from passes.layer_graph import build_layer_graph
 
@@ -61,37 +59,6 @@ def test_a_per_head_norm_weight_keeps_the_attention_whole():
     gradient of it would sum over its own heads only, so only the MLP splits."""
     layer = _decoder("Qwen3", "sdpa", head_dim=16)
     assert layer.tp.styles == MLP
-
-
-class _ScaledHeads(nn.Module):
-    """Attention whose queries are scaled by a learned vector shared by all heads."""
-
-    def __init__(self, d: int = 16, heads: int = 4) -> None:
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
-        self.scale = nn.Parameter(torch.ones(d // heads))
-
-    def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = (p(x).view(b, t, -1, d // self.heads).transpose(1, 2)
-                   for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q * self.scale, k, v, is_causal=True)
-        return x + self.o(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class _Stack(nn.Module):
-    def __init__(self, block: nn.Module) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([block])
-
-    def forward(self, x):
-        return self.blocks[0](x)
-
-
-def test_a_learned_tensor_broadcast_over_heads_gets_no_split():
-    graph = build_layer_graph(_Stack(_ScaledHeads()), (torch.randn(2, 5, 16),))
-    assert graph.layers[0].tp is None
 
 
 def test_encoder_layers_called_with_their_mask_run_on_sequence_shards():
