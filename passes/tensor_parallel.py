@@ -301,7 +301,7 @@ def _reduction(node: Node, state: State) -> State:
 
 
 def _unsqueeze(node: Node, state: State) -> State:
-    """A new dim of size 1 (Hugging Face's ``cos.unsqueeze(1)``, ``x[:, :, None]``)."""
+    """A new dim of size 1 (Hugging Face's ``repeat_kv``: ``x[:, :, None]`` under export)."""
     dim, unit = state
     new = _dim_arg(node)
     if new is None:
@@ -481,8 +481,7 @@ def _transpose(node: Node, state: State) -> State:
     return (b if dim == a else a if dim == b else dim), unit
 
 
-_TRACED = _VIEWS | _UNARY | _BINARY | {"transpose", "permute", "unsqueeze", "expand", "slice",
-                                      "cat"}
+_TRACED = _VIEWS | _UNARY | {"transpose", "permute", "unsqueeze", "expand", "slice", "cat"}
 """Ops a head-sharded tensor is followed back through to its Linear (``_trace_back``)."""
 
 
@@ -732,6 +731,10 @@ class _SequenceSplit:
                     owner = str(a.target).rpartition(".")[0]
                     if not covered(owner) or not _is_parameter(self.model, str(a.target)):
                         raise _Reject
+                elif a not in self.seq and needs_grad(self.gm, a):
+                    # a learned value made outside those submodules (``tanh(self.gate) * h``):
+                    # its gradient from ops on shards would sum this rank's tokens only
+                    raise _Reject
         if not paths:
             raise _Reject
         return paths

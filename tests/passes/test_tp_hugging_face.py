@@ -1,6 +1,6 @@
 """Tensor- and sequence-parallel splits of Hugging Face layers, found from their graphs.
 
-Rotary decoders (Llama, Mistral, Qwen2, Gemma, Phi, Mixtral) rotate q and k by halves of
+Rotary decoders (Llama, Mistral and Qwen2 here) rotate q and k by halves of
 head_dim (slice, neg, cat), broadcast cos/sin made outside the layer (unsqueeze), repeat
 the kv heads for grouped-query attention (unsqueeze, expand) and check dtypes at each
 ``.to()`` (export's ``_assert_tensor_metadata``); their attention splits by heads like

@@ -64,16 +64,19 @@ def test_gpt_blocks_get_sp_styles_saved_bytes_and_collectives(tiny_graph):
 
 
 class _Block(nn.Module):
-    """Pre-norm MLP block; ``mix`` adds a token-mixing op between the TP regions."""
+    """Pre-norm MLP block; ``mix`` adds a token-mixing op between the TP regions, or
+    ("gate") scales the MLP's output by a learned gate, as Mllama's gated layers do."""
 
     def __init__(self, mix: str = "", d: int = 16) -> None:
         super().__init__()
         self.mix = mix
         self.norm = nn.LayerNorm(d)
         self.fc_in, self.fc_out = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+        self.gate = nn.Parameter(torch.full((1,), 0.5))
 
     def forward(self, x):
-        x = x + self.fc_out(F.gelu(self.fc_in(self.norm(x))))
+        h = self.fc_out(F.gelu(self.fc_in(self.norm(x))))
+        x = x + (torch.tanh(self.gate) * h if self.mix == "gate" else h)
         if self.mix == "mean":
             x = x - x.mean(dim=1, keepdim=True)  # every token reads the whole sequence
         if self.mix == "cumsum":
@@ -109,6 +112,14 @@ def test_token_mixing_between_regions_gets_no_sp(mix):
     tp = _block_option(_Block(mix))
     assert tp is not None and tp.styles == {"fc_in": "colwise", "fc_out": "rowwise"}
     assert tp.sp_collectives is None and tp.sp_styles is None and tp.sp_saved_bytes == 0
+
+
+@pytest.mark.parametrize("prefer", ["symbolic_trace", "export"])
+def test_a_learned_gate_on_sequence_shards_gets_no_sp(prefer):
+    """tanh(gate) is made outside any module that runs on shards: each rank's gradient of
+    the gate would sum its own tokens only."""
+    tp = _block_option(_Block("gate"), prefer)
+    assert tp.styles == {"fc_in": "colwise", "fc_out": "rowwise"} and tp.sp_styles is None
 
 
 def test_a_block_on_2d_inputs_gets_no_sp():
