@@ -805,16 +805,21 @@ def _is_parameter(model: nn.Module, target: str) -> bool:
 
 
 def linear_of(gm: GraphModule, model: nn.Module, node: Node) -> tuple[str, nn.Linear] | None:
-    """(module path, Linear) when ``node`` is the one call of an nn.Linear on its weight."""
+    """(module path, Linear) when ``node`` is the one call of an nn.Linear on its weight:
+    ``F.linear(x, weight)``, or ``x @ weight.T`` in a Linear subclass without a bias
+    (Hugging Face's ``FalconLinear``; with a bias, the add after the product is left out
+    of the split)."""
     if node.op == "call_module":
         mod = gm.get_submodule(str(node.target))
         if isinstance(mod, nn.Linear) and _called_once(node):
             return str(node.target), mod
         return None
-    if node.op != "call_function" or node.target not in _LINEAR_TARGETS:
+    weight = _transposed_weight(node)
+    if weight is None and node.op == "call_function" and node.target in _LINEAR_TARGETS:
+        weight = node.args[1] if len(node.args) > 1 else None
+    if weight is None:
         return None
     path = node.meta.get(K.MODULE_PATH, "")
-    weight = node.args[1] if len(node.args) > 1 else None
     try:
         mod = model.get_submodule(path) if path else None
     except AttributeError:
@@ -823,7 +828,25 @@ def linear_of(gm: GraphModule, model: nn.Module, node: Node) -> tuple[str, nn.Li
         return None
     if weight.op != "get_attr" or weight.target != f"{path}.weight" or len(weight.users) != 1:
         return None
+    if node.target not in _LINEAR_TARGETS and mod.bias is not None:
+        return None
     return path, mod
+
+
+def _transposed_weight(node: Node) -> Node | None:
+    """W of ``x @ W.T`` (a matmul by a 2-D transpose used nowhere else)."""
+    if node.op not in ("call_function", "call_method") or op_name(node) not in (
+            "matmul", "__matmul__") or len(node.args) != 2 or not isinstance(node.args[1], Node):
+        return None
+    t = node.args[1]
+    if len(t.users) != 1 or not t.args or not isinstance(t.args[0], Node):
+        return None
+    name, dims = op_name(t), t.args[1:]
+    dims = list(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+    if name in ("t", "numpy_T") or (name == "permute" and list(dims) == [1, 0]) or \
+            (name == "transpose" and sorted(d % 2 for d in dims) == [0, 1]):
+        return t.args[0]
+    return None
 
 
 _MODULE_CALLS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -215,6 +215,12 @@ def apply_tensor_parallel(model: nn.Module, layers: list[LayerPlan], tp_mesh: De
             parallelize_module(root, tp_mesh, parallel_style(layer.tp_styles[""]))
         if plan:
             parallelize_module(root, tp_mesh, plan)
+    for layer in layers:
+        if layer.is_tp:
+            root = model.get_submodule(layer.module)
+            laid_out = set(layer.tp_styles) | ({""} if layer.sequence_parallel else set())
+            for sub in laid_out:  # after the styles' own output hooks
+                root.get_submodule(sub).register_forward_hook(_owned_output)
     _apply_async_tp(model, layers, tp_mesh)
     tp_layers = [layer.module for layer in layers if layer.is_tp]
     if tp_layers:
@@ -259,6 +265,32 @@ def _apply_sequence_parallel(root: nn.Module, layer: LayerPlan, tp_mesh: DeviceM
             module.register_forward_pre_hook(
                 _first_input_alone(module, f"{layer.module}.{path}"), with_kwargs=True)
     parallelize_module(root, tp_mesh, styles)
+
+
+class _Owned(torch.autograd.Function):
+    """The identity, returning a tensor autograd does not see as a view of its input."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:  # noqa: ARG004 - autograd's signature
+        return x.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad
+
+
+def _owned_output(_module: nn.Module, _args: tuple, output: object) -> object:
+    """A forward hook making a TP module's local output modifiable in place.
+
+    DTensor hands the local shard out as a view made inside a custom autograd Function
+    (``to_local``), and autograd forbids modifying such a view in place: user code such as
+    ``F.relu(fc1(x), inplace=True)`` or ``y = fc2(h); y += x`` (Falcon's parallel block) then
+    fails under TP. The shard is this module's own fresh output (the matmul's or the
+    collective's result, which nothing else reads), so handing it on as a plain tensor,
+    without a copy, is safe; autograd passes the gradient straight through."""
+    if isinstance(output, torch.Tensor) and not isinstance(output, DTensor):
+        return _Owned.apply(output)
+    return None
 
 
 def _first_input_alone(module: nn.Module, path: str) -> Callable:

@@ -265,17 +265,22 @@ def test_trains_like_one_process(pool2, name, variant):
     assert_matches_reference(pool2.run(train_job, name, plan), name, pipeline)
 
 
-SP_CASES = [("hf-mistral-mask", "sp2"), ("hf-bert-mlm", "sp2")]
+SPLIT_CASES = [("hf-mistral-mask", "sp2"), ("hf-bert-mlm", "sp2"), ("hf-falcon", "tp2")]
 """Sequence parallelism on Hugging Face layers: Mistral's attention is called with keywords
 only and reads rotary tables and a mask made outside the layer; BERT's layers are called
-with the mask as a second positional argument."""
+with the mask as a second positional argument. Falcon's MLP under tp: its Linears compute
+``x @ weight.T`` (``FalconLinear``), and its block adds attention into the MLP's
+row-parallel output in place."""
 
 
-@pytest.mark.parametrize(("name", "variant"), SP_CASES, ids=[f"{n}-{v}" for n, v in SP_CASES])
-def test_sequence_parallel_trains_like_one_process(pool2, name, variant):
+@pytest.mark.parametrize(("name", "variant"), SPLIT_CASES,
+                         ids=[f"{n}-{v}" for n, v in SPLIT_CASES])
+def test_hugging_face_splits_train_like_one_process(pool2, name, variant):
     plan, why = variant_plan(name, variant)
     assert plan is not None, f"{name} has no {variant} plan: {why}"
-    assert any(layer.sequence_parallel for layer in Plan.from_json(plan).layers)
+    layers = Plan.from_json(plan).layers
+    assert any(layer.strategy == "tp" and layer.sequence_parallel == (variant == "sp2")
+               for layer in layers)
     assert_matches_reference(pool2.run(train_job, name, plan), name, False)
 
 

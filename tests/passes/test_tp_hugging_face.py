@@ -78,3 +78,17 @@ def test_encoder_layers_called_with_their_mask_run_on_sequence_shards():
     assert {s for s, style in layer.tp.sp_styles.items() if style == "sequence_parallel"} == {
         "attention.output.dropout", "attention.output.LayerNorm", "output.dropout",
         "output.LayerNorm"}
+
+
+def test_linears_computing_x_at_w_transposed_split_like_linears():
+    """Falcon's ``FalconLinear`` (an nn.Linear computing ``x @ self.weight.T``): its MLP
+    splits; its fused query_key_value does not."""
+    import transformers
+
+    cfg = transformers.FalconConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_kv_heads=2,
+                                    new_decoder_architecture=True, use_cache=False)
+    graph = build_layer_graph(transformers.FalconForCausalLM(cfg),
+                              (torch.randint(0, VOCAB, (2, SEQ)),))
+    layer = next(la for la in graph.layers if la.name == "transformer.h.0")
+    assert layer.tp.styles == {"mlp.dense_h_to_4h": "colwise", "mlp.dense_4h_to_h": "rowwise"}
