@@ -334,10 +334,9 @@ def _slice(node: Node, state: State) -> State:
 
 def _cat(node, states, need, seeds, gm, model) -> State | None:
     """Concatenation along another dim of tensors sharded alike (``rotate_half``)."""
-    parts = node.args[0]
-    along = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+    parts, along = node.args[0], _dim_arg(node, 0)
     if not isinstance(parts, (list, tuple)) or not all(isinstance(t, Node) for t in parts) \
-            or not isinstance(along, int):
+            or along is None:
         raise _Reject
     if _await_operands(parts, states, need, seeds, gm, model):
         return None
@@ -616,7 +615,8 @@ class _SequenceSplit:
         outs = [n for n in self.calls if any(u not in self.inside for u in n.users)]
         if len(outs) != 1:
             raise _Reject
-        streams = [a for a in outside if _is_stream(a) and _shape(a) == _shape(outs[0])]
+        self.output = outs[0]
+        streams = [a for a in outside if _is_stream(a) and _shape(a) == _shape(self.output)]
         if len(streams) != 1:
             raise _Reject
         self.side = set(outside) - set(streams)
@@ -707,8 +707,8 @@ class _SequenceSplit:
                 raise _Reject
 
     def _check_output(self) -> None:
-        outs = [n for n in self.calls if any(u not in self.inside for u in n.users)]
-        if len(outs) != 1 or outs[0] not in self.seq or _shape(outs[0]) != _shape(self.stream):
+        """The one output (shaped like the stream: ``_stream_input``) runs on shards."""
+        if self.output not in self.seq:
             raise _Reject
 
     def _shard_paths(self, runs: list[Node]) -> list[str]:
