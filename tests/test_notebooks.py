@@ -26,6 +26,13 @@ def test_notebook_is_stored_without_outputs(path):
                 "--clear-output --inplace notebooks/*.ipynb)")
 
 
+FIRST_ROWS = {"03_megatron_table1": "rows = rows[:3]"}
+"""Run after a notebook's first code cell: the Megatron notebook plans the table's first
+three rows (32 to 128 GPUs) here; every row, up to 3,072 GPUs, is planned by
+tests/autopar/planner/test_published.py, and planning them all again would add a minute
+to the suite."""
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_notebook_executes(path):
     import ipykernel  # noqa: F401 - the kernel needs it
@@ -33,7 +40,10 @@ def test_notebook_executes(path):
     import nbclient
     import nbformat
     nb = nbformat.read(path, as_version=4)
-    # Per cell: the Megatron notebook plans every row, up to 3,072 GPUs, in one cell.
+    if path.stem in FIRST_ROWS:
+        first = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+        nb.cells.insert(first + 1, nbformat.v4.new_code_cell(FIRST_ROWS[path.stem]))
+    # Per cell: a whole notebook's planning may run in one cell.
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()

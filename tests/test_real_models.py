@@ -189,25 +189,41 @@ def _mixed(model, plan: Plan) -> Plan:
     return _forced(model, plan, lambda layer: dict(strategy=strategy[layer.module]))
 
 
-def _tp2(model, batch, plan: Plan) -> Plan:
+@functools.cache
+def _layer_graph(name: str):
+    """The captured layer graph of a model at the planning batch (one capture per model)."""
     from passes.layer_graph import build_layer_graph
 
-    graph = build_layer_graph(model, batch)
+    spec = SPECS[name]
+    return build_layer_graph(spec.build(seed=0), planning_inputs(spec, spec.batch(BATCH)))
+
+
+@functools.cache
+def _dp2_plan(name: str) -> Plan:
+    """The planner's plan on dp = 2, which the forced variants change (planned once per model:
+    capture and solve take seconds)."""
+    spec = SPECS[name]
+    return autopar.plan(spec.build(seed=0), Cluster.local(2),
+                        planning_inputs(spec, spec.batch(BATCH)), mesh=Mesh(dp=2))
+
+
+def _tp2(model, name: str, plan: Plan) -> Plan:
+    graph = _layer_graph(name)
     splittable = {layer.name: dict(layer.tp.styles) for layer in graph.layers
                   if layer.tp is not None and all(d % 2 == 0 for d in layer.tp.divisors)}
     if not splittable:  # what `autopar explain` says of a layer on a tp = 2 mesh
-        tp_plan = autopar.plan(model, Cluster.local(2), batch, mesh=Mesh(dp=1, tp=2))
+        spec = SPECS[name]
+        tp_plan = autopar.plan(model, Cluster.local(2), planning_inputs(spec, spec.batch(BATCH)),
+                               mesh=Mesh(dp=1, tp=2))
         raise Unavailable(format_explanation(explain(tp_plan, tp_plan.layers[0].module)))
     return _forced(model, plan, lambda layer: dict(
         strategy="tp" if layer.module in splittable else "replicate",
         tp_styles=splittable.get(layer.module, {})), mesh=Mesh(dp=1, tp=2))
 
 
-def _sp2(model, batch, plan: Plan) -> Plan:
+def _sp2(model, name: str, plan: Plan) -> Plan:
     """tp = 2 with sequence parallelism on every layer that offers it."""
-    from passes.layer_graph import build_layer_graph
-
-    graph = build_layer_graph(model, batch)
+    graph = _layer_graph(name)
     sp = {layer.name: dict(layer.tp.sp_styles) for layer in graph.layers
           if layer.tp is not None and layer.tp.sp_styles is not None}
     if not sp:
@@ -235,14 +251,14 @@ def variant_plan(name: str, variant: str) -> tuple[str | None, str]:
         if variant == "pp2":
             return autopar.plan(model, local, pipeline_inputs(batch),
                                 mesh=Mesh(pp=2, dp=1)).to_json(), ""
-        base = autopar.plan(model, local, inputs, mesh=Mesh(dp=2))
+        base = _dp2_plan(name)
         plan = {
             "fsdp": lambda: _forced(model, base, lambda _: dict(strategy="fsdp")),
             "zero2_full": lambda: _forced(model, base, lambda _: dict(strategy="zero2",
                                                                       recompute="full")),
             "mixed": lambda: _mixed(model, base),
-            "tp2": lambda: _tp2(model, inputs, base),
-            "sp2": lambda: _sp2(model, inputs, base),
+            "tp2": lambda: _tp2(model, name, base),
+            "sp2": lambda: _sp2(model, name, base),
         }[variant]()
     except (Unavailable, autopar.AutoparError) as e:
         return None, str(e)
