@@ -90,6 +90,19 @@ def owning_layer(path: str, layers: set[str]) -> str | None:
         path = path.rpartition(".")[0]
 
 
+def stateless_layers(model: nn.Module, layers: set[str] | list[str]) -> set[str]:
+    """The layers holding no parameter and no buffer (a stack's shared ``Dropout``, an
+    activation module). Such a layer may run on several pipeline stages: each call computes
+    from its inputs alone, so a stage can call it again where the layers around the call
+    run (T5's stacks call one dropout before their first block and after their last)."""
+    out = set()
+    for name in layers:
+        module = model.get_submodule(name)
+        if next(module.parameters(), None) is None and next(module.buffers(), None) is None:
+            out.add(name)
+    return out
+
+
 def group_layers(gm: GraphModule, model: nn.Module, opaque: tuple[str, ...] = ()
                  ) -> list[LayerGroup]:
     """LAYER on every node of a layer; returns the layers in execution order, with classes.

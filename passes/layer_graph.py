@@ -67,6 +67,7 @@ from passes.group_layers import (
     group_layers,
     owning_layer,
     read_by_others,
+    stateless_layers,
 )
 from passes.inplace import count_inplace_inputs, inplace_input_bytes
 from passes.low_precision import casts_up, saved_at_16_bits
@@ -126,7 +127,8 @@ def build_layer_graph(
     layers = attach_moe_blocks(layers, groups, meta_model)
     info: K.CaptureInfo = gm.meta[K.CAPTURE]
     ties = find_ties(meta_model, groups)
-    spans = _value_spans(gm, groups)
+    stateless = stateless_layers(meta_model, [g.name for g in groups])
+    spans = _value_spans(gm, groups, stateless)
     return LayerGraph(
         layers=layers,
         batch_size=batch,
@@ -134,7 +136,7 @@ def build_layer_graph(
         param_dtype=_param_dtype(model),
         model_name=model_name,
         context_parallel_problem=context_parallel_problem(gm, model),
-        uncuttable=uncuttable_boundaries(gm, groups, spans),
+        uncuttable=uncuttable_boundaries(gm, groups, spans, stateless),
         boundary_bytes=boundary_bytes(len(groups), spans),
         ties=ties,
         read_by_others=read_by_others(gm, meta_model, groups),
@@ -308,12 +310,30 @@ def _is_scalar_float(node: Node) -> bool:
             and getattr(torch, meta.tensors[0].dtype).is_floating_point)
 
 
-def _value_spans(gm: GraphModule, groups: list[LayerGroup]) -> list[tuple[Node, int, int]]:
+def layer_of_call(gm: GraphModule, groups: list[LayerGroup], stateless: set[str]
+                  ) -> dict[Node, int]:
+    """The index of the layer each node runs in, as the pipeline split places it: a call of
+    a ``stateless`` layer after later layers have run belongs to the latest of them (the
+    split runs it there: ``passes.split_export``, ``passes.split_stages``)."""
+    index = {n: i for i, g in enumerate(groups) for n in g.nodes}
+    latest = -1
+    for node in gm.graph.nodes:
+        i = index.get(node) if node.op in CALL_OPS else None
+        if i is None:
+            continue
+        if i < latest and groups[i].name in stateless:
+            index[node] = i = latest
+        latest = max(latest, i)
+    return index
+
+
+def _value_spans(gm: GraphModule, groups: list[LayerGroup], stateless: set[str]
+                 ) -> list[tuple[Node, int, int]]:
     """(node, made, used) for each value a later layer uses: the layer making it (-1: a model
     input), the last layer using it (the model's output is used on the last stage). A
     constant (Hugging Face Llama's boolean causal mask, its positions) is left out: each
     stage remakes it (``passes.constants``), so it crosses no cut."""
-    layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
+    layer_index = layer_of_call(gm, groups, stateless)
     last = len(groups) - 1
     constants = constant_nodes(gm)
     out = []
@@ -332,7 +352,8 @@ def _value_spans(gm: GraphModule, groups: list[LayerGroup]) -> list[tuple[Node, 
 
 
 def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup],
-                          spans: list[tuple[Node, int, int]]) -> frozenset[int]:
+                          spans: list[tuple[Node, int, int]],
+                          stateless: set[str] = frozenset()) -> frozenset[int]:
     """Indices k at which no pipeline stage may start (``LayerGraph.uncuttable``):
 
     - a stage starting at layer k would receive a value that is not a floating-point
@@ -341,8 +362,10 @@ def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup],
       Python values made inside a layer are not checked: the runtime's split keeps each
       layer whole and traces such values inside it.
     - layer k runs between two calls of an earlier layer i (one module called again after
-      others): layer i is on one stage, so the layers between its calls are too."""
-    layer_index = {n: i for i, g in enumerate(groups) for n in g.nodes}
+      others): layer i is on one stage, so the layers between its calls are too; unless
+      layer i is ``stateless`` (``passes.group_layers.stateless_layers``): the split runs
+      its later calls on the stage of the layers around them."""
+    layer_index = layer_of_call(gm, groups, stateless)
     out: set[int] = set()
     latest = -1  # the highest layer index run so far
     for node in gm.graph.nodes:

@@ -51,7 +51,7 @@ from torch.utils._pytree import tree_unflatten
 from passes import meta_keys as K
 from passes.annotate import annotate_module_paths
 from passes.constants import constant_nodes
-from passes.group_layers import owning_layer
+from passes.group_layers import owning_layer, stateless_layers
 from passes.trace import GraphCaptureError, explain_failure
 from runtime.materialize import on_meta
 from runtime.pipeline_sends import Send
@@ -99,7 +99,7 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
     ``histc`` by ``device.type``), and a constant it makes in ``forward`` (Falcon's
     ``torch.tensor([-2])``) keeps its value. The stages then hold meta tensors, allocated
     by ``runtime.materialize``, and those constants."""
-    policy = _CutPolicy(units, stages_of, num_stages)
+    policy = _CutPolicy(units, stages_of, num_stages, stateless_layers(model, units))
     with _captured_on_cpu(model) as to_capture:
         inputs = tuple(to_capture(x) for x in example_inputs)
         kwargs = {k: to_capture(v) for k, v in (example_kwargs or {}).items()}
@@ -194,8 +194,10 @@ def _replace_tensors(module: nn.Module, make: Callable[[torch.Tensor], torch.Ten
 class _CutPolicy:
     """``pipeline()``'s ``split_policy``: marks the planned cuts on the exported graph."""
 
-    def __init__(self, units: list[str], stages_of: StagesOf, num_stages: int) -> None:
+    def __init__(self, units: list[str], stages_of: StagesOf, num_stages: int,
+                 stateless: set[str]) -> None:
         self.units = set(units)
+        self.stateless = stateless
         self.stages_of = stages_of
         self.num_stages = num_stages
         self.out_spec = None
@@ -240,6 +242,8 @@ class _CutPolicy:
                 out[node] = self.num_stages - 1
             elif node.op in _CALLS:
                 layer = self._layer(node)
+                if layer in self.stateless and stages[layer] < current:
+                    layer = None  # called again later: runs where it is called
                 if layer is not None and stages[layer] < current:
                     raise PlanError(
                         f"layer {layer!r} (stage {stages[layer]}) runs again after layer "

@@ -52,7 +52,7 @@ import torch.nn as nn
 from torch.fx import GraphModule, Node
 
 from passes.constants import constant_nodes
-from passes.group_layers import layer_names, owning_layer
+from passes.group_layers import layer_names, owning_layer, stateless_layers
 from passes.split_export import Send, StageSplit, check_sendable, export_stages, send_record
 from passes.trace import (
     GraphCaptureError,
@@ -130,7 +130,8 @@ def _symbolic_stages(model: nn.Module, plan: Plan, units: list[str], example_inp
     gm = _trace(model, units)
     order = _execution_order(gm, set(units))
     stages = _layer_stages(model, plan, order)
-    node_stage = _node_stages(gm, stages, set(units), plan.num_stages)
+    node_stage = _node_stages(gm, stages, set(units), plan.num_stages,
+                              stateless_layers(model, units))
     values = _propagate(gm, model, example_inputs)
     constants = constant_nodes(gm)
     crossing = [_crossing(gm, node_stage, s, constants) for s in range(plan.num_stages - 1)]
@@ -252,7 +253,7 @@ def _execution_order(gm: GraphModule, units: set[str]) -> list[str]:
 
 
 def _node_stages(gm: GraphModule, stages: dict[str, int], units: set[str],
-                 num_stages: int) -> dict[Node, int]:
+                 num_stages: int, stateless: set[str]) -> dict[Node, int]:
     out: dict[Node, int] = {}
     first = next(iter(stages.values()))
     last_run: int | None = None
@@ -265,6 +266,8 @@ def _node_stages(gm: GraphModule, stages: dict[str, int], units: set[str],
             continue  # materialised in every stage that uses it (see _stage_module)
         else:
             layer = _layer_of(node, units)
+            if layer in stateless and last_run is not None and stages[layer] < last_run:
+                layer = None  # a stateless layer called again later runs where it is called
             if layer is not None:
                 last_run = stages[layer]
                 out[node] = last_run

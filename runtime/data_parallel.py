@@ -152,6 +152,11 @@ def apply_fsdp(
     for unit in _units(model, layers):
         layer = unit[0]
         modules = [model.get_submodule(la.module) for la in unit]
+        if not any(True for m in modules for _ in m.parameters()):
+            # Nothing to shard or reduce; and a parameterless module called on several
+            # pipeline stages (passes.group_layers.stateless_layers) belongs to each
+            # stage's module, which FSDP2 refuses for one unit.
+            continue
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=_mesh_for(layer, meshes),
                     reshard_after_forward=layer.spec.gather == "per_use",
                     mp_policy=mp_policy or MixedPrecisionPolicy(),
