@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn as nn
+from shared_module_stack import SharedActivationStack
 
 from autopar.zoo import get_model
 from passes.split_stages import layer_stages, split_pipeline, split_stages
@@ -439,26 +440,6 @@ def test_a_value_made_early_and_used_late_is_priced_on_every_cut_it_crosses():
     assert engine._crossing(2) == pytest.approx((memory + step) / graph.layers[2].output_bytes)
 
 
-class SharedDropoutStack(nn.Module):
-    """A stack calling one parameterless module before its first block, between blocks and
-    after its norm (T5's stacks call one ``dropout`` so; nanoGPT-style models share an
-    activation): that module runs on every stage it is called on."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.act = nn.GELU()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
-        self.norm = nn.LayerNorm(8)
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.emb(ids))
-        for block in self.blocks:
-            h = self.act(block(h))
-        return self.head(self.act(self.norm(h)))
-
-
 @pytest.mark.parametrize("method", ["symbolic_trace", "export"])
 def test_a_stateless_layer_called_at_every_depth_leaves_every_cut_open(method):
     """Before, the layers between a layer's calls had to share its stage, so no stage could
@@ -467,7 +448,7 @@ def test_a_stateless_layer_called_at_every_depth_leaves_every_cut_open(method):
     from passes.layer_graph import build_layer_graph
 
     torch.manual_seed(0)
-    model, ids = SharedDropoutStack(), torch.randint(0, 16, (2, 6))
+    model, ids = SharedActivationStack(), torch.randint(0, 16, (2, 6))
     graph = build_layer_graph(model, ids)
     names = [layer.name for layer in graph.layers]
     assert names == ["emb", "act", "blocks.0", "blocks.1", "blocks.2", "norm", "head"]
@@ -484,7 +465,7 @@ def test_a_layer_with_state_called_again_still_keeps_its_calls_on_one_stage():
     calls stay closed (ALBERT's shared layer)."""
     from passes.layer_graph import build_layer_graph
 
-    class SharedLinear(SharedDropoutStack):
+    class SharedLinear(SharedActivationStack):
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
             h = self.blocks[0](self.emb(ids))
             h = self.blocks[1](self.norm(h))

@@ -7,28 +7,10 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 from reference import assert_trains_like, pipeline_grads, train_one_process, train_under_plan
+from shared_module_stack import SharedActivationStack
 
 STEPS, LR, BATCH = 3, 1e-2, 8
 TOL = dict(rtol=1e-5, atol=1e-6)
-
-
-class SharedActivationStack(nn.Module):
-    """One ``GELU`` module called after the embedding, after every block and after the
-    norm, as models share a dropout or an activation across depths."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(16, 8)
-        self.act = nn.GELU()
-        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
-        self.norm = nn.LayerNorm(8)
-        self.head = nn.Linear(8, 16)
-
-    def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        h = self.act(self.emb(ids))
-        for block in self.blocks:
-            h = self.act(block(h))
-        return self.head(self.act(self.norm(h)))
 
 
 def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -43,7 +25,7 @@ def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 def _model() -> nn.Module:
     torch.manual_seed(0)
-    return SharedActivationStack()
+    return SharedActivationStack(blocks=4)
 
 
 def pipeline_job(plan_json: str) -> dict:
