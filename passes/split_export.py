@@ -371,9 +371,11 @@ def send_record(node: Node, value: object) -> Send:
 
 def check_sendable(node: Node, value: object, s: int, user: Node) -> None:
     """PlanError unless ``value`` (made by ``node`` on stage ``s``, used by ``user`` on a later
-    stage) may cross the cut: only floating-point tensors do. Seen with torch 2.13 on gloo:
-    an int64 position tensor sent between stages arrives as garbage (an embedding then
-    fails with an index out of range)."""
+    stage) may cross the cut: only floating-point tensors do. torch 2.13's ``PipelineStage``,
+    given no example inputs, infers a later stage's output metadata by running it once on
+    ``torch.empty`` buffers of the received shapes (``_forward_metadata_inference``): an
+    integer index tensor is uninitialised there, and an embedding reading it fails with an
+    index out of range. Floating activations only pass through that run."""
     if not isinstance(value, torch.Tensor):
         raise PlanError(
             f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
