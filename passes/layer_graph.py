@@ -353,7 +353,7 @@ def _value_spans(gm: GraphModule, groups: list[LayerGroup], stateless: set[str]
 
 def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup],
                           spans: list[tuple[Node, int, int]],
-                          stateless: set[str] = frozenset()) -> frozenset[int]:
+                          stateless: set[str]) -> frozenset[int]:
     """Indices k at which no pipeline stage may start (``LayerGraph.uncuttable``):
 
     - a stage starting at layer k would receive a value that is not a floating-point

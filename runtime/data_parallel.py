@@ -152,11 +152,6 @@ def apply_fsdp(
     for unit in _units(model, layers):
         layer = unit[0]
         modules = [model.get_submodule(la.module) for la in unit]
-        if not any(True for m in modules for _ in m.parameters()):
-            # Nothing to shard or reduce; and a parameterless module called on several
-            # pipeline stages (passes.group_layers.stateless_layers) belongs to each
-            # stage's module, which FSDP2 refuses for one unit.
-            continue
         fully_shard(modules if len(modules) > 1 else modules[0], mesh=_mesh_for(layer, meshes),
                     reshard_after_forward=layer.spec.gather == "per_use",
                     mp_policy=mp_policy or MixedPrecisionPolicy(),
@@ -177,7 +172,10 @@ def apply_fsdp(
 def _units(model: nn.Module, layers: list[LayerPlan]) -> list[list[LayerPlan]]:
     """The layers grouped into FSDP2 units: tied layers together (``check_ties`` validates
     that they share a strategy), every other layer alone; in plan order. Layers tied to a
-    parameter of the root are left to the root's unit (they are 'replicate', as it is)."""
+    parameter of the root are left to the root's unit (they are 'replicate', as it is).
+    A layer without parameters is no unit: it has nothing to shard or reduce, and one
+    called on several pipeline stages (``passes.group_layers.stateless_layers``) belongs
+    to each stage's module, which FSDP2 refuses for one unit."""
     by_name = {layer.module: layer for layer in layers}
     unit_of: dict[str, list[LayerPlan]] = {}
     for tie in check_ties(model, layers):
@@ -186,7 +184,9 @@ def _units(model: nn.Module, layers: list[LayerPlan]) -> list[list[LayerPlan]]:
     out: list[list[LayerPlan]] = []
     for layer in layers:
         unit = unit_of.get(layer.module, [layer])
-        if unit and unit[0] is layer:
+        if unit and unit[0] is layer and any(
+                next(model.get_submodule(la.module).parameters(), None) is not None
+                for la in unit):
             out.append(unit)
     return out
 
