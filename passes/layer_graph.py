@@ -356,9 +356,10 @@ def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup],
                           stateless: set[str]) -> frozenset[int]:
     """Indices k at which no pipeline stage may start (``LayerGraph.uncuttable``):
 
-    - a stage starting at layer k would receive a value that is not a floating-point
-      tensor. A value made in layer i (or an input: before layer 0) and used in layer
-      j > i (``spans``, from ``_value_spans``) crosses every cut i < k <= j.
+    - a stage starting at layer k would receive a value that is not a tensor (a Python
+      value made at the model's top level). A value made in layer i (or an input: before
+      layer 0) and used in layer j > i (``spans``, from ``_value_spans``) crosses every
+      cut i < k <= j.
       Python values made inside a layer are not checked: the runtime's split keeps each
       layer whole and traces such values inside it.
     - layer k runs between two calls of an earlier layer i (one module called again after
@@ -382,25 +383,25 @@ def uncuttable_boundaries(gm: GraphModule, groups: list[LayerGroup],
 def boundary_bytes(layers: int, spans: list[tuple[Node, int, int]]) -> tuple[int, ...]:
     """``LayerGraph.boundary_bytes`` of ``layers`` layers: a value made in layer i (or an
     input: before layer 0) and used in layer j > i (``spans``) crosses every cut between
-    them, as the split sends it (``passes.split_export``'s pass-through); its floating
-    tensors count."""
+    them, as the split sends it (``passes.split_export``'s pass-through); its tensors count,
+    integer ones (token ids, positions) included."""
     change = [0] * (layers + 1)  # += where a value starts crossing, -= where it stops
     for node, made, used in spans:
         if node.op == "get_attr" or K.TENSOR not in node.meta:
             continue  # a parameter: each stage holds its own
-        nbytes = sum(t.nbytes for t in node.meta[K.TENSOR].tensors
-                     if getattr(torch, t.dtype).is_floating_point)
+        nbytes = sum(t.nbytes for t in node.meta[K.TENSOR].tensors)
         change[max(made, 0)] += nbytes
         change[used] -= nbytes
     return tuple(itertools.accumulate(change[:-1]))
 
 
 def _sendable(node: Node, *, inside_layer: bool) -> bool:
+    """A tensor of any dtype crosses a cut; a Python value made at the model's top level
+    would have to cross as is, and cannot."""
     meta = node.meta.get(K.TENSOR)
-    if meta is None or not meta.tensors:
-        # A Python value: made at the model's top level it must cross as is.
-        return inside_layer and node.meta.get(K.MODULE_PATH, "") != ""
-    return all(getattr(torch, t.dtype).is_floating_point for t in meta.tensors)
+    if meta is not None and meta.tensors:
+        return True
+    return inside_layer and node.meta.get(K.MODULE_PATH, "") != ""
 
 
 def _split_loss_classes(layers: tuple[LayerInfo, ...]) -> tuple[LayerInfo, ...]:

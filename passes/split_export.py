@@ -18,13 +18,13 @@ The policy's steps, on the exported graph, in order:
    a ``pipe_split`` node goes before the first node of each stage but the first.
 2. **recompute constants.** A value used on a later stage that depends on no input and no
    parameter (Hugging Face Llama's boolean causal mask, its rotary cos/sin from a buffer)
-   is recomputed on that stage instead of sent: stages only exchange floating-point
-   activations, and a constant needs no gradient.
+   is recomputed on that stage instead of sent: a constant needs neither a send nor a
+   gradient.
 3. **pass through.** A value used two or more stages later is cloned on every stage in
    between, and a model input used past stage 0 is cloned on stage 0, because a
    ``PipelineStage`` receives only its neighbour's outputs; a model output made before the
    last stage is cloned on every stage after it, as the last stage returns the outputs.
-4. **check** that every value crossing a cut is a floating-point tensor.
+4. **check** that every value crossing a cut is a tensor (of any dtype).
 
 The stages are exported at the example micro-batch's shapes, and their modules are the
 export's ``InterpreterModule``s, not the user's module objects: tensor parallelism, which
@@ -112,6 +112,7 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
                 "splitting into pipeline stages exports the model with torch.export, which "
                 "failed:\n" + explain_failure(model, {"export": e.__cause__})
             ) from e
+    _first_stage_reads_inputs_in_order(pipe.split_gm)
     modules = [pipe.get_stage_module(s) for s in range(num_stages)]
     for module in modules:
         _drop_unread_state(module)
@@ -126,6 +127,33 @@ def export_stages(model: nn.Module, units: list[str], stages_of: StagesOf, num_s
                  for uses in pipe.replicated_params)
     return StageSplit(modules=modules, tied=tied, method="export", output_fn=restore,
                       sends=policy.sends)
+
+
+def _first_stage_reads_inputs_in_order(split_gm: GraphModule) -> None:
+    """Give stage 0's graph the model's inputs in the model's order.
+
+    ``pipeline()`` lets stage 0 take the model's own arguments by copying the model's
+    pytree codegen onto it, which binds the flattened arguments to stage 0's placeholders
+    by position; but ``split_module`` orders those placeholders by first use. A model input
+    that stage 0 only passes through to a later stage (T5's ``decoder_input_ids`` under a
+    cut inside the encoder) is used first, by its clone at the stage's start, and would
+    receive another input's value. Reorders stage 0's placeholders, and the arguments the
+    split graph calls it with, by the model's order."""
+    order = {n: i for i, n in enumerate(split_gm.graph.find_nodes(op="placeholder"))}
+    call = next(n for n in split_gm.graph.nodes if n.op == "call_module")
+    stage0 = split_gm.get_submodule(call.target)
+    if not isinstance(stage0, GraphModule) or not all(a in order for a in call.args):
+        return
+    placeholders = list(stage0.graph.find_nodes(op="placeholder"))
+    ranked = sorted(range(len(call.args)), key=lambda i: order[call.args[i]])
+    if ranked == list(range(len(call.args))):
+        return
+    after = next(n for n in stage0.graph.nodes if n.op != "placeholder")
+    for i in ranked:  # each in turn just before the first other node: the model's order
+        after.prepend(placeholders[i])
+    call.args = tuple(call.args[i] for i in ranked)
+    stage0.recompile()
+    split_gm.recompile()
 
 
 @contextlib.contextmanager
@@ -343,9 +371,8 @@ def _check_crossings(gm: GraphModule, node_stage: dict[Node, int]) -> None:
         if node not in node_stage or node.op == "output":
             continue
         s = node_stage[node]
-        later = [u for u in node.users if node_stage[u] > s]
-        if later:
-            check_sendable(node, node.meta.get("val"), s, later[0])
+        if any(node_stage[u] > s for u in node.users):
+            check_sendable(node, node.meta.get("val"), s)
 
 
 def _sends(gm: GraphModule, node_stage: dict[Node, int], num_stages: int
@@ -366,29 +393,19 @@ def send_record(node: Node, value: object) -> Send:
     """What crosses a boundary (``value``: a tensor, as ``check_sendable`` made sure)."""
     assert isinstance(value, torch.Tensor), node
     module = str(node.target) if node.op == "call_module" else node.meta.get(K.MODULE_PATH, "")
-    return Send(name=node.name, shape=tuple(value.shape), module=module or "")
+    return Send(name=node.name, shape=tuple(value.shape), module=module or "",
+                floating=value.is_floating_point())
 
 
-def check_sendable(node: Node, value: object, s: int, user: Node) -> None:
-    """PlanError unless ``value`` (made by ``node`` on stage ``s``, used by ``user`` on a later
-    stage) may cross the cut: only floating-point tensors do. torch 2.13's ``PipelineStage``,
-    given no example inputs, infers a later stage's output metadata by running it once on
-    ``torch.empty`` buffers of the received shapes (``_forward_metadata_inference``): an
-    integer index tensor is uninitialised there, and an embedding reading it fails with an
-    index out of range. Floating activations only pass through that run."""
+def check_sendable(node: Node, value: object, s: int) -> None:
+    """PlanError unless ``value`` (made by ``node`` on stage ``s``, used on a later stage) may
+    cross the cut: a tensor, of any dtype (``runtime.pipeline._Stage`` defines
+    integer ones in torch's metadata run); a Python value cannot be sent."""
     if not isinstance(value, torch.Tensor):
         raise PlanError(
             f"the cut after stage {s} needs value {node.name!r} ({type(value).__name__}, "
             f"made by `{node.format_node()}`) on a later stage, but only tensors can be "
             "sent between pipeline stages; move the cut so that it is used where it is made"
-        )
-    if not value.is_floating_point():
-        raise PlanError(
-            f"the cut after stage {s} sends {node.name!r}, a {value.dtype} tensor made by "
-            f"`{node.format_node()}` in {node.meta.get(K.MODULE_PATH) or 'the model'!r}, "
-            f"to a later stage ({user.meta.get(K.MODULE_PATH) or user.name!r}); pipeline "
-            "stages exchange floating-point activations only: put the layers that make "
-            "and use it on one stage"
         )
 
 

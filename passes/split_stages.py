@@ -355,10 +355,6 @@ def _crossing(gm: GraphModule, node_stage: dict[Node, int], s: int, constants: s
     ]
 
 
-def _user(node: Node) -> Node:
-    return next(u for u in node.users if u.op != "output")
-
-
 # -- 5. stage modules ------------------------------------------------------------------------
 
 
@@ -374,7 +370,7 @@ def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int]
                 env[node] = graph.node_copy(node)
     else:
         for node in crossing[s - 1]:
-            check_sendable(node, values[node], s - 1, _user(node))
+            check_sendable(node, values[node], s - 1)
             env[node] = graph.placeholder(node.name)
 
     def arg(n: Node) -> Node:
@@ -391,7 +387,7 @@ def _stage_module(gm: GraphModule, model: nn.Module, node_stage: dict[Node, int]
     else:
         sent = crossing[s]
         for node in sent:
-            check_sendable(node, values[node], s, _user(node))
+            check_sendable(node, values[node], s)
         graph.output(arg(sent[0]) if len(sent) == 1 else tuple(arg(n) for n in sent))
     graph.lint()
     return GraphModule(model, graph, f"{type(model).__name__}Stage{s}")

@@ -205,6 +205,25 @@ def _adapt_boundaries(module: nn.Module, stage_id: int, plan: Plan) -> None:
     module.register_forward_hook(_sendable_outputs(own_storage=split))
 
 
+class _Stage(PipelineStage):
+    """torch's ``PipelineStage``, with integer values defined in its metadata run.
+
+    Given no example inputs, a later stage infers its outputs on the first step by running
+    once on buffers of the received shapes (``_forward_metadata_inference``), which torch
+    leaves uninitialised (``torch.empty``). Floating activations only pass through that
+    run, but an index tensor crossing a cut (T5's ``decoder_input_ids`` read by the
+    decoder's embedding, positions, masks) holds arbitrary values there and an embedding
+    fails on it: index out of range. Zeros are in range for every index; the real sends
+    that follow are what trains, unchanged."""
+
+    def _to_tensor(self, arg: object) -> torch.Tensor:
+        t = super()._to_tensor(arg)
+        if not isinstance(arg, torch.Tensor) and not (t.is_floating_point() or t.is_complex()):
+            with torch.no_grad():
+                t.zero_()
+        return t
+
+
 def _schedule(plan: Plan, stages: list[PipelineStage], loss_fn: LossFn, scale_grads: bool):
     cls = SCHEDULE_CLASSES[plan.pipeline.schedule]
     m = plan.pipeline.num_microbatches
@@ -281,9 +300,9 @@ class PipelineTrainer(Trainer):
             self._parallelize(s, module, meta)
         if meta:
             materialize(model, self._device, common_seed(seed), stages=self.stages)
-        pipe_stages = [PipelineStage(module, s, plan.num_stages, self._device,
-                                     group=self.mesh.get_group("pp"), get_mesh=self._stage_mesh,
-                                     dw_builder=_no_weight_pass if whole else None)
+        pipe_stages = [_Stage(module, s, plan.num_stages, self._device,
+                              group=self.mesh.get_group("pp"), get_mesh=self._stage_mesh,
+                              dw_builder=_no_weight_pass if whole else None)
                        for s, module, whole in zip(self.stage_ids, self.stages, whole_backward,
                                                    strict=True)]
         self.schedule = _schedule(plan, pipe_stages, self._scaled_loss, scale_grads)

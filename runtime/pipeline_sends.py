@@ -33,8 +33,8 @@ is the same on every tp rank, and a reduce-scatter would sum tp identical copies
 (``_functional_collectives.all_gather_tensor_autograd`` reduce-scatters in backward, so
 this module has its own ``autograd.Function`` over ``all_gather_single``.)
 
-Which tensors: every floating tensor a stage sends to a stage on another pipeline rank
-(only floating tensors cross a cut, ``passes.split_stages``). Neighbouring stages on one
+Which tensors: every floating tensor a stage sends to a stage on another pipeline rank;
+an integer one (token ids, an index) crosses whole, as it is small. Neighbouring stages on one
 rank (the V schedules' turn) hand tensors over in memory, so they are left whole. Both
 sides decide from the plan alone, so the receiver never needs the sender's shapes; the
 last dim of every such tensor must divide by tp: ``check_sends`` refuses the plan from the
@@ -63,6 +63,8 @@ class Send(NamedTuple):
     shape: tuple[int, ...]
     module: str
     """The module that made it (its fully-qualified name; '' for the root's ops)."""
+    floating: bool = True
+    """False for an integer or boolean tensor (token ids, an index): sent whole."""
 
 
 def scattered_boundaries(plan: Plan) -> tuple[set[int], set[int]]:
@@ -101,7 +103,8 @@ def check_sends(plan: Plan, sends: Sequence[Sequence[Send]]) -> None:
     (``passes.split_export.StageSplit.sends``), whose shapes are one micro-batch's, as
     the ranks run it. Only the sender could find out otherwise, at its first step, while
     its peers wait for its tensor until the process group times out. The residual stream
-    at a boundary between sequence-parallel layers is exempt: it crosses as the shard.
+    at a boundary between sequence-parallel layers is exempt: it crosses as the shard; so
+    is an integer tensor, which crosses whole.
     """
     senders, _ = scattered_boundaries(plan)
     sharded = sequence_sharded_boundaries(plan)
@@ -109,7 +112,7 @@ def check_sends(plan: Plan, sends: Sequence[Sequence[Send]]) -> None:
     tp = plan.mesh.tp
     for s in sorted(senders):
         for send in sends[s] if s < len(sends) else ():
-            if s in sharded and _made_by(send.module, last[s]):
+            if not send.floating or s in sharded and _made_by(send.module, last[s]):
                 continue
             if not send.shape or send.shape[-1] % tp:
                 made = f"made by {send.module!r}" if send.module else f"{send.name!r}"

@@ -32,7 +32,7 @@ from autopar.explain import explain, format_explanation
 from cost_models.hardware import Cluster
 from runtime.batch import model_loss
 from runtime.materialize import materialize
-from runtime.plan import Mesh, Plan
+from runtime.plan import Mesh, PipelineSpec, Plan
 from runtime.tied import tie_groups
 
 SPECS = {**MODELS, **META_PIPELINE_MODELS}
@@ -279,6 +279,29 @@ def test_trains_like_one_process(pool2, name, variant):
     assert plan is not None, f"{name} has no {variant} plan: {why}"
     pipeline = Plan.from_json(plan).mesh.pp > 1
     assert_matches_reference(pool2.run(train_job, name, plan), name, pipeline)
+
+
+T5_STAGES = {"encoder.embed_tokens": 0, "encoder.block.0": 1, "encoder.block.1": 2,
+             "decoder.embed_tokens": 3}
+"""Layers opening each stage; the unnamed ones join the stage before them."""
+
+
+def test_t5_cut_inside_its_encoder_sends_the_decoder_token_ids(pool2):
+    """T5's decoder reads its int64 token ids, a model input, through its embedding: with
+    cuts inside the encoder they cross each cut before the decoder, from rank to rank.
+    torch runs a later stage once on uninitialised buffers to learn its outputs, where such
+    ids were out of range; the pipeline trains like one process. (A V schedule would put
+    the tied embedding's copies on stages 0 and 3 on one rank, which the runtime refuses.)"""
+    base = Plan.from_json(variant_plan("hf-t5", "pp2")[0])
+    stage = 0
+    layers = []
+    for layer in base.layers:
+        stage = T5_STAGES.get(layer.module, stage)
+        layers.append(replace(layer, stage=stage))
+    assert [la.stage for la in layers] == [0, 0, 1, 2, 2, 3, 3, 3, 3, 3, 3], layers
+    plan = replace(base, layers=tuple(layers), pipeline=PipelineSpec(
+        schedule="Interleaved1F1B", num_microbatches=4, virtual_stages=2))
+    assert_matches_reference(pool2.run(train_job, "hf-t5", plan.to_json()), "hf-t5", True)
 
 
 SPLIT_CASES = [("hf-mistral-mask", "sp2"), ("hf-bert-mlm", "sp2"), ("hf-falcon", "tp2")]

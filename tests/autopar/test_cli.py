@@ -141,23 +141,6 @@ def test_run_of_a_plan_splitting_a_tie_exits_2_naming_the_modules_before_any_ran
     assert "Traceback" not in result.stderr
 
 
-def test_run_of_a_pipeline_cut_the_runtime_cannot_split_exits_2_naming_the_value(tmp_path):
-    def cut_between_the_embeddings(data):
-        # Stage 1 from wpe on: the int64 positions made beside wte would cross the cut.
-        data["mesh"] = {"pp": 2, "dp": 1, "cp": 1, "tp": 1}
-        data["pipeline"] = {"schedule": "GPipe", "num_microbatches": 2, "virtual_stages": 1}
-        data["gradient_accumulation"] = 1
-        for i, layer in enumerate(data["layers"]):
-            layer["stage"] = 0 if i == 0 else 1
-            layer["strategy"] = "replicate"
-
-    path = _write_plan(tmp_path, "gpt-tiny", cut_between_the_embeddings)
-    result = run_cli("run", "--model", "gpt-tiny", "--nproc", "2", "--plan", path)
-    assert result.returncode == 2, result.stderr
-    assert "the cut after stage 0 sends" in result.stderr and "int64" in result.stderr
-    assert "Traceback" not in result.stderr
-
-
 def test_plan_prices_for_a_chosen_software_generation(tmp_path, capsys):
     """--software: the same preset priced as another stack ran it (DeepSpeed's 2021 ZeRO-3
     keeps less of the GEMM rate than autopar's own runtime: a slower step), and said so."""

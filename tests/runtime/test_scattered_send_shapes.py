@@ -63,6 +63,15 @@ def test_a_sequence_shard_is_exempt_and_other_tensors_at_its_boundary_are_not():
         check_sends(plan, ((Send("h", (2, 16, 7), "h"), Send("mask", (2, 7), "")),))
 
 
+def test_an_integer_tensor_crosses_whole_and_is_not_checked():
+    """Token ids crossing a scattered boundary are sent whole (only floating tensors are
+    sliced), so their last dim need not divide by tp."""
+    plan = _plan({"h": 0, "g": 1})
+    check_sends(plan, ((Send("ids", (2, 7), "", floating=False),),))
+    with pytest.raises(PlanError, match=r"tensor \('ids'\) of shape \(2, 7\)"):
+        check_sends(plan, ((Send("ids", (2, 7), ""),),))
+
+
 def test_boundaries_on_one_rank_are_not_checked():
     """ZBVZeroBubble's middle boundary (stages 1 and 2 on pipeline rank 1) hands tensors
     over in memory, whole."""
