@@ -425,6 +425,24 @@ def test_a_constant_crosses_no_cut_each_stage_remakes_it(method):
     torch.testing.assert_close(run_stages(split.modules, ids), model(ids), rtol=0, atol=0)
 
 
+def test_a_model_input_the_first_stage_only_passes_on_keeps_its_place():
+    """With the decoder's embedding on stage 1, stage 0 only passes ``tgt`` on (its clone
+    runs first); torch binds the model's arguments to stage 0's inputs by position, so
+    they must stay in the model's order (``tgt`` once received ``src``'s value)."""
+    torch.manual_seed(0)
+    model = TiedEncoderDecoder()
+    _, _, (src, tgt) = _encoder_decoder_split()
+    plan = pipeline_plan({"enc_embed": 0, "encoder": 0, "dec_embed": 1, "decoder": 1,
+                          "head": 1})
+    split = split_pipeline(model, plan, (src, tgt))
+    assert split.method == "export"
+    assert [n.name for n in split.modules[0].graph.find_nodes(op="placeholder")] == [
+        "src", "tgt"]
+    for got, want in zip(split.output_fn(run_stages(split.modules, src, tgt)), model(src, tgt),
+                         strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 def test_a_value_made_early_and_used_late_is_priced_on_every_cut_it_crosses():
     """The encoder's output crosses the cuts after the decoder's embedding and after the
     decoder (it is returned, so the last stage returns it): the planner prices those sends
