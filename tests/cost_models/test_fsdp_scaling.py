@@ -132,10 +132,16 @@ SEARCH_MISSES = {
 def test_autopar_plans_at_least_as_fast_as_the_published_fsdp_configuration(row_id):
     """Same model, cluster and global batch: the planner's plan, priced by the same model, is
     no slower than the published configuration (priced with the planner's bf16 gradients,
-    like for like). Every row plans in seconds (bench/published.py --plan-up-to 512)."""
+    like for like). Every row plans in seconds (bench/published.py --plan-up-to 512).
+
+    Every published row here runs on one stage, so the one-stage search (``pipeline=False``)
+    holds the published plan: the full search answers the faster of its best one-stage plan
+    and its best pipeline (search.py), so it is no slower than what is asserted here. That
+    halves the time of these 36 searches; the pipeline search is checked against published
+    pipelines in test_published.py and test_zero3_scaling.py."""
     row = next(r for r in fsdp_rows() if r.row_id == row_id)
     graph = fsdp_graph(row)
-    plan = search(graph, fsdp_cluster(row), precision_name="bfloat16",
+    plan = search(graph, fsdp_cluster(row), precision_name="bfloat16", pipeline=False,
                   time_limit_s=600).plan  # the choice is under test, not the machine's speed
     published = predict(row, graph, float32_grads=False).step_time_s
     assert plan.prediction.step_time_s <= published * (1 + 1e-9)
