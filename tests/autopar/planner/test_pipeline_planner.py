@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from planner_cases import GiB, graph_of, make_cluster, make_layer
 
-from autopar.errors import ConfigError
+from autopar.errors import ConfigError, InfeasibleError
 from autopar.planner import search
 from autopar.planner.configs import Config, pipeline_configs
 from autopar.planner.engine import Engine, _Prepared
@@ -118,6 +118,25 @@ def test_pruning_by_memory_and_ramp_bounds_returns_the_same_plan(seed):
     if pruned is not None:
         assert (pruned.config, pruned.stage_of_layer, pruned.costs, pruned.step_time_s) == (
             every.config, every.stage_of_layer, every.costs, every.step_time_s)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_search_answers_the_faster_of_its_one_stage_and_pipeline_bests(seed):
+    """What tests of one-stage published plans rely on (test_fsdp_scaling.py): a search
+    with pipelines is never slower than the same search on one stage alone. (Where the
+    pipeline wins: test_larger_megatron_rows_are_fastest_with_pipeline_parallelism...)"""
+    graph, cluster = tiny_instance(seed)
+    try:
+        one_stage = search(graph, cluster, pipeline=False).plan.prediction.step_time_s
+    except InfeasibleError:
+        one_stage = float("inf")  # some instances fit only when pipelined
+    pipelines = Engine(graph, cluster, FP32).pipelines()[0]
+    fastest = min(one_stage, pipelines.step_time_s if pipelines else float("inf"))
+    if fastest == float("inf"):
+        with pytest.raises(InfeasibleError):
+            search(graph, cluster)
+    else:
+        assert search(graph, cluster).plan.prediction.step_time_s == fastest
 
 
 def test_infeasible_configurations_are_reported_with_or_without_pruning():
