@@ -136,9 +136,9 @@ def test_autopar_plans_at_least_as_fast_as_the_published_fsdp_configuration(row_
 
     Every published row here runs on one stage, so the one-stage search (``pipeline=False``)
     holds the published plan: the full search answers the faster of its best one-stage plan
-    and its best pipeline (search.py), so it is no slower than what is asserted here. That
-    halves the time of these 36 searches; the pipeline search is checked against published
-    pipelines in test_published.py and test_zero3_scaling.py."""
+    and its best pipeline (search.py), so it is no slower than what is asserted here. The
+    pipeline search is checked against published pipelines in test_published.py and
+    test_zero3_scaling.py."""
     row = next(r for r in fsdp_rows() if r.row_id == row_id)
     graph = fsdp_graph(row)
     plan = search(graph, fsdp_cluster(row), precision_name="bfloat16", pipeline=False,
