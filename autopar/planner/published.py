@@ -13,6 +13,7 @@ simulator. TFLOP/s per GPU are counted the paper's way
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from importlib import resources
 
@@ -21,6 +22,7 @@ import torch
 from autopar.planner.costs import layer_cost
 from autopar.planner.engine import evaluate_plan
 from autopar.planner.one_stage import plan_memory
+from autopar.whatif import repeat_blocks
 from autopar.zoo import GPT, GPTConfig
 from cost_models.hardware import Cluster
 from cost_models.memory import Precision
@@ -133,14 +135,23 @@ def megatron_plan(graph: LayerGraph, row: MegatronRow) -> Plan:
 
 def megatron_graph(row: MegatronRow) -> LayerGraph:
     """The layer graph of what the published run trained: Megatron-LM's GPT (unfused softmax
-    attention, dropout 0.1 on hidden states and attention) at the run's global batch,
-    captured on the meta device."""
-    cfg = GPTConfig(n_layer=row.layers, n_head=row.heads, n_embd=row.hidden, vocab_size=VOCAB,
+    attention, dropout 0.1 on hidden states and attention) at the run's global batch. Two
+    blocks are captured on the meta device and repeated to the run's depth
+    (``whatif.repeat_blocks``): the blocks are identical, and the graph equals the
+    full-depth capture but for its capture statistics (tests/autopar/test_whatif.py) in a
+    tenth of the time."""
+    return _graph(row.layers, row.heads, row.hidden, row.global_batch, f"gpt-{row.params_b}b")
+
+
+@functools.cache
+def _graph(layers: int, heads: int, hidden: int, batch: int, name: str) -> LayerGraph:
+    cfg = GPTConfig(n_layer=min(layers, 2), n_head=heads, n_embd=hidden, vocab_size=VOCAB,
                     block_size=SEQ_LEN, attention="unfused", dropout=0.1)
     with torch.device("meta"):
         model = GPT(cfg)
-    tokens = torch.zeros(row.global_batch, SEQ_LEN, dtype=torch.long, device="meta")
-    return build_layer_graph(model, (tokens,), model_name=f"gpt-{row.params_b}b")
+    tokens = torch.zeros(batch, SEQ_LEN, dtype=torch.long, device="meta")
+    graph = build_layer_graph(model, (tokens,), model_name=name)
+    return repeat_blocks(graph, layers) if layers > 2 else graph
 
 
 def megatron_cluster(row: MegatronRow) -> Cluster:
