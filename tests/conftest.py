@@ -24,7 +24,18 @@ if str(_TESTS.parent) not in sys.path:
 from collections.abc import Iterator  # noqa: E402
 
 import pytest  # noqa: E402
-from dist_pool import DistPool  # noqa: E402
+from dist_pool import RANKS, DistPool  # noqa: E402
+
+RANK_POOLS = ("pool2", "pool4")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Every test on the rank pools joins the ``RANKS`` group (dist_pool.py). First, so that
+    xdist's own hook, which reads the group, sees the mark. Without xdist it does nothing."""
+    for item in items:
+        if any(name in getattr(item, "fixturenames", ()) for name in RANK_POOLS):
+            item.add_marker(RANKS)
 
 
 @pytest.fixture(scope="session")

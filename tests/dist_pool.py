@@ -23,6 +23,8 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import pytest
+
 from runtime.launch import free_port, init_local_process_group
 
 PG_TIMEOUT_S = 30.0
@@ -31,6 +33,14 @@ JOB_TIMEOUT_S = 90.0
 """Default time the parent waits for all ranks of one job."""
 FAILURE_GRACE_S = 5.0
 """After one rank fails, how long to wait for the others before giving up on them."""
+
+
+RANKS = pytest.mark.xdist_group("ranks")
+"""Tests that run gloo ranks: on the pools (tests/conftest.py marks them) or spawned by the
+test (a module that does sets ``pytestmark = RANKS``). Under ``--dist loadgroup`` (README)
+they all run on one xdist worker: their ranks already keep both cores busy, so ranks of two
+workers at once only contend and time out, while the single-process tests (planner
+searches, cost models) run on the other worker beside them."""
 
 
 class DistJobError(AssertionError):

@@ -18,7 +18,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from dist_pool import RANKS
 from torch.utils.data import DataLoader, DistributedSampler
+
+pytestmark = RANKS  # spawns its own ranks (tests/dist_pool.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 LINE = re.compile(r"^step (\d+) \| loss ([0-9.]+) \| .* \| peak memory [0-9.]+ GiB \(\w[\w ]*\)$",

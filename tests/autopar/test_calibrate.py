@@ -8,6 +8,7 @@ import math
 from dataclasses import replace
 
 import pytest
+from dist_pool import RANKS
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -42,6 +43,8 @@ from cost_models.compute import roofline_s
 from cost_models.errors import ConfigError
 from cost_models.hardware import Cluster, Link
 from cost_models.overlap import overlap_slowdown_s
+
+pytestmark = RANKS  # spawns its own ranks (tests/dist_pool.py)
 
 SIZES = [4096 * 4**i for i in range(7)]  # 4 KiB … 16 MiB
 

@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from dist_pool import RANKS
 from reference import single_process_losses
 
 from autopar.cli import main
@@ -71,6 +72,7 @@ def test_malformed_cluster_file_exits_2_without_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+@RANKS  # spawns its own ranks (tests/dist_pool.py)
 def test_run_trains_like_one_process_and_rejects_a_plan_for_another_world(tmp_path, capsys):
     assert main(["run", "--model", "gpt-tiny", "--nproc", "2", "--steps", "3"]) == 0
     out = capsys.readouterr().out

@@ -10,12 +10,15 @@ import io
 from contextlib import redirect_stdout
 from pathlib import Path
 
+from dist_pool import RANKS
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_bad_input_cli import snapshot
 
 from autopar.cli import main
 from runtime.plan import LayerPlan, Mesh, Plan
+
+pytestmark = RANKS  # spawns its own ranks (tests/dist_pool.py)
 
 VALUES = st.one_of(
     st.sampled_from(["-1", "0", "1", "2", "4", "8", "nan", "inf", "-inf", "1e300", "abc", "",

@@ -9,10 +9,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_pool import RANKS
 from reference import single_process_losses
 from test_runtime_numerics import gpt_tp
 
 from autopar.cli import main
+
+pytestmark = RANKS  # spawns its own ranks (tests/dist_pool.py)
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

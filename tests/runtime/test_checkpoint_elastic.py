@@ -14,8 +14,11 @@ import sys
 from pathlib import Path
 
 import pytest
+from dist_pool import RANKS
 from reference import single_process_losses
 from test_runtime_numerics import gpt_all
+
+pytestmark = RANKS  # spawns its own ranks (tests/dist_pool.py)
 
 TESTS = Path(__file__).resolve().parents[1]
 

@@ -11,12 +11,15 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from dist_pool import RANKS
 from reference import single_process_losses
 from test_runtime_numerics import gpt_tp
 
 from autopar.cli import main
 from runtime.launch import free_port
 from runtime.plan import Plan
+
+pytestmark = RANKS  # spawns its own ranks (tests/dist_pool.py)
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 3

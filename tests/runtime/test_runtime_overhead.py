@@ -8,6 +8,9 @@ import importlib
 from pathlib import Path
 
 import pytest
+from dist_pool import RANKS
+
+pytestmark = RANKS  # spawns its own ranks (tests/dist_pool.py)
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
