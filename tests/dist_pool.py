@@ -34,10 +34,9 @@ JOB_TIMEOUT_S = 90.0
 FAILURE_GRACE_S = 5.0
 """After one rank fails, how long to wait for the others before giving up on them."""
 
-
 RANKS = pytest.mark.xdist_group("ranks")
 """Tests that run gloo ranks: on the pools (tests/conftest.py marks them) or spawned by the
-test (a module that does sets ``pytestmark = RANKS``). Under ``--dist loadgroup`` (README)
+test itself (marked ``@RANKS``, or ``pytestmark = RANKS`` for a whole module). Under ``--dist loadgroup`` (README)
 they all run on one xdist worker: their ranks already keep both cores busy, so ranks of two
 workers at once only contend and time out, while the single-process tests (planner
 searches, cost models) run on the other worker beside them."""
