@@ -36,10 +36,10 @@ FAILURE_GRACE_S = 5.0
 
 RANKS = pytest.mark.xdist_group("ranks")
 """Tests that run gloo ranks: on the pools (tests/conftest.py marks them) or spawned by the
-test itself (marked ``@RANKS``, or ``pytestmark = RANKS`` for a whole module). Under ``--dist loadgroup`` (README)
-they all run on one xdist worker: their ranks already keep both cores busy, so ranks of two
-workers at once only contend and time out, while the single-process tests (planner
-searches, cost models) run on the other worker beside them."""
+test itself (marked ``@RANKS``, or ``pytestmark = RANKS`` for a whole module). Under
+``--dist loadgroup`` (README) they all run on one xdist worker: their ranks already keep
+both cores busy, so ranks of two workers at once only contend and time out, while the
+single-process tests (planner searches, cost models) run on the other worker beside them."""
 
 
 class DistJobError(AssertionError):

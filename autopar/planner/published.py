@@ -137,9 +137,9 @@ def megatron_graph(row: MegatronRow) -> LayerGraph:
     """The layer graph of what the published run trained: Megatron-LM's GPT (unfused softmax
     attention, dropout 0.1 on hidden states and attention) at the run's global batch. Two
     blocks are captured on the meta device and repeated to the run's depth
-    (``whatif.repeat_blocks``): the blocks are identical, and the graph equals the
-    full-depth capture but for its capture statistics (tests/autopar/test_whatif.py) in a
-    tenth of the time."""
+    (``whatif.repeat_blocks``): the blocks are identical, so the graph equals the
+    full-depth capture but for its capture statistics (tests/autopar/test_whatif.py),
+    and capturing costs two blocks, not the run's depth. Cached per shape."""
     return _graph(row.layers, row.heads, row.hidden, row.global_batch, f"gpt-{row.params_b}b")
 
 

@@ -20,7 +20,6 @@ four rows (175B at 1,536; all of 530B) check the fit (tests/cost_models/test_zer
 from __future__ import annotations
 
 import csv
-import functools
 import io
 from dataclasses import dataclass
 from importlib import resources
@@ -88,10 +87,10 @@ def calibration_rows() -> list[Table2Row]:
     return [by_key[key] for key in CALIBRATION.values()]
 
 
-@functools.cache
 def zero3_graph(params_b: float, heads: int, hidden: int, layers: int, global_batch: int
                 ) -> LayerGraph:
-    """Megatron-LM's GPT at the row's shape and global batch (``megatron_graph``)."""
+    """Megatron-LM's GPT at the row's shape and global batch (``megatron_graph``, which
+    caches it)."""
     return megatron_graph(MegatronRow(params_b=params_b, heads=heads, hidden=hidden,
                                       layers=layers, tp=1, pp=1, gpus=1,
                                       global_batch=global_batch, tflops_per_gpu=0.0,
