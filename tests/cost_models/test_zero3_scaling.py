@@ -181,10 +181,16 @@ MEMORY_MISS = (
 def test_autopar_plans_at_least_as_fast_as_the_published_zero3_configuration(key):
     """Same model, cluster, software and global batch: autopar's plan is no slower, by the
     same model, than the published ZeRO-3 run. Here the two ends of the table: the
-    1,536-GPU row (autopar: PP 12 × DP 16 × TP 8, interleaved, 4.1× faster) and the row
-    where ZeRO-3 does best (530B on 640 GPUs; ``MEMORY_MISS``).
-    ``python bench/published.py --plan-up-to 2240`` plans all six."""
+    1,536-GPU row and the row where ZeRO-3 does best (530B on 640 GPUs; ``MEMORY_MISS``).
+
+    The published runs are one stage, so the one-stage search (``pipeline=False``, under a
+    second) holds them; the full search answers the faster of its one-stage best and its
+    pipeline best (tests/autopar/planner/test_pipeline_planner.py), so it is no slower, and
+    here faster still: on the 1,536-GPU row the one-stage plan (DP 192 × TP 8) is 1.6×
+    faster than ZeRO-3, the full search's (PP 12 × DP 16 × TP 8, interleaved) 4.1×.
+    ``python bench/published.py --plan-up-to 2240`` plans all six with the full search."""
     row = next(r for r in zero3_rows() if (r.params_b, r.gpus) == key)
     graph = zero3_graph(row.params_b, row.heads, row.hidden, row.layers, row.global_batch)
-    plan = search(graph, zero3_cluster(row), precision_name="float16", time_limit_s=600).plan
+    plan = search(graph, zero3_cluster(row), precision_name="float16", pipeline=False,
+                  time_limit_s=600).plan  # the choice is under test, not the machine's speed
     assert plan.prediction.step_time_s <= predict(row).step_time_s * (1 + 1e-9)

@@ -124,12 +124,6 @@ def test_hf_llama_tp2_dp2_trains_like_one_process(pool4, block):
     real_matches(pool4.run(train_job, "hf-llama", llama(block)), "hf-llama", False)
 
 
-def test_pp2_tp2_trains_like_one_process(pool4):
-    """Interleaved pipeline × tp = 2 (dp = 1: what 4 ranks allow)."""
-    plan = pipeline("tp_zero1", dp=1)
-    pipeline_matches(pool4.run(pipeline_job, GPT6, plan), GPT6)
-
-
 @pytest.fixture(scope="module")
 def pool8() -> Iterator[DistPool]:
     pool = DistPool(8, timeout_s=240.0)
@@ -139,7 +133,8 @@ def pool8() -> Iterator[DistPool]:
 
 def test_pp2_dp2_tp2_trains_like_one_process(pool8):
     """Megatron-LM's standard configuration at small scale: interleaved pipeline, tensor
-    and sequence parallelism, and the distributed optimizer sharding over dp = 2."""
+    and sequence parallelism, and the distributed optimizer sharding over dp = 2. (dp = 1,
+    FSDP2 over a one-rank dp mesh, is test_tp2_alone_trains_like_one_process's case.)"""
     plan = pipeline("tp_zero1", dp=2, sp=True)
     pipeline_matches(pool8.run(pipeline_job, GPT6, plan), GPT6)
 
