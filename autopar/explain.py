@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.planner.costs import module_unit_count
 from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.moe_costs import ep_problem, runtime_problem
 from autopar.planner.one_stage import class_options
@@ -182,8 +183,9 @@ def explain(plan: Plan, module: str, graph: LayerGraph | None = None) -> Explana
     tp_split = any(spec(s).tensor_parallel for s in present) or (
         info is not None and info.tp is not None
         and all(d % plan.mesh.tp == 0 for d in info.tp.divisors))
-    unavailable = {s: _why_unavailable(s, plan, module, tp_split) for s in STRATEGIES
-                   if s not in present}
+    module_units = module_unit_count(info) if info is not None else 0
+    unavailable = {s: _why_unavailable(s, plan, module, tp_split, module_units)
+                   for s in STRATEGIES if s not in present}
     return Explanation(module=module, layer_class=layer.layer_class, class_size=costs.count,
                        strategy=layer.option, class_mix=mix, options=verdicts,
                        unavailable=unavailable, reason=_tie_reason(plan, module, verdicts)
@@ -221,14 +223,16 @@ def _cost_of(plan: Plan, layer) -> OptionCost:
     raise AssertionError(f"no cost for {layer.module} {layer.option}")
 
 
-def _why_unavailable(strategy: str, plan: Plan, module: str, tp_split: bool) -> str:
+def _why_unavailable(strategy: str, plan: Plan, module: str, tp_split: bool,
+                     module_units: int | None) -> str:
     """The spec's reason (runtime.strategies); a strategy available on the mesh but absent
     from the rationale lost to another option on every term."""
     tie = plan.rationale.ties.get(module) if plan.rationale else None
     mesh = plan.mesh
     reason = spec(strategy).unavailable(
         replicas=mesh.replicas, tp=mesh.tp, microbatches=plan.microbatches,
-        hsdp_shard_size=plan.hsdp_shard_size, tp_split=tp_split, tie=tie)
+        hsdp_shard_size=plan.hsdp_shard_size, tp_split=tp_split, tie=tie,
+        module_units=module_units)
     return reason or "another option is at least as fast and needs no more memory (dominated)"
 
 

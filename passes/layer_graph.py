@@ -77,6 +77,7 @@ from passes.records import GemmShape, LayerGraph, LayerInfo, SavedSplit, TPOptio
 from passes.tensor_parallel import find_tensor_parallel
 from passes.trace import inputs_to_meta, placeholder_values, to_meta, trace_module
 from runtime.batch import Inputs, as_inputs, batch_size
+from runtime.data_parallel import module_units
 from runtime.stage_graphs import weight_uses
 
 BWD_FLOPS_PER_FWD = 2.0
@@ -195,6 +196,7 @@ class LayerCosts:
         self.attention_fwd_flops = attention_flops(nodes)
         self.gemms = _gemms(calls, layer)
         self.batch_norm_channels: tuple[int, ...] = ()
+        self.module_units: tuple[int, ...] = ()
         self.reuses_weights = _reuses_weights(nodes)
 
 
@@ -207,6 +209,7 @@ def annotate_layer(gm: GraphModule, model: nn.Module, group: LayerGroup,
     count_inplace_inputs(gm, group.nodes, env)
     costs = LayerCosts(group.nodes, group.name)
     costs.batch_norm_channels = batch_norm_channels(model, group.name)
+    costs.module_units = module_unit_params(model, group)
     return costs, find_tensor_parallel(gm, model, group)
 
 
@@ -216,6 +219,15 @@ def batch_norm_channels(model: nn.Module, layer: str) -> tuple[int, ...]:
     return tuple(m.num_features for m in model.get_submodule(layer).modules()
                  if isinstance(m, nn.modules.batchnorm._BatchNorm)
                  and (m.training or m.running_mean is None))
+
+
+def module_unit_params(model: nn.Module, group: LayerGroup) -> tuple[int, ...]:
+    """``LayerInfo.module_units``: per module unit of the layer, its parameters that the
+    layer owns (a tied parameter counts in its owner's layer, as ``param_count`` does)."""
+    own = {id(p) for _, p in group.params}
+    counts = (sum(p.numel() for p in m.parameters(recurse=False) if id(p) in own)
+              for m in module_units(model.get_submodule(group.name)))
+    return tuple(n for n in counts if n)
 
 
 def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
@@ -246,6 +258,7 @@ def _layer_info(group: LayerGroup, costs: LayerCosts, tp: TPOption | None,
         tp=tp,
         loss_bytes=loss_bytes,
         batch_norm_channels=costs.batch_norm_channels,
+        module_units=costs.module_units,
         output_last_dims=costs.output_last_dims,
         reuses_weights=costs.reuses_weights,
     )

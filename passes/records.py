@@ -209,6 +209,10 @@ class LayerInfo:
     param_tensors: int = 0
     """Parameter tensors the layer owns: the optimizer launches kernels per tensor
     (cost_models.optimizer)."""
+    module_units: tuple[int, ...] = ()
+    """Parameter counts of the submodules ``fsdp_modules`` shards as FSDP2 units of their
+    own (``runtime.data_parallel.module_units``: those owning a weight matrix); the
+    layer's other parameters (norms) are one more unit."""
     batch_norm_channels: tuple[int, ...] = ()
     """Channels of each BatchNorm module in the layer that normalises with batch statistics
     (training mode): the runtime all-reduces their statistics over the data-parallel

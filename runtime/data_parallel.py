@@ -11,7 +11,9 @@ names: its data-parallel group (every rank of the stage, or dp for a tensor-para
 layer, after TP as torchtitan's 2-D), 1-D when the spec shards anything, 2-D
 ``(group, 1)`` when it only replicates, ``(group / s, s)`` for hybrid sharding with
 s = ``Plan.hsdp_shard_size``; gathered parameters are freed after forward when the spec
-gathers ``per_use``. The parameters outside the planned layers go to the root, as
+gathers ``per_use``. A spec with ``units == "modules"`` (``fsdp_modules``) first makes each
+of the layer's ``module_units`` an FSDP2 unit on the same mesh; the layer's own unit then
+holds the rest of its parameters. The parameters outside the planned layers go to the root, as
 ``replicate``. Gradients are averaged over the layer's group.
 
 Averaging identical tp copies of a non-TP gradient over the world equals averaging over dp.
@@ -152,10 +154,14 @@ def apply_fsdp(
     for unit in _units(model, layers):
         layer = unit[0]
         modules = [model.get_submodule(la.module) for la in unit]
-        fully_shard(modules if len(modules) > 1 else modules[0], mesh=_mesh_for(layer, meshes),
-                    reshard_after_forward=layer.spec.gather == "per_use",
-                    mp_policy=mp_policy or MixedPrecisionPolicy(),
-                    offload_policy=_offload(layer, torch.device(meshes.world.device_type)))
+        shard = dict(mesh=_mesh_for(layer, meshes),
+                     reshard_after_forward=layer.spec.gather == "per_use",
+                     mp_policy=mp_policy or MixedPrecisionPolicy(),
+                     offload_policy=_offload(layer, torch.device(meshes.world.device_type)))
+        if layer.spec.units == "modules":  # one module, never a tie (check_ties)
+            for sub in module_units(modules[0]):
+                fully_shard(sub, **shard)
+        fully_shard(modules if len(modules) > 1 else modules[0], **shard)
         key = layer.strategy + (" offloaded" if layer.offload else "")
         counts[key] = counts.get(key, 0) + len(unit)
     # The root holds every parameter outside the planned layers; replicate them.
@@ -167,6 +173,16 @@ def apply_fsdp(
         meshes.world.size(),
     )
     return model
+
+
+def module_units(layer: nn.Module) -> list[nn.Module]:
+    """The submodules of ``layer`` that ``units == "modules"`` strategies shard as FSDP2
+    units of their own: every one below the layer owning a parameter of two or more
+    dimensions (``nn.Linear``, ``nn.Embedding``, convolutions, Hugging Face's ``Conv1D``),
+    children before their parents, as ``fully_shard`` must be applied. Parameters outside
+    them (norms, the layer's own) stay in the layer's unit."""
+    return [m for name, m in reversed(list(layer.named_modules()))
+            if name and any(p.dim() >= 2 for p in m.parameters(recurse=False))]
 
 
 def _units(model: nn.Module, layers: list[LayerPlan]) -> list[list[LayerPlan]]:

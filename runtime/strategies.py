@@ -21,6 +21,12 @@ ZeRO's vocabulary: stage 1 shards optimizer states over the group, stage 2 gradi
 too, stage 3 parameters too (Rajbhandari et al., 2020). ``gather`` and ``reduce`` say when
 the engine communicates, which is what the cost model and the micro-batch syncs need.
 
+ZeRO-3 comes at two granularities (``units``): ``fsdp`` shards the layer as one FSDP2 unit,
+gathered whole (torchtitan's per-block FSDP); ``fsdp_modules`` makes each submodule owning
+a weight matrix a unit of its own and the layer one more for the rest (norms), so a rank
+holds one module's gathered parameters at a time rather than the layer's, as DeepSpeed's
+ZeRO-3 gathers parameter by parameter. The price is more, smaller collectives.
+
 A tensor-parallel layer takes the same stages over its dp × cp group: ``tp`` (0),
 ``tp_zero1``, ``tp_zero2``, ``tp_fsdp`` (3). FSDP2 shards the local shards of TP's DTensor
 parameters over dp (torchtitan's 2-D pattern). ``tp_zero1`` is Megatron-LM's distributed
@@ -38,6 +44,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 Gather = Literal["never", "per_step", "per_use"]
+Units = Literal["layer", "modules"]
 Reduce = Literal["per_step", "per_microbatch"]
 Availability = Literal["always", "shards", "hybrid", "tp", "tp_shards"]
 
@@ -81,6 +88,10 @@ class StrategySpec:
     expert_parallel: bool = True
     """The experts of the layer's mixture-of-experts blocks may be split over ep of its
     data-parallel ranks (``LayerPlan.expert_parallel``, runtime/expert_parallel.py)."""
+    units: Units = "layer"
+    """The FSDP2 units the layer is sharded as: ``layer``, one; ``modules``, one per
+    submodule owning a weight matrix (``runtime.data_parallel.module_units``) and the layer's
+    own for the rest."""
 
     @property
     def sharded(self) -> bool:
@@ -110,13 +121,24 @@ class StrategySpec:
 
     def unavailable(self, *, replicas: int, tp: int, microbatches: int = 1,
                     hsdp_shard_size: int | None = None, tp_split: bool = True,
-                    tie: str | None = None) -> str | None:
+                    tie: str | None = None, module_units: int | None = 0) -> str | None:
         """Why a layer cannot take this strategy on this mesh, or None when it can.
 
         ``tp_split``: an exact tensor-parallel split of the layer is known whose sizes tp
         divides; ``tie``: the tied weights the layer shares (tied layers take one
-        data-parallel strategy together), None when it has none."""
+        data-parallel strategy together), None when it has none; ``module_units``: the
+        layer's submodules owning a weight matrix (``LayerInfo.module_units``), None for a
+        mixture-of-experts layer."""
         world = replicas * tp
+        if self.units == "modules" and tie:
+            return (f"tied weights: {tie}; tied layers are one FSDP2 unit together, not "
+                    "split into their modules")
+        if self.units == "modules" and module_units is None:
+            return ("a mixture-of-experts layer: its experts are priced and split apart "
+                    "(expert parallelism), as one FSDP2 unit with the layer")
+        if self.units == "modules" and module_units < 2:
+            return ("fewer than two submodules of the layer own a weight matrix: one FSDP2 "
+                    "unit per module would gather no less than the layer's one")
         if self.tensor_parallel and tie:
             return (f"tied weights: {tie}; tensor parallelism would split the parameter in "
                     "one module and untie it from the other, so tied layers take one "
@@ -158,6 +180,12 @@ STRATEGY_SPECS: dict[str, StrategySpec] = {s.name: s for s in (
         offloadable=True, torchtitan="shard",
         summary="parameters, gradients and optimizer states sharded, parameters gathered "
                 "before each use (ZeRO-3 / FSDP2)"),
+    StrategySpec(
+        name="fsdp_modules", zero_stage=3, gather="per_use", reduce="per_microbatch",
+        offloadable=True, torchtitan="shard", expert_parallel=False, units="modules",
+        summary="fsdp with one FSDP2 unit per submodule owning a weight matrix and one for the "
+                "rest of the layer: a module's parameters gathered at a time, not the "
+                "layer's, in more and smaller collectives (DeepSpeed ZeRO-3's granularity)"),
     StrategySpec(
         name="hsdp", zero_stage=3, hybrid=True, gather="per_use", reduce="per_microbatch",
         available="hybrid", torchtitan="shard", expert_parallel=False,

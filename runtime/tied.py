@@ -138,6 +138,11 @@ def check_ties(model: nn.Module, layers: Sequence[LayerPlan]) -> list[Tie]:
                 f"{tie.describe()}: tensor parallelism would split the parameter in one "
                 f"module and untie it from the other; give them a data-parallel strategy "
                 "(replicate, zero2, fsdp, ...)")
+        if planned[0].spec.units == "modules":
+            raise PlanError(
+                f"{tie.describe()}, so they are one FSDP2 unit, which "
+                f"{planned[0].strategy!r} would split into their modules; give them 'fsdp' "
+                "(one unit) or another data-parallel strategy")
     return ties
 
 

@@ -81,9 +81,13 @@ class DataParallel:
     warnings: list[str] = field(default_factory=list)
 
 
-def data_parallel(plan: Plan) -> DataParallel:
+def data_parallel(plan: Plan, *, per_module: bool = False) -> DataParallel:
     """The strongest sharding any layer uses, with offload when any layer offloads; the
-    layers that differ from it named in warnings."""
+    layers that differ from it named in warnings. ``per_module``: the engine's ZeRO-3
+    gathers module by module (DeepSpeed); otherwise it shards a layer as one unit (FSDP
+    wrapped per block), and ``fsdp_modules`` layers, which would then hold a whole layer
+    gathered, are named too. (Per-layer units run per module under DeepSpeed: less memory
+    than planned, which needs no warning.)"""
     specs = [layer.spec for layer in plan.layers]
     stage = max((s.zero_stage for s in specs), default=0)
     hybrid = bool(specs) and all(s.hybrid for s in specs if s.zero_stage == stage) and stage > 0
@@ -97,6 +101,12 @@ def data_parallel(plan: Plan) -> DataParallel:
             f"{stage}{', hybrid' if hybrid else ''}): the plan gives "
             + ", ".join(f"{n} layer(s) {s}" for s, n in sorted(differ.items()))
             + ", which then shard more than planned (more communication, no more memory)")
+    per_layer = sum(layer.spec.units == "modules" for layer in plan.layers)
+    if per_layer and not per_module:
+        warnings.append(
+            f"one FSDP unit per layer: the plan shards {per_layer} layer(s) one unit per "
+            "weight matrix (fsdp_modules), which then hold a whole layer's parameters "
+            "gathered at a time, more memory than planned")
     kept = sum(not layer.offload for layer in plan.layers)
     if offload and kept:
         warnings.append(f"CPU offload for every layer: the plan offloads "

@@ -27,7 +27,7 @@ DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 def deepspeed_config(plan: Plan) -> tuple[dict, list[str]]:
     """The ds_config dict, and what of the plan it cannot express."""
-    dp = data_parallel(plan)
+    dp = data_parallel(plan, per_module=True)
     warnings = list(dp.warnings)
     stage = dp.zero_stage
     if plan.mesh.pp > 1 and stage > 1:

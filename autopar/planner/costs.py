@@ -62,6 +62,10 @@ accumulation) is float32 in every precision (``Precision.held_grad_bytes``):
     fsdp/hsdp  P/N + G + K/N  (+ P gathered)     max(P, G + G/N), collectives only
     +offload   G  (+ P gathered)                 max(P, G + G/N) + P/N
 
+``fsdp_modules`` shards a layer as several FSDP2 units (``unit_shares``): in the transient
+column P and G are then its largest unit's (one gathered, the next prefetched, one
+unsharded gradient), and each unit's collectives are priced apart, each with its latency.
+
 Gathered (``LayerCost.gathered_bytes``): unsharded parameters FSDP2 holds beside the
 resident ones from the layer's forward to the end of its backward (the liveness walk keeps
 it for that long, autopar/planner/liveness.py). ``replicate`` and ``tp`` layers run on FSDP2
@@ -247,7 +251,13 @@ def allowed_strategies(layer: LayerInfo, mesh: Mesh, *, hsdp_shard_size: int | N
     return tuple(name for name, s in STRATEGY_SPECS.items()
                  if s.unavailable(replicas=mesh.replicas, tp=mesh.tp, microbatches=microbatches,
                                   hsdp_shard_size=hsdp_shard_size, tp_split=tp_split,
-                                  tie=tie) is None)
+                                  tie=tie, module_units=module_unit_count(layer)) is None)
+
+
+def module_unit_count(layer: LayerInfo) -> int | None:
+    """The layer's module units ``fsdp_modules`` may shard it as; None for a
+    mixture-of-experts layer, whose experts the planner prices apart (moe_costs)."""
+    return None if layer.moe else len(layer.module_units)
 
 
 def allowed_options(layer: LayerInfo, mesh: Mesh, *, seq_len: int | None = None,
@@ -333,9 +343,10 @@ def layer_cost(
         raise ValueError(f"layer {layer.name!r}: option {option!r} asks for async TP, but "
                          f"{problem}")
     s = spec(strategy)
+    shares = unit_shares(layer, s)
     ctx = CostContext(mesh=mesh, cluster=cluster, prec=prec, microbatches=microbatches,
                       strategy=s, recompute=recompute, offload=offload, sequence_parallel=sp,
-                      hsdp_shard_size=hsdp_shard_size, async_tp=overlap)
+                      hsdp_shard_size=hsdp_shard_size, async_tp=overlap, unit_shares=shares)
     dp, tp, m = mesh.replicas, mesh.tp, microbatches
     is_tp, act_scale, device = s.tensor_parallel, ctx.act_scale, cluster.device
 
@@ -378,13 +389,14 @@ def layer_cost(
     else:
         optimizer = optimizer_step_s(local_params, layer.param_tensors, cluster.adam_kernels,
                                      device)
-    engine_micro, engine_step = engine_host_s(layer, is_tp, sp, cluster)
+    units = len(shares)
+    engine_micro, engine_step = engine_host_s(layer, is_tp, sp, cluster, units)
     copies_micro, copies_step = fsdp_copies_s(s, m, mesh.pp > 1, tp_params, shards,
-                                               prec, device)
+                                               prec, device, units)
     engine_micro += copies_micro
     optimizer += engine_step + copies_step
     states = _states_bytes(s, offload, tp_params, shards, m, prec,
-                           pipelined=mesh.pp > 1)
+                           pipelined=mesh.pp > 1, largest_unit=max(shares))
     # FSDP2's copies and hooks run on the compute stream between the layer's kernels.
     windows = dict(fwd_window=fwd_compute + engine_micro / 2,
                    bwd_window=bwd_compute + recompute_s + engine_micro / 2)
@@ -421,8 +433,8 @@ def layer_cost(
         host_bytes=local_params * prec.state_bytes if offload else 0.0,
         hidden_comm_s=m * (hidden.fwd + hidden.bwd + tp_hidden) + hidden.step,
         loss_buffer_bytes=loss_transient,
-        fsdp_only_s=(m * (cluster.device.fsdp_overhead_s + copies_micro) + engine_step
-                     + copies_step),
+        fsdp_only_s=(m * (cluster.device.fsdp_overhead_s * units + copies_micro)
+                     + engine_step + copies_step),
         fsdp_wait_s=ddp_saving,
         gathered_bytes=states[4],
         collective_buffer_bytes=states[3] if mesh.pp > 1 else 0.0,
@@ -496,14 +508,27 @@ def _hidden_comm_s(s: StrategySpec, mesh: Mesh, overlap: Overlap, comm: DPComm, 
     return _Hidden(fwd=fwd, bwd=bwd, step=step)
 
 
+def unit_shares(layer: LayerInfo, s: StrategySpec) -> tuple[float, ...]:
+    """Each FSDP2 unit's share of the layer's parameters: (1.0,) for one unit; under
+    ``units == "modules"``, each module unit's (``LayerInfo.module_units``) and the rest's."""
+    if s.units == "layer" or not layer.module_units or not layer.param_count:
+        return (1.0,)
+    rest = layer.param_count - sum(layer.module_units)
+    counts = layer.module_units + ((rest,) if rest > 0 else ())
+    return tuple(n / layer.param_count for n in counts)
+
+
 def _states_bytes(s: StrategySpec, offload: bool, tp_params: float, shards: int, m: int,
-                  prec: Precision, *, pipelined: bool = False
+                  prec: Precision, *, pipelined: bool = False, largest_unit: float = 1.0
                   ) -> tuple[float, float, float, float, float, float]:
     """(params, grads, optimizer, transient, gathered, prefetched) bytes on the device; see
     the module table. ``pipelined``: pp > 1. ``prefetched``: the part of the transient that
-    stands for the next layer's gathered parameters (``LayerCost.prefetch_bytes``)."""
+    stands for the next layer's gathered parameters (``LayerCost.prefetch_bytes``).
+    ``largest_unit``: the largest FSDP2 unit's share of the layer's parameters, what one
+    gather, reduce-scatter or unsharded gradient of the layer's holds (``unit_shares``)."""
     p = tp_params * prec.param_bytes
     g = tp_params * prec.grad_bytes  # an unsharded gradient, as backward computes it
+    pu, gu = p * largest_unit, g * largest_unit  # the largest unit's
     held = tp_params * prec.held_grad_bytes  # the reduced gradient the optimizer steps
     k = tp_params * prec.optimizer_bytes
     n = shards
@@ -511,19 +536,19 @@ def _states_bytes(s: StrategySpec, offload: bool, tp_params: float, shards: int,
     if not s.sharded:
         return p, held, k, 0.0, (p if prec.name == "float32" else 0.0), 0.0
     if pipelined:
-        collectives = max(p, g + g / n)
+        collectives = max(pu, gu + gu / n)
         if once:
             return p + p / n, g, k / n, collectives, 0.0, 0.0
         if offload:
-            return 0.0, g, 0.0, collectives + p / n, p, 0.0
+            return 0.0, g, 0.0, collectives + pu / n, p, 0.0
         return p / n, g, k / n, collectives, p, 0.0
     if once and s.reduce == "per_step":  # gradients accumulate unsharded (ZeRO-1)
         return p + p / n, (g if m > 1 else held / n), k / n, (0.0 if m > 1 else g), 0.0, 0.0
     if once:
         return p + p / n, held / n, k / n, g, 0.0, 0.0
     if offload:
-        return 0.0, 0.0, 0.0, 2 * p + g + p / n, 0.0, p
-    return p / n, held / n, k / n, 2 * p + g, 0.0, p
+        return 0.0, 0.0, 0.0, 2 * pu + gu + pu / n, 0.0, pu
+    return p / n, held / n, k / n, 2 * pu + gu, 0.0, pu
 
 
 def hsdp_shard_size(cluster: Cluster, pp: int = 1) -> int | None:

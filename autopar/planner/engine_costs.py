@@ -47,7 +47,7 @@ FSDP_COPY_KERNELS = 2
 
 
 def fsdp_copies_s(s: StrategySpec, m: int, pipelined: bool, tp_params: float, shards: int,
-                  prec: Precision, device: Device) -> tuple[float, float]:
+                  prec: Precision, device: Device, units: int = 1) -> tuple[float, float]:
     """(Per micro-batch, per step) seconds of FSDP2's copies around its collectives
     (torch.distributed.fsdp: ``foreach_all_gather`` copies this rank's shards into one
     buffer, ``foreach_all_gather_copy_out`` the gathered buffer out into each unsharded
@@ -57,14 +57,15 @@ def fsdp_copies_s(s: StrategySpec, m: int, pipelined: bool, tp_params: float, sh
     often each runs is the spec's ``gather`` and ``reduce`` (runtime.strategies): replicated
     layers (a one-rank shard) copy before each micro-batch's forward, a ``per_step`` gather
     once, a ``per_use`` gather for forward and again for backward; pipelines keep every
-    layer gathered and reduce once."""
+    layer gathered and reduce once. The same bytes in ``units`` FSDP2 units launch
+    ``units`` times the kernels."""
     if not tp_params:
         return 0.0, 0.0  # FSDP2 groups no parameters: no collectives, no copies
     p = tp_params * prec.param_bytes
     g = tp_params * prec.grad_bytes
-    gather = roofline_s(0.0, 2 * p / shards + 2 * p, FSDP_COPY_KERNELS, device, prec.compute_dtype)
-    scatter = roofline_s(0.0, 2 * g + 2 * g / shards, FSDP_COPY_KERNELS, device,
-                         prec.compute_dtype)
+    kernels = FSDP_COPY_KERNELS * units
+    gather = roofline_s(0.0, 2 * p / shards + 2 * p, kernels, device, prec.compute_dtype)
+    scatter = roofline_s(0.0, 2 * g + 2 * g / shards, kernels, device, prec.compute_dtype)
     if pipelined:
         return 0.0, gather + scatter
     gathers_per_micro = {"never": 1, "per_step": 0, "per_use": 2}[s.gather]
@@ -74,16 +75,17 @@ def fsdp_copies_s(s: StrategySpec, m: int, pipelined: bool, tp_params: float, sh
     return per_micro, per_step
 
 
-def engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster
+def engine_host_s(layer: LayerInfo, is_tp: bool, sp: bool, cluster: Cluster, units: int = 1
                   ) -> tuple[float, float]:
     """(Per micro-batch, per step) host time the parallel engines add to this layer on a
     device whose host work does not hide behind its kernels (CPU ranks; ``Device``'s
     overheads are 0 elsewhere). Every layer outside a DDP plan runs under FSDP2
     (runtime/data_parallel.py): its hooks each micro-batch, and DTensor's dispatch of each
     of the optimizer's ops on its parameters (FSDP2 keeps them as DTensors). A
-    tensor-parallel layer's modules add their DTensor hooks and dispatch."""
+    tensor-parallel layer's modules add their DTensor hooks and dispatch. ``units``: the
+    layer's FSDP2 units, each with its hooks."""
     device, adam = cluster.device, cluster.adam_kernels
-    per_micro = device.fsdp_overhead_s
+    per_micro = device.fsdp_overhead_s * units
     if is_tp:
         assert layer.tp is not None
         styles = layer.tp.sp_styles if sp and layer.tp.sp_styles else layer.tp.styles

@@ -54,6 +54,9 @@ class CostContext:
     async_tp: bool = False
     """PyTorch's async TP overlaps the layer's sequence-parallel collectives with its
     matmuls (``async_tp_comm_s``)."""
+    unit_shares: tuple[float, ...] = (1.0,)
+    """Each of the layer's FSDP2 units' share of its parameters: one unit, or
+    ``fsdp_modules``'s one per module and the rest (``costs.unit_shares``)."""
 
     @property
     def tensor_parallel(self) -> bool:
@@ -191,7 +194,8 @@ def recompute_cost(layer: LayerInfo, ctx: CostContext, compute: ComputeTimes, tp
 
 def dp_comm_s(ctx: CostContext, tp_params: float, shards: int) -> DPComm:
     """The layer's data-parallel collectives (``_dp_comm_s``)."""
-    return _dp_comm_s(ctx.strategy, ctx.mesh, ctx.cluster, ctx.prec, tp_params, shards)
+    return _dp_comm_s(ctx.strategy, ctx.mesh, ctx.cluster, ctx.prec, tp_params, shards,
+                      ctx.unit_shares)
 
 
 def offload_s(layer: LayerInfo, ctx: CostContext, local_params: float) -> Offload:
@@ -490,11 +494,13 @@ def _ring_attention(layer: LayerInfo, is_tp: bool, mesh: Mesh, cluster: Cluster,
 
 
 def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
-               tp_params: float, shards: int) -> DPComm:
+               tp_params: float, shards: int, unit_shares: tuple[float, ...] = (1.0,)
+               ) -> DPComm:
     """Each gather and reduce-scatter with its skew (``Device.skew_s`` of its size): every
     rank waits for the others at each. A replicated gradient's all-reduce waits once per
     layer (``engine_costs.all_reduce_wait_s``). When each runs is the spec's ``gather`` and
-    ``reduce`` (runtime.strategies)."""
+    ``reduce`` (runtime.strategies). A layer in several FSDP2 units (``unit_shares``)
+    gathers and reduces each unit's share apart, each collective with its latency."""
     dp, tp = mesh.replicas, mesh.tp
     group = Group(dp, tp) if s.tensor_parallel else Group(dp * tp, 1)
     links = cluster.fsdp_links()  # what the software's sharded collectives reach
@@ -506,13 +512,18 @@ def _dp_comm_s(s: StrategySpec, mesh: Mesh, cluster: Cluster, prec: Precision,
         return back_to_back_skew_s(nbytes, cluster) if at_step else \
             cluster.device.skew_s(nbytes)
 
+    def per_unit(collective, nbytes: float, group: Group, at_step: bool) -> float:
+        total = 0.0
+        for share in unit_shares:
+            t = collective(nbytes * share, group, links)
+            total += t + skew(nbytes * share, at_step=at_step) if t else 0.0
+        return total
+
     def gather(group: Group, at_step: bool = False) -> float:
-        t = all_gather_s(params, group, links)
-        return t + skew(params, at_step=at_step) if t else 0.0
+        return per_unit(all_gather_s, params, group, at_step)
 
     def scatter(group: Group, at_step: bool = False) -> float:
-        t = reduce_scatter_s(grads, group, links)
-        return t + skew(grads, at_step=at_step) if t else 0.0
+        return per_unit(reduce_scatter_s, grads, group, at_step)
 
     if not s.sharded:
         # Overlapped with backward; its wait for the other ranks is layer_cost's (it

@@ -57,7 +57,7 @@ if TYPE_CHECKING:
     from autopar.planner.costs import LayerCost
 
 EXPERT_STRATEGY = {"replicate": "replicate", "zero1": "zero1", "zero2": "zero2",
-                   "fsdp": "fsdp", "tp": "replicate", "tp_zero1": "zero1", "tp_zero2": "zero2",
+                   "fsdp": "fsdp", "fsdp_modules": "fsdp", "tp": "replicate", "tp_zero1": "zero1", "tp_zero2": "zero2",
                    "tp_fsdp": "fsdp", "hsdp": "hsdp"}
 """The strategy a MoE layer's experts take under the layer's strategy (module docstring)."""
 EP_STRATEGIES = tuple(s for s in STRATEGIES if spec(s).expert_parallel
@@ -170,7 +170,7 @@ def dense_part(layer: LayerInfo) -> LayerInfo:
         return max(type(value)(0), value)
 
     return replace(
-        layer, moe=(),
+        layer, moe=(), module_units=(),  # its units are not apart from the experts'
         param_count=less("param_count"),
         param_bytes=max(0, layer.param_bytes - round(sum(b.param_count for b in blocks)
                                                      * per_param)),

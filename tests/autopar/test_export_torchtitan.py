@@ -51,7 +51,7 @@ from torchtitan.distributed.parallel_dims import ParallelDims
 from torchtitan.distributed.pipeline_parallel import _get_pp_rank_to_stage_indices_mapping
 
 from autopar.errors import ConfigError
-from autopar.exports import export_torchtitan
+from autopar.exports import export_deepspeed, export_torchtitan
 from autopar.exports.common import autopar_version
 from runtime.plan import Mesh, PipelineSpec, Plan, stage_rank
 
@@ -357,3 +357,20 @@ def test_expert_parallelism_takes_ranks_torchtitan_can_give():
     assert export_torchtitan(replicated, "plan.json").warnings == (
         "expert parallelism (ep = 2) left out: torchtitan takes its ranks from dp_shard × cp "
         "× tp = 1, which ep does not divide",)
+
+
+def test_per_matrix_units_are_sharded_per_block_and_said():
+    """torchtitan wraps each block in one FSDP unit: blocks planned one unit per weight
+    matrix (``fsdp_modules``) export as FSDP, with the memory they then gather said;
+    DeepSpeed gathers module by module, as planned, and says nothing of it."""
+    blocks = {f"h.{i}": "fsdp_modules" for i in range(4)}
+    plan = plan_of(mesh=Mesh(dp=4), strategy="fsdp", overrides=blocks)
+    assert sum(la.strategy == "fsdp_modules" for la in plan.layers) == 4
+    p = parsed(plan, nodes=1, nproc_per_node=4).parallelism
+    assert (p.data_parallel_replicate_degree, p.data_parallel_shard_degree) == (1, 4)
+    assert p.fsdp_reshard_after_forward == "always"
+    assert export_torchtitan(plan, "plan.json", nodes=1, nproc_per_node=4).warnings == (
+        "one FSDP unit per layer: the plan shards 4 layer(s) one unit per weight matrix "
+        "(fsdp_modules), which then hold a whole layer's parameters gathered at a time, "
+        "more memory than planned",)
+    assert not export_deepspeed(plan, "plan.json").warnings

@@ -94,7 +94,8 @@ def test_rationale_round_trips_through_json():
     assert len(plan.rationale.classes) == len({la.layer_class for la in plan.layers}) < \
         len(plan.layers)
     assert len(plan.rationale.alternatives) == 10  # tp ∈ {1, 2, 4, 8} × cp ∈ {1, ..., 8 / tp}
-    assert len(plan.to_json()) < 27_000  # each option's hidden communication: ~1 kB more
+    # each option's hidden communication: ~1 kB more; the blocks' fsdp_modules options ~1.4
+    assert len(plan.to_json()) < 29_000
 
 
 def test_hand_written_plan_reports_without_prediction_or_rationale():

@@ -42,7 +42,7 @@ from autopar.planner.zero3_published import (
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 from cost_models.software import software
-from runtime.plan import Mesh
+from runtime.plan import LayerPlan, Mesh, Plan
 from runtime.plan_report import comm_lines
 
 SECONDS_PER_DAY = 86400
@@ -168,11 +168,54 @@ def test_autopars_own_fsdp2_falls_little_over_the_same_gpus():
     assert fall > 1 - three_d(1536) / three_d(384)
 
 
+def test_530b_on_640_gpus_fits_80_gb_only_with_a_unit_per_weight_matrix():
+    """DeepSpeed ran 530B on 640 A100s of 80 GB at 4 samples a rank, gathering a block's
+    weight matrices one by one. Sharded a block at a time (``fsdp``) that configuration
+    needs more than 80 GB by the memory model: a block's 10 GB gathered, the next one
+    prefetched and its unsharded gradient. One FSDP2 unit per weight matrix
+    (``fsdp_modules``) holds the largest matrix's instead (4h² + 4h parameters, a third of
+    the block's), 3 × (P − Pᵤ) fewer bytes with the margin on top, and fits."""
+    row = next(r for r in zero3_rows() if (r.params_b, r.gpus) == (529.6, 640))
+    graph = zero3_graph(row.params_b, row.heads, row.hidden, row.layers, row.global_batch)
+    cluster, fp16 = zero3_cluster(row), precision("float16")
+    blocks = next(c for c, m in graph.classes.items() if len(m) == row.layers)
+
+    def peak(block: str) -> float:
+        layers = tuple(LayerPlan(module=la.name, strategy=block, recompute="full")
+                       if la.layer_class == blocks else LayerPlan(module=la.name, strategy="fsdp")
+                       for la in graph.layers)
+        plan = Plan(global_batch=row.global_batch, mesh=Mesh(dp=row.gpus), layers=layers)
+        return evaluate(graph, cluster, fp16, plan).peak_memory_bytes
+
+    block = next(la for la in graph.layers if la.layer_class == blocks)
+    h = row.hidden
+    assert max(block.module_units) == 4 * h * h + 4 * h  # the MLP's first Linear
+    saved = 3 * (block.param_count - max(block.module_units)) * fp16.param_bytes
+    assert peak("fsdp") - peak("fsdp_modules") == pytest.approx(
+        saved * (1 + cluster.memory_margin_fraction), rel=1e-6)
+    assert peak("fsdp") > cluster.device.memory_bytes >= peak("fsdp_modules")
+
+
+def test_the_planner_shards_530b_blocks_per_weight_matrix_on_640_ranks():
+    """On DeepSpeed's mesh (dp = 640, one stage) no block fits as one FSDP2 unit, whatever
+    else it does (the largest transient is a layer's, not a sum), so the planner must
+    shard every block one unit per weight matrix."""
+    row = next(r for r in zero3_rows() if (r.params_b, r.gpus) == (529.6, 640))
+    graph = zero3_graph(row.params_b, row.heads, row.hidden, row.layers, row.global_batch)
+    plan = search(graph, zero3_cluster(row), precision_name="float16",
+                  mesh=Mesh(dp=row.gpus), pipeline=False).plan
+    blocks = next(c for c, m in graph.classes.items() if len(m) == row.layers)
+    chosen = {la.strategy for la in plan.layers if la.layer_class == blocks}
+    assert chosen == {"fsdp_modules"}, chosen
+
+
 MEMORY_MISS = (
-    "530B on 640 GPUs at 4 samples a rank: DeepSpeed ran it in 80 GB, the memory model puts "
-    "the published configuration at 95.8 GiB with its 10% margin (FSDP2 holds a block's "
-    "gathered 10 GB of parameters, the next one prefetched, and its unsharded gradients), so "
-    "the planner cannot choose it and its own plan (pp 1 × dp 320 × tp 2) is 0.4% slower")
+    "530B on 640 GPUs at 4 samples a rank: DeepSpeed's configuration fits 80 GB with a unit "
+    "per weight matrix (fsdp_modules, 75.2 GiB with the margin; as one unit per block it "
+    "would need 95.8), but its per-matrix collectives, 7 a block where the table's pricing "
+    "has 1, cost 2.0% at 640 ranks, so the planner's best (pp 1 × dp 320 × tp 2) is 0.4% "
+    "slower than the row as priced. Pricing the rows per matrix and refitting the "
+    "generation's two values puts 175B × 1,536 at -19%, outside the 10% the fit is held to")
 
 
 @pytest.mark.parametrize("key", [

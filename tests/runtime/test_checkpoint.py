@@ -122,7 +122,8 @@ def _gpt6_ddp2() -> str:
 # (model, plan A on 4 ranks, plan B on 2 ranks); pipeline plans as tests/test_pipeline_numerics
 # makes them (v = 2 for the interleaved and V schedules: two stages per rank).
 ROUND_TRIPS = {
-    "gpt fsdp4 -> tp+fsdp+replicate 1x2 -> back": (GPT, gpt_all("fsdp", 4), gpt_mixed(1, 2)),
+    "gpt fsdp_modules4 -> tp+fsdp+replicate 1x2 -> back": (GPT, gpt_all("fsdp_modules", 4),
+                                                           gpt_mixed(1, 2)),
     "gpt mixed 2x2 -> ddp2 -> back": (GPT, gpt_mixed(2, 2), gpt_all("replicate", 2)),
     "gpt tp2 x dp2 -> fsdp2 -> back": (GPT, gpt_tp(2, 2), gpt_all("fsdp", 2)),
     "mlp mixed 2x2 -> fsdp2 -> back": (MLP, mlp_mixed(2, 2), mlp_all("fsdp", 2)),

@@ -190,6 +190,7 @@ def assert_matches_reference(results: list[dict], model: tuple, *,
 CASES_2 = {
     "gpt-ddp": (GPT, gpt_all("replicate", dp=2)),
     "gpt-fsdp": (GPT, gpt_all("fsdp", dp=2)),
+    "gpt-fsdp_modules": (GPT, gpt_all("fsdp_modules", dp=2)),
     "gpt-tp2": (GPT, gpt_tp(dp=1, tp=2)),
     "gpt-replicate+fsdp": (GPT, gpt_replicate_fsdp(dp=2)),
     "gpt-mixed-1x2": (GPT, gpt_mixed(dp=1, tp=2)),
@@ -270,6 +271,28 @@ def test_strategies_really_shard(pool4):
     assert all(n <= total // 4 + 64 for n in fsdp), (fsdp, total)
     tp4 = local_numel(gpt_tp(dp=1, tp=4))
     assert all(n < total // 2 for n in tp4), (tp4, total)
+
+
+def test_fsdp_modules_makes_each_weight_matrix_a_unit(pool2):
+    """``fsdp_modules`` shards each Linear of a block as an FSDP2 unit of its own and the
+    block as one more (its norms); ``fsdp`` the block alone. A plan-file mistake that
+    silently gave 'fsdp' would still pass the numerics above."""
+    linears = [f"h.0.{m}" for m in ("attn.q_proj", "attn.k_proj", "attn.v_proj",
+                                    "attn.out_proj", "mlp.fc_in", "mlp.fc_out")]
+    assert pool2.run(fsdp_units_job, GPT, gpt_all("fsdp_modules", dp=2))[0] == sorted(
+        [*linears, "h.0"])
+    assert pool2.run(fsdp_units_job, GPT, gpt_all("fsdp", dp=2))[0] == ["h.0"]
+
+
+def fsdp_units_job(model: tuple, plan_json: str) -> list[str]:
+    """The FSDP2 units at or under h.0, sorted by name."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from runtime.apply import apply_plan
+
+    net = apply_plan(_spec(model).build(seed=0), Plan.from_json(plan_json))
+    return sorted(f"h.0.{n}".rstrip(".") for n, m in net.get_submodule("h.0").named_modules()
+                  if isinstance(m, FSDPModule))
 
 
 def local_numel_job(model: tuple, plan_json: str) -> int:

@@ -24,7 +24,7 @@ def _layer(strategy: str) -> LayerPlan:
 
 @pytest.mark.parametrize(("strategy", "mesh"), [
     ("replicate", "world_replicate"), ("zero1", "world"), ("zero2", "world"),
-    ("fsdp", "world"), ("hsdp", "hsdp"), ("tp", "dp_replicate"), ("tp_zero1", "dp"),
+    ("fsdp", "world"), ("fsdp_modules", "world"), ("hsdp", "hsdp"), ("tp", "dp_replicate"), ("tp_zero1", "dp"),
     ("tp_zero2", "dp"), ("tp_fsdp", "dp"),
 ])
 def test_each_strategy_runs_on_its_data_parallel_mesh(strategy, mesh):
@@ -52,7 +52,8 @@ class _Flags:
 @pytest.mark.parametrize(("strategy", "flags"), [
     ("replicate", {"gradient_sync"}), ("tp", {"gradient_sync"}),
     ("zero1", {"gradient_sync", "reshard_after_backward"}),
-    ("zero2", {"reshard_after_backward"}), ("fsdp", set()), ("tp_fsdp", set()),
+    ("zero2", {"reshard_after_backward"}), ("fsdp", set()), ("fsdp_modules", set()),
+    ("tp_fsdp", set()),
     ("tp_zero1", {"gradient_sync", "reshard_after_backward"}),
     ("tp_zero2", {"reshard_after_backward"}), ("hsdp", {"all_reduce"}),
 ])
@@ -77,10 +78,12 @@ def test_the_cost_model_shards_exactly_the_states_of_the_zero_stage(strategy):
     assert params == {0: p, 1: p + p / n, 2: p + p / n, 3: p / n}[s.zero_stage]
 
 
-def _available(replicas, tp, microbatches=1, hsdp=None, tp_split=True, tie=None):
+def _available(replicas, tp, microbatches=1, hsdp=None, tp_split=True, tie=None,
+               module_units=0):
     return [s for s in STRATEGIES
             if spec(s).unavailable(replicas=replicas, tp=tp, microbatches=microbatches,
-                                   hsdp_shard_size=hsdp, tp_split=tp_split, tie=tie) is None]
+                                   hsdp_shard_size=hsdp, tp_split=tp_split, tie=tie,
+                                   module_units=module_units) is None]
 
 
 def test_availability_on_hand_chosen_meshes():
@@ -97,11 +100,19 @@ def test_availability_on_hand_chosen_meshes():
                                                 "tp_zero1", "tp_zero2", "tp_fsdp"]
     assert _available(2, 2, tp_split=False) == ["replicate", "zero2", "fsdp"]
     assert _available(2, 2, tie="h.0 and lm_head share wte") == ["replicate", "zero2", "fsdp"]
+    # one FSDP2 unit per weight matrix: a layer with two or more, untied, not a MoE layer
+    assert _available(4, 1, module_units=6) == ["replicate", "zero2", "fsdp", "fsdp_modules"]
+    assert _available(1, 1, module_units=2) == ["replicate", "fsdp", "fsdp_modules"]
+    assert _available(4, 1, module_units=1) == ["replicate", "zero2", "fsdp"]
+    assert _available(4, 1, module_units=None) == ["replicate", "zero2", "fsdp"]
+    assert _available(4, 1, module_units=6, tie="h.0 and lm_head share wte") == [
+        "replicate", "zero2", "fsdp"]
 
 
 def test_shard_ranks_follow_the_data_parallel_group():
     shards = {s: spec(s).shard_ranks(4, 2, 4) for s in STRATEGIES}
-    assert shards == {"replicate": 1, "zero1": 8, "zero2": 8, "fsdp": 8, "hsdp": 4,
+    assert shards == {"replicate": 1, "zero1": 8, "zero2": 8, "fsdp": 8, "fsdp_modules": 8,
+                      "hsdp": 4,
                       "tp": 1, "tp_zero1": 4, "tp_zero2": 4, "tp_fsdp": 4}
 
 

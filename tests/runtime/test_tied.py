@@ -266,6 +266,17 @@ def test_tied_modules_with_different_strategies_are_refused_before_any_collectiv
     assert "give them the same strategy" in message
 
 
+def test_tied_modules_split_into_per_matrix_units_are_refused_before_any_collective(pool2):
+    """Tied modules are one FSDP2 unit together: ``fsdp_modules``, one unit per weight
+    matrix, would put the shared matrix in two."""
+    plan = Plan(global_batch=BATCH, mesh=Mesh(dp=2), layers=tuple(
+        LayerPlan(module=n, strategy="fsdp_modules") for n in NAMES["nanogpt"])).to_json()
+    message = pool2.run(split_tie_job, "nanogpt", plan)[0]
+    embedding, head = TIED["nanogpt"]
+    assert f"'{embedding}', '{head}' share parameter" in message, message
+    assert "'fsdp_modules' would split into their modules" in message
+
+
 # -- planner ---------------------------------------------------------------------------------
 
 CLUSTERS = [("local", None), ("dgx-a100-80g", 1), ("dgx-a100-80g", 4)]
