@@ -255,6 +255,8 @@ CASES_2 = {
     "zero2-acc1": (GPT, gpt("zero2", 2)),
     "zero2-acc2": (GPT, gpt("zero2", 2, gradient_accumulation=2)),
     "offload-fsdp": (GPT, gpt("fsdp", 2, offload=True)),
+    "offload-fsdp_modules-full-acc2": (GPT, gpt("fsdp_modules", 2, offload=True, recompute="full",
+                                                gradient_accumulation=2)),
     "offload-tp_fsdp-acc2": (GPT, gpt_tp(1, 2, recompute="selective", block="tp_fsdp",
                                          offload=True, gradient_accumulation=2)),
     "accumulation-ddp": (GPT, gpt("replicate", 2, gradient_accumulation=4)),
