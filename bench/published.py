@@ -2,7 +2,9 @@
 (autopar.planner.published), the ZeRO-3 rows of its Table 2 (autopar.planner.zero3_published)
 and the FSDP runs of fsdp_scaling.csv (autopar.planner.fsdp_published), row by row: published,
 predicted, error; then the H100 presets' GEMM curve against OpenXLA's sm_90 GEMM table
-(autopar.planner.gemm_published), with and without it; and, for rows up to ``--plan-up-to`` GPUs,
+(autopar.planner.gemm_published), with and without it; each ZeRO-3 row's peak memory and step
+with its blocks sharded one FSDP2 unit a block and one a weight matrix; and, for rows up to
+``--plan-up-to`` GPUs,
 autopar's own plan for the same model, cluster and global batch, with its predicted
 speed-up over the published configuration (both priced by the same model).
 
@@ -86,6 +88,7 @@ def main() -> None:
         print(f"{label:<30} {'TF/s':>6} {row.tflops_per_gpu:>10.0f} {p.tflops_per_gpu:>10.1f} "
               f"{error:>+7.1%} {p.exposed_comm_s:>9.2f} {shape:<34} {speedup:>8} {took:>6}",
               flush=True)
+    zero3_units_table()
     for row in fsdp_rows():
         graph = fsdp_graph(row)
         p = predict(row, graph)
@@ -103,6 +106,19 @@ def main() -> None:
         print(f"{name}: worst |error| {max(absolute):.1%}, median {statistics.median(absolute):.1%}"
               f" over {len(errs)} rows")
     gemm_table()
+
+
+def zero3_units_table() -> None:
+    """Each ZeRO-3 row's configuration with its blocks one FSDP2 unit each (``fsdp``, as the
+    generation is fitted) and one unit per weight matrix (``fsdp_modules``, DeepSpeed's
+    granularity): peak memory per rank, with the margin, and the step's change."""
+    print(f"  {'ZeRO-3 row, blocks as':<28} {'fsdp GiB':>9} {'fsdp_modules GiB':>17} "
+          f"{'step change':>12}")
+    for row in zero3_rows():
+        block, matrix = predict_zero3(row), predict_zero3(row, blocks="fsdp_modules")
+        print(f"  {f'{row.params_b}B ×{row.gpus}':<28} {block.peak_memory_bytes / 2**30:>9.1f} "
+              f"{matrix.peak_memory_bytes / 2**30:>17.1f} "
+              f"{matrix.step_time_s / block.step_time_s - 1:>+12.1%}", flush=True)
 
 
 def gemm_table() -> None:

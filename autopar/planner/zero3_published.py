@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from importlib import resources
 
 from autopar.planner.costs import LayerCost, layer_cost
+from autopar.planner.one_stage import plan_memory
 from autopar.planner.published import MegatronRow, megatron_graph, paper_flops
 from cost_models.calibrate import fit_software_efficiency_with
 from cost_models.hardware import Cluster
@@ -108,24 +109,30 @@ class Zero3Prediction:
     step_time_s: float
     exposed_comm_s: float
     """Per step: the gathers and reduce-scatters compute did not hide."""
+    peak_memory_bytes: float
+    """Per rank, with the cluster's memory margin (``one_stage.plan_memory``)."""
     costs: tuple[LayerCost, ...]
 
 
-def predict(row: Table2Row, *, software_efficiency: float | None = None,
+def predict(row: Table2Row, *, blocks: str = "fsdp", software_efficiency: float | None = None,
             fsdp_bandwidth_share: float | None = None) -> Zero3Prediction:
-    """The cost model's step of a ZeRO-3 row (module docstring); the two keyword values
-    replace the generation's (to fit them: ``fit_software``)."""
+    """The cost model's step of a ZeRO-3 row (module docstring), its blocks sharded by the
+    strategy ``blocks``: ``fsdp`` (one FSDP2 unit a block, how the generation is fitted) or
+    ``fsdp_modules`` (one a weight matrix, DeepSpeed's own granularity). The two keyword
+    values replace the generation's (to fit them: ``fit_software``)."""
     graph = zero3_graph(row.params_b, row.heads, row.hidden, row.layers, row.global_batch)
     cluster = with_fitted_values(zero3_cluster(row), efficiency=software_efficiency,
                                  fsdp_bandwidth_share=fsdp_bandwidth_share)
-    blocks = max(graph.classes, key=lambda c: len(graph.classes[c]))
+    block_class = max(graph.classes, key=lambda c: len(graph.classes[c]))
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
-    costs = tuple(layer_cost(layer, "fsdp+full" if layer.layer_class == blocks else "fsdp",
-                             mesh, cluster, precision("float16"))
+    costs = tuple(layer_cost(layer, f"{blocks}+full" if layer.layer_class == block_class
+                             else "fsdp", mesh, cluster, precision("float16"))
                   for layer in graph.layers)
     step = sum(c.time_s for c in costs)
     return Zero3Prediction(tflops_per_gpu=paper_flops(row.megatron) / step / row.gpus / 1e12,
                            step_time_s=step, exposed_comm_s=sum(c.comm_s for c in costs),
+                           peak_memory_bytes=plan_memory(
+                               costs, cluster.memory_margin_fraction).total_bytes,
                            costs=costs)
 
 

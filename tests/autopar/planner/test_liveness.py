@@ -400,8 +400,8 @@ def test_one_unit_per_weight_matrix_gathers_less_as_predicted(one_rank):
     gradient, or only the largest Linear's of each. Predicted within 1% in both, and the
     drop between them is the modelled one (3 × the 16 MB Linear, less what the walk's
     other terms move). fsdp_modules' predicted peak is the optimizer step, whose
-    temporaries (rule 7: twice the largest float32 parameter, per-tensor AdamW) are 2%
-    above anything measured: a conservative bound, checked as such."""
+    temporaries (rule 7: twice the largest float32 parameter, per-tensor AdamW) put it
+    above anything measured: a conservative bound, checked as such (within 3%)."""
     from autopar.zoo import get_model
     from passes.layer_graph import build_layer_graph
     from runtime.plan import LayerPlan
