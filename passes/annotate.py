@@ -24,6 +24,9 @@ Conventions:
   attention, which saves the bias too (``attention_kernel``). Dropout in
   training runs as the fused kernel too (``aten.native_dropout``, what CUDA dispatches to):
   it saves a bool mask, where the CPU/meta decomposition saves a floating noise tensor.
+  RMSNorm (``nn.RMSNorm``, ``F.rms_norm``) runs as CUDA's fused kernel
+  (``aten._fused_rms_norm``): it saves its input and a reciprocal RMS per row, where the
+  composite CPUs run saves float32 copies of the input and of its normalised value.
 - Saved bytes are split by dtype (floating, or fixed: bool masks, integer indices) and by
   what selective recomputation does with them. Its runtime policy (``runtime.recompute``)
   keeps the layer's inputs and the output of every op in ``runtime.plan.SELECTIVE_SAVE_OPS``
@@ -67,6 +70,7 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 
 SDPA_TARGETS = (aten.scaled_dot_product_attention.default, F.scaled_dot_product_attention)
 DROPOUT_TARGETS = (aten.dropout.default, F.dropout, torch.dropout)
+RMS_NORM_TARGETS = (aten.rms_norm.default, F.rms_norm, torch.rms_norm)
 _SDPA_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
                 "enable_gqa")
 
@@ -530,7 +534,7 @@ def run_nodes(
     where the model's value does (``needs_grad``: not a mask, not a rotary table computed
     under no_grad, whose products would otherwise save their other operand too), so
     autograd sees the nodes as a graph of their own. With
-    ``fused_kernels``, attention and dropout run as the kernels GPUs dispatch to.
+    ``fused_kernels``, attention, dropout and RMSNorm run as the kernels GPUs dispatch to.
     """
     local: dict[Node, object] = {}
     inside = set(nodes)
@@ -569,6 +573,8 @@ def execute(gm: GraphModule, node: Node, args: tuple, kwargs: dict, *,
             return _fused_sdpa(node.target, args, kwargs, kernel)
         if fused_kernels and node.target in DROPOUT_TARGETS:
             return _fused_dropout(node.target, args, kwargs)
+        if fused_kernels and node.target in RMS_NORM_TARGETS:
+            return _fused_rms_norm(node.target, args, kwargs)
         return node.target(*args, **kwargs)
     if node.op == "call_method":
         obj, *rest = args
@@ -577,6 +583,9 @@ def execute(gm: GraphModule, node: Node, args: tuple, kwargs: dict, *,
         mod = gm.get_submodule(str(node.target))
         if fused_kernels and type(mod) is torch.nn.Dropout and not mod.inplace:
             return _fused_dropout(F.dropout, args, {"p": mod.p, "training": mod.training})
+        if fused_kernels and type(mod) is torch.nn.RMSNorm and len(args) == 1 and not kwargs:
+            return _fused_rms_norm(F.rms_norm, (args[0], mod.normalized_shape, mod.weight,
+                                                mod.eps), {})
         return mod(*args, **kwargs)
     raise AssertionError(f"cannot execute {node.op} node {node.name}")
 
@@ -673,3 +682,51 @@ def _fused_dropout(target: object, args: tuple, kwargs: dict) -> torch.Tensor:
     if fusable and x.is_floating_point() and x.numel() > 0:
         return aten.native_dropout(x, p, True)[0]
     return target(*args, **kwargs)
+
+
+def _fused_rms_norm(target: object, args: tuple, kwargs: dict) -> torch.Tensor:
+    """RMSNorm as CUDA runs it: ATen's ``rms_norm`` hands it to ``_fused_rms_norm`` unless
+    the weight's dtype differs from the input's, or the input is complex or channels-last
+    (then the composite, the original op here)."""
+    names = ("input", "normalized_shape", "weight", "eps")
+    bound = {"weight": None, "eps": None} | dict(zip(names, args, strict=False)) | kwargs
+    x, weight = bound["input"], bound["weight"]
+    fusable = (x.is_floating_point() and x.numel() > 0
+               and (weight is None or weight.dtype == x.dtype)
+               and not _channels_last(x))
+    if not fusable:
+        return target(*args, **kwargs)
+    return _FusedRMSNorm.apply(x, weight, list(bound["normalized_shape"]), bound["eps"])
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    """ATen's ``suggest_memory_format`` is channels-last (2-D or 3-D)."""
+    formats = {4: torch.channels_last, 5: torch.channels_last_3d}
+    return (x.dim() in formats and not x.is_contiguous()
+            and x.is_contiguous(memory_format=formats[x.dim()]))
+
+
+class _FusedRMSNorm(torch.autograd.Function):
+    """``aten._fused_rms_norm`` with CUDA's derivative: it saves the input, the weight and
+    the reciprocal RMS per row (ATen's derivatives.yaml). Off CUDA that op runs its
+    composite, which saves what the composite does; this saves what CUDA saves."""
+
+    @staticmethod
+    def forward(ctx, x, weight, normalized_shape, eps):
+        out, rstd = aten._fused_rms_norm(x, normalized_shape, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        ctx.normalized_shape, ctx.eps = normalized_shape, eps
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        # Off CUDA there is no kernel for its backward: differentiate the composite.
+        x, weight, _ = ctx.saved_tensors
+        with torch.enable_grad():
+            inputs = [x.detach().requires_grad_()]
+            if weight is not None:
+                inputs.append(weight.detach().requires_grad_())
+            out = F.rms_norm(inputs[0], ctx.normalized_shape, inputs[-1] if weight is not None
+                             else None, ctx.eps)
+            grads = torch.autograd.grad(out, inputs, grad)
+        return grads[0], (grads[1] if weight is not None else None), None, None

@@ -10,9 +10,10 @@ float8, no ``torch.compile``), on the presets' GPUs:
 - torchtitan's April 2024 A100 table (TT-A100-2404) and the eager bf16 rows of its
   December 2024 H100 table (TT-H100-2412, Llama 3.1 8B on 8 and 128 GPUs; FSDP2
   ``fully_shard``): Llama captured from Hugging Face transformers' ``LlamaForCausalLM`` at
-  the row's shape (grouped-query attention, SwiGLU, RoPE, SDPA attention). torchtitan
-  reduces gradients in float32 (its ``MixedPrecisionPolicy``): 4-byte gradients. Its H100s
-  are 96 GB / 500 W parts: the grand-teton-h100 preset.
+  the row's shape (grouped-query attention, SwiGLU, RoPE, SDPA attention), its RMSNorms
+  fused where the row's config fused them (``FUSED_RMSNORM``). torchtitan reduces
+  gradients in float32 (its ``MixedPrecisionPolicy``): 4-byte gradients. Its H100s are
+  96 GB / 500 W parts: the grand-teton-h100 preset.
 
 Each source runs its own software generation (``SOFTWARE``; cost_models/software.toml): the
 share of the GPU's GEMM ceiling its steps keep (and, for llm-foundry's FSDP1, the host time
@@ -40,6 +41,7 @@ from importlib import resources
 import torch
 
 from autopar.planner.costs import layer_cost
+from autopar.planner.one_stage import plan_memory
 from autopar.whatif import repeat_blocks
 from autopar.zoo import GPT, GPTConfig
 from cost_models.calibrate import fit_software_efficiency, fit_software_efficiency_with
@@ -55,6 +57,14 @@ PRICED_SOURCES = ("LF-MPT", "TT-A100-2404", "TT-H100-2412")
 SOFTWARE = {"LF-MPT": "llm-foundry-2023", "TT-A100-2404": "torchtitan-2024",
             "TT-H100-2412": "torchtitan-2024"}
 """Source -> the software generation that ran it (cost_models/software.toml)."""
+FUSED_RMSNORM = {("TT-A100-2404", "Llama 3 8B"), ("TT-A100-2404", "Llama 2 13B")}
+"""(source, model) of the rows whose configs set ``norm_type = "fused_rmsnorm"``:
+torchtitan's Triton RMSNorm, which saves its bf16 input and a reciprocal RMS per row for
+backward, as ``nn.RMSNorm`` does on CUDA (passes.annotate), where the unfused norm saves
+float32 copies of the input and of its normalised value: 8 bytes more per token and
+norm. pytorch/torchtitan train_configs/llama_13b.toml @395a5262 (the commit that published
+the Llama 2 rows) and llama3_8b.toml @1ea476e9; llama_70b.toml @395a5262,
+llama3_70b.toml @1ea476e9 and llama3_8b.toml @9dec370 (the H100 rows) set ``rmsnorm``."""
 CLUSTERS = {"H100-80GB": ("dgx-h100", 80), "A100-40GB": ("dgx-a100-80g", 40),
             "A100-80GB": ("dgx-a100-80g", 80), "H100-96GB-500W": ("grand-teton-h100", 96)}
 """Hardware (``hardware_name``) -> (preset, memory GiB). llm-foundry's A100 tables state
@@ -85,7 +95,12 @@ class FsdpRow:
     """'none', 'selective' or 'full' (runtime.plan.RECOMPUTE), every block."""
     float32_grads: bool
     """Gradients reduced in float32 (torchtitan), not bf16."""
+    fused_norm: bool
+    """RMSNorm run as a fused kernel (``FUSED_RMSNORM``)."""
     tokens_per_s_per_gpu: float
+    memory_gib: float | None = None
+    """Peak memory the source reports, where it does (torchtitan's H100 table: the caching
+    allocator's peak reserved bytes, in GiB)."""
 
     @property
     def llama(self) -> bool:
@@ -120,7 +135,9 @@ def fsdp_rows() -> list[FsdpRow]:
             grad_accum=int(cells["grad_accum"]),
             recompute=_recompute(cells["act_ckpt"]),
             float32_grads="fp32 grad reduce" in cells["precision"],
-            tokens_per_s_per_gpu=float(cells["tokens_per_s_per_gpu"])))
+            fused_norm=(cells["source_id"], cells["model"]) in FUSED_RMSNORM,
+            tokens_per_s_per_gpu=float(cells["tokens_per_s_per_gpu"]),
+            memory_gib=float(cells["memory_gib"]) if cells["memory_gib"] else None))
     return out
 
 
@@ -142,14 +159,14 @@ def fsdp_graph(row: FsdpRow) -> LayerGraph:
     """The row's model at its global batch: two blocks captured on the meta device, repeated
     to its depth (``whatif.repeat_blocks``; its blocks are identical)."""
     return _graph(row.llama, row.layers, row.hidden, row.heads, row.kv_heads, row.ffn,
-                  row.vocab, row.seq_len, row.global_batch, row.model)
+                  row.vocab, row.seq_len, row.global_batch, row.model, row.fused_norm)
 
 
 @functools.cache
 def _graph(llama: bool, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int,
-           vocab: int, seq_len: int, batch: int, name: str) -> LayerGraph:
+           vocab: int, seq_len: int, batch: int, name: str, fused_norm: bool) -> LayerGraph:
     with torch.device("meta"):
-        model = _llama(hidden, heads, kv_heads, ffn, vocab, seq_len) if llama else GPT(
+        model = _llama(hidden, heads, kv_heads, ffn, vocab, seq_len, fused_norm) if llama else GPT(
             GPTConfig(n_layer=2, n_head=heads, n_embd=hidden, vocab_size=vocab,
                       block_size=seq_len, bias=False))
     tokens = torch.zeros(batch, seq_len, dtype=torch.long, device="meta")
@@ -157,13 +174,20 @@ def _graph(llama: bool, layers: int, hidden: int, heads: int, kv_heads: int, ffn
     return repeat_blocks(graph, layers)
 
 
-def _llama(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq_len: int):
+def _llama(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq_len: int,
+           fused_norm: bool):
     import transformers  # imported here: only the Llama rows need it
 
-    return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=seq_len, use_cache=False, attn_implementation="sdpa"))
+    if fused_norm:
+        norms = [(name, m) for name, m in model.named_modules()
+                 if type(m).__name__ == "LlamaRMSNorm"]
+        for name, norm in norms:
+            model.set_submodule(name, torch.nn.RMSNorm(hidden, eps=norm.variance_epsilon))
+    return model
 
 
 def fsdp_cluster(row: FsdpRow) -> Cluster:
@@ -179,6 +203,8 @@ class FsdpPrediction:
     compute_s: float
     exposed_comm_s: float
     hidden_comm_s: float
+    peak_memory_bytes: float
+    """Per rank, with the cluster's memory margin (``one_stage.plan_memory``)."""
 
     def tokens_per_s_per_gpu(self, row: FsdpRow) -> float:
         return row.global_batch * row.seq_len / self.step_time_s / row.gpus
@@ -208,7 +234,9 @@ def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
     return FsdpPrediction(step_time_s=sum(c.time_s for c in costs),
                           compute_s=sum(c.compute_s for c in costs),
                           exposed_comm_s=sum(c.comm_s for c in costs),
-                          hidden_comm_s=sum(c.hidden_comm_s for c in costs))
+                          hidden_comm_s=sum(c.hidden_comm_s for c in costs),
+                          peak_memory_bytes=plan_memory(
+                              costs, cluster.memory_margin_fraction).total_bytes)
 
 
 def fit_software(rows: list[FsdpRow]) -> float:

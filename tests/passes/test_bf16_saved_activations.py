@@ -95,3 +95,39 @@ def test_the_float32_capture_halved_misses_the_norm_upcasts(bytes_per_token_h):
     copies (2h each beyond their halved inputs)."""
     measured, _, halved = bytes_per_token_h
     assert halved - measured == pytest.approx(-4, abs=0.5)
+
+
+def test_a_fused_rms_norm_saves_4h_less_per_norm(bytes_per_token_h):
+    """``nn.RMSNorm`` is captured as CUDA runs it, the fused ``aten._fused_rms_norm``
+    (passes.annotate): each norm saves its 16-bit input (2h) and a 1/RMS per row, where
+    Llama's saves a float32 copy of the input (4h) and its bf16 normalised value (2h)
+    beside the same statistic: 4h less a norm, 8h a block. (torchtitan's Triton RMSNorm
+    saves the same: autopar.planner.fsdp_published.FUSED_RMSNORM.)"""
+    with torch.device("meta"):
+        model = llama(2)
+        for name, norm in list(model.named_modules()):
+            if type(norm).__name__ == "LlamaRMSNorm":
+                model.set_submodule(name, torch.nn.RMSNorm(HIDDEN, eps=norm.variance_epsilon))
+    tokens = torch.zeros(BATCH, SEQ, dtype=torch.long, device="meta")
+    graph = build_layer_graph(model, (tokens,), seq_len=SEQ)
+    block = next(x for x in graph.layers if x.name.endswith("layers.0"))
+    fused = block.saved_low.floating / (BATCH * SEQ * HIDDEN)
+    assert bytes_per_token_h[1] - fused == pytest.approx(8, abs=0.05)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_the_fused_rms_norm_differentiates_like_the_composite(affine):
+    """What the capture runs in its place also trains like ``F.rms_norm``."""
+    from passes.annotate import _fused_rms_norm
+
+    torch.manual_seed(0)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    weight = torch.randn(8, requires_grad=True) if affine else None
+    leaves = [x, weight] if affine else [x]
+    out = _fused_rms_norm(torch.nn.functional.rms_norm, (x, (8,), weight, 1e-5), {})
+    ours = torch.autograd.grad(out.pow(2).sum(), leaves)
+    reference = torch.nn.functional.rms_norm(x, (8,), weight, 1e-5)
+    theirs = torch.autograd.grad(reference.pow(2).sum(), leaves)
+    torch.testing.assert_close(out, reference)
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b)
