@@ -115,7 +115,7 @@ def zero3_units_table() -> None:
     print(f"  {'ZeRO-3 row, blocks as':<28} {'fsdp GiB':>9} {'fsdp_modules GiB':>17} "
           f"{'step change':>12}")
     for row in zero3_rows():
-        block, matrix = predict_zero3(row), predict_zero3(row, blocks="fsdp_modules")
+        block, matrix = (predict_zero3(row, blocks=b) for b in ("fsdp", "fsdp_modules"))
         print(f"  {f'{row.params_b}B ×{row.gpus}':<28} {block.peak_memory_bytes / 2**30:>9.1f} "
               f"{matrix.peak_memory_bytes / 2**30:>17.1f} "
               f"{matrix.step_time_s / block.step_time_s - 1:>+12.1%}", flush=True)

@@ -10,6 +10,10 @@ reduce-scatters of every block, which do not shrink with the GPU count.
 
 Each ZeRO-3 row becomes a plan: every layer ``fsdp`` on a pure data-parallel mesh of the
 row's GPUs, blocks fully recomputed, fp16, one micro-batch of global batch / GPUs samples.
+Its blocks are sharded as autopar's runtime would run them in the GPUs' 80 GB
+(``runnable_blocks``): one FSDP2 unit a block where that fits, else one a weight matrix
+(``fsdp_modules``; DeepSpeed itself gathers module by module). Only 530B on 640 GPUs needs
+the latter (a block a unit: 95.8 GiB, with the margin; bench/published.py prints both).
 It runs DeepSpeed's 2021 software generation (cost_models/software.toml,
 ``deepspeed-zero3-2021``), whose two values are fitted on two NAMED rows, one per regime
 (``CALIBRATION``): its compute efficiency on 175B at 384 GPUs, where compute bounds the
@@ -20,6 +24,7 @@ four rows (175B at 1,536; all of 530B) check the fit (tests/cost_models/test_zer
 from __future__ import annotations
 
 import csv
+import functools
 import io
 from dataclasses import dataclass
 from importlib import resources
@@ -114,12 +119,15 @@ class Zero3Prediction:
     costs: tuple[LayerCost, ...]
 
 
-def predict(row: Table2Row, *, blocks: str = "fsdp", software_efficiency: float | None = None,
+def predict(row: Table2Row, *, blocks: str | None = None,
+            software_efficiency: float | None = None,
             fsdp_bandwidth_share: float | None = None) -> Zero3Prediction:
     """The cost model's step of a ZeRO-3 row (module docstring), its blocks sharded by the
-    strategy ``blocks``: ``fsdp`` (one FSDP2 unit a block, how the generation is fitted) or
-    ``fsdp_modules`` (one a weight matrix, DeepSpeed's own granularity). The two keyword
-    values replace the generation's (to fit them: ``fit_software``)."""
+    strategy ``blocks``: ``fsdp`` (one FSDP2 unit a block) or ``fsdp_modules`` (one a
+    weight matrix, DeepSpeed's own granularity); by default the first that fits
+    (``runnable_blocks``). The two keyword values replace the generation's (to fit them:
+    ``fit_software``)."""
+    blocks = blocks or runnable_blocks(row)
     graph = zero3_graph(row.params_b, row.heads, row.hidden, row.layers, row.global_batch)
     cluster = with_fitted_values(zero3_cluster(row), efficiency=software_efficiency,
                                  fsdp_bandwidth_share=fsdp_bandwidth_share)
@@ -134,6 +142,18 @@ def predict(row: Table2Row, *, blocks: str = "fsdp", software_efficiency: float 
                            peak_memory_bytes=plan_memory(
                                costs, cluster.memory_margin_fraction).total_bytes,
                            costs=costs)
+
+
+@functools.cache
+def runnable_blocks(row: Table2Row) -> str:
+    """How the row's blocks are sharded to fit its GPUs by the memory model: one FSDP2 unit
+    a block (``fsdp``) if that fits, else one a weight matrix (``fsdp_modules``)."""
+    memory = zero3_cluster(row).device.memory_bytes
+    for blocks in ("fsdp", "fsdp_modules"):
+        if predict(row, blocks=blocks).peak_memory_bytes <= memory:
+            return blocks
+    raise ValueError(f"{row.label} fits {memory / 2**30:.0f} GiB neither a block nor a "
+                     "weight matrix a unit")
 
 
 def fit_software() -> tuple[float, float]:
