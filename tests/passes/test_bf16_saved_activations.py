@@ -131,3 +131,28 @@ def test_the_fused_rms_norm_differentiates_like_the_composite(affine):
     torch.testing.assert_close(out, reference)
     for a, b in zip(ours, theirs, strict=True):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:Mismatch dtype between input and weight")
+def test_a_norm_whose_weight_dtype_differs_runs_the_composite():
+    """ATen fuses RMSNorm only when the weight's dtype is the input's; otherwise the
+    composite runs on GPUs too, and saves its float32 copies."""
+    from passes.annotate import _fused_rms_norm
+
+    def saved(weight_dtype: torch.dtype) -> int:
+        x = torch.randn(4, 8, 16, dtype=torch.bfloat16, requires_grad=True)
+        weight = torch.ones(16, dtype=weight_dtype, requires_grad=True)
+        sizes: dict[StorageWeakRef, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t is not weight:
+                sizes.setdefault(StorageWeakRef(t.untyped_storage()), t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _fused_rms_norm(torch.nn.functional.rms_norm, (x, (16,), weight, 1e-5), {})
+        return sum(sizes.values())
+
+    rows = 4 * 8
+    assert saved(torch.bfloat16) == rows * 16 * 2 + rows * 4  # the input and 1/RMS
+    assert saved(torch.float32) > rows * 16 * 4  # float32 copies of the input and more
