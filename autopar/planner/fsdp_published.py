@@ -61,8 +61,8 @@ FUSED_RMSNORM = {("TT-A100-2404", "Llama 3 8B"), ("TT-A100-2404", "Llama 2 13B")
 """(source, model) of the rows whose configs set ``norm_type = "fused_rmsnorm"``:
 torchtitan's Triton RMSNorm, which saves its bf16 input and a reciprocal RMS per row for
 backward, as ``nn.RMSNorm`` does on CUDA (passes.annotate), where the unfused norm saves
-float32 copies of the input and of its normalised value: 8 bytes more per token and
-norm. pytorch/torchtitan train_configs/llama_13b.toml @395a5262 (the commit that published
+float32 copies of the input and of its normalised value: 4h bytes more per token and
+norm (h the hidden size). pytorch/torchtitan train_configs/llama_13b.toml @395a5262 (the commit that published
 the Llama 2 rows) and llama3_8b.toml @1ea476e9; llama_70b.toml @395a5262,
 llama3_70b.toml @1ea476e9 and llama3_8b.toml @9dec370 (the H100 rows) set ``rmsnorm``."""
 CLUSTERS = {"H100-80GB": ("dgx-h100", 80), "A100-40GB": ("dgx-a100-80g", 40),
