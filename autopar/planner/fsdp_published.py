@@ -182,11 +182,19 @@ def _llama(hidden: int, heads: int, kv_heads: int, ffn: int, vocab: int, seq_len
         vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=2,
         num_attention_heads=heads, num_key_value_heads=kv_heads,
         max_position_embeddings=seq_len, use_cache=False, attn_implementation="sdpa"))
-    if fused_norm:
-        norms = [(name, m) for name, m in model.named_modules()
-                 if type(m).__name__ == "LlamaRMSNorm"]
-        for name, norm in norms:
-            model.set_submodule(name, torch.nn.RMSNorm(hidden, eps=norm.variance_epsilon))
+    return fuse_rms_norms(model) if fused_norm else model
+
+
+def fuse_rms_norms(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` with each of transformers' ``LlamaRMSNorm`` replaced, in place, by
+    ``nn.RMSNorm`` of the same size and epsilon, which the capture prices as the fused kernel
+    (``FUSED_RMSNORM``)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norms = [(name, m) for name, m in model.named_modules() if isinstance(m, LlamaRMSNorm)]
+    for name, norm in norms:
+        model.set_submodule(name, torch.nn.RMSNorm(norm.weight.shape, eps=norm.variance_epsilon,
+                                                   device=norm.weight.device))
     return model
 
 

@@ -57,8 +57,8 @@ if TYPE_CHECKING:
     from autopar.planner.costs import LayerCost
 
 EXPERT_STRATEGY = {"replicate": "replicate", "zero1": "zero1", "zero2": "zero2",
-                   "fsdp": "fsdp", "fsdp_modules": "fsdp", "tp": "replicate", "tp_zero1": "zero1", "tp_zero2": "zero2",
-                   "tp_fsdp": "fsdp", "hsdp": "hsdp"}
+                   "fsdp": "fsdp", "fsdp_modules": "fsdp", "tp": "replicate",
+                   "tp_zero1": "zero1", "tp_zero2": "zero2", "tp_fsdp": "fsdp", "hsdp": "hsdp"}
 """The strategy a MoE layer's experts take under the layer's strategy (module docstring)."""
 EP_STRATEGIES = tuple(s for s in STRATEGIES if spec(s).expert_parallel
                       and not spec(s).tensor_parallel)
