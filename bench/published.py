@@ -3,7 +3,8 @@
 and the FSDP runs of fsdp_scaling.csv (autopar.planner.fsdp_published), row by row: published,
 predicted, error; then the H100 presets' GEMM curve against OpenXLA's sm_90 GEMM table
 (autopar.planner.gemm_published), with and without it; each ZeRO-3 row's peak memory and step
-with its blocks sharded one FSDP2 unit a block and one a weight matrix; and, for rows up to
+with its blocks sharded one FSDP2 unit a block and one a weight matrix; each FSDP row's
+peak memory against its GPU and the published peak; and, for rows up to
 ``--plan-up-to`` GPUs,
 autopar's own plan for the same model, cluster and global batch, with its predicted
 speed-up over the published configuration (both priced by the same model).
@@ -101,6 +102,7 @@ def main() -> None:
         print(f"{f'{row.row_id} {row.label}':<30} {'tok/s':>6} "
               f"{row.tokens_per_s_per_gpu:>10.0f} {pred:>10.0f} {errors['fsdp'][-1]:>+7.1%} "
               f"{p.exposed_comm_s:>9.2f} {shape:<34} {speedup:>8} {took:>6}", flush=True)
+    fsdp_memory_table()
     for name, errs in errors.items():
         absolute = [abs(e) for e in errs]
         print(f"{name}: worst |error| {max(absolute):.1%}, median {statistics.median(absolute):.1%}"
@@ -119,6 +121,21 @@ def zero3_units_table() -> None:
         print(f"  {f'{row.params_b}B ×{row.gpus}':<28} {block.peak_memory_bytes / 2**30:>9.1f} "
               f"{matrix.peak_memory_bytes / 2**30:>17.1f} "
               f"{matrix.step_time_s / block.step_time_s - 1:>+12.1%}", flush=True)
+
+
+def fsdp_memory_table() -> None:
+    """Each FSDP row's published configuration: peak memory per rank by the memory model,
+    before and with the allocator margin, its GPU's memory, and the peak the source
+    publishes where it does (torchtitan's H100 rows: peak reserved)."""
+    print(f"  {'FSDP row, peak per rank':<36} {'GiB':>6} {'+margin':>8} {'GPU':>5} "
+          f"{'published':>10}")
+    for row in fsdp_rows():
+        cluster = fsdp_cluster(row)
+        peak = predict(row).peak_memory_bytes / 2**30
+        published = f"{row.memory_gib:.1f}" if row.memory_gib is not None else "-"
+        print(f"  {f'{row.row_id} {row.label}':<36} "
+              f"{peak / (1 + cluster.memory_margin_fraction):>6.1f} {peak:>8.1f} "
+              f"{cluster.device.memory_bytes / 2**30:>5.0f} {published:>10}", flush=True)
 
 
 def gemm_table() -> None:

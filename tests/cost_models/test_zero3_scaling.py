@@ -211,9 +211,8 @@ def test_autopar_plans_at_least_as_fast_as_the_published_zero3_configuration(key
     """Same model, cluster, software and global batch: autopar's plan is no slower, by the
     same model, than the published ZeRO-3 run, its blocks sharded as they fit
     (``runnable_blocks``). Here the two ends of the table: the 1,536-GPU row and the row
-    where ZeRO-3 does best (530B on 640 GPUs), which fits only a weight matrix a unit: the
-    planner's pp 1 × dp 320 × tp 2 is 1.5% faster than that, 0.4% slower than its blocks
-    priced a unit each, which would need 95.8 GiB.
+    where ZeRO-3 does best (530B on 640 GPUs), which fits only a weight matrix a unit (a
+    block a unit would need 95.8 GiB: ``python bench/published.py``).
 
     The published runs are one stage, so the one-stage search (``pipeline=False``, under a
     second) holds them; the full search answers the faster of its one-stage best and its
