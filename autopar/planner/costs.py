@@ -103,6 +103,7 @@ cluster's software runs (``Cluster.optimizer``, cost_models/optimizer.py).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -440,6 +441,23 @@ def layer_cost(
         collective_buffer_bytes=states[3] if mesh.pp > 1 else 0.0,
         prefetch_bytes=states[5],
     )
+
+
+def layer_costs(layers: Sequence[LayerInfo], option_of: Callable[[LayerInfo], str],
+                mesh: Mesh, cluster: Cluster, prec: Precision, microbatches: int = 1
+                ) -> list[LayerCost]:
+    """Each layer's cost under the option ``option_of`` gives it, priced once per layer
+    class and option: a class's layers are identical (``passes.layer_graph``), so the
+    search prices a class once too (``engine.costs``). A published plan's 80 blocks cost
+    one block's pricing, not 80."""
+    priced: dict[tuple[str, str], LayerCost] = {}
+    costs = []
+    for layer in layers:
+        key = (layer.layer_class, option_of(layer))
+        if key not in priced:
+            priced[key] = layer_cost(layer, key[1], mesh, cluster, prec, microbatches)
+        costs.append(priced[key])
+    return costs
 
 
 def _async_tp_hidden_s(layer: LayerInfo, ctx: CostContext, estimators: Estimators,

@@ -40,7 +40,7 @@ from importlib import resources
 
 import torch
 
-from autopar.planner.costs import layer_cost
+from autopar.planner.costs import LayerCost, layer_costs
 from autopar.planner.one_stage import plan_memory
 from autopar.whatif import repeat_blocks
 from autopar.zoo import GPT, GPTConfig
@@ -211,8 +211,14 @@ class FsdpPrediction:
     compute_s: float
     exposed_comm_s: float
     hidden_comm_s: float
-    peak_memory_bytes: float
-    """Per rank, with the cluster's memory margin (``one_stage.plan_memory``)."""
+    costs: tuple[LayerCost, ...]
+    memory_margin: float
+
+    @functools.cached_property
+    def peak_memory_bytes(self) -> float:
+        """Per rank, with the cluster's memory margin (``one_stage.plan_memory``); walked
+        only when asked: the fits predict rows a thousand times for their speed alone."""
+        return plan_memory(self.costs, self.memory_margin).total_bytes
 
     def tokens_per_s_per_gpu(self, row: FsdpRow) -> float:
         return row.global_batch * row.seq_len / self.step_time_s / row.gpus
@@ -236,15 +242,13 @@ def predict(row: FsdpRow, graph: LayerGraph | None = None, *,
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
     block_class = max(graph.classes, key=lambda c: len(graph.classes[c]))
     block = "fsdp" if row.recompute == "none" else f"fsdp+{row.recompute}"
-    costs = [layer_cost(layer, block if layer.layer_class == block_class
+    costs = layer_costs(graph.layers, lambda layer: block if layer.layer_class == block_class
                         else "fsdp", mesh, cluster, prec, row.grad_accum)
-             for layer in graph.layers]
     return FsdpPrediction(step_time_s=sum(c.time_s for c in costs),
                           compute_s=sum(c.compute_s for c in costs),
                           exposed_comm_s=sum(c.comm_s for c in costs),
                           hidden_comm_s=sum(c.hidden_comm_s for c in costs),
-                          peak_memory_bytes=plan_memory(
-                              costs, cluster.memory_margin_fraction).total_bytes)
+                          costs=tuple(costs), memory_margin=cluster.memory_margin_fraction)
 
 
 def fit_software(rows: list[FsdpRow]) -> float:

@@ -19,7 +19,7 @@ from importlib import resources
 
 import torch
 
-from autopar.planner.costs import layer_cost
+from autopar.planner.costs import layer_costs
 from autopar.planner.engine import evaluate_plan
 from autopar.planner.one_stage import plan_memory
 from autopar.whatif import repeat_blocks
@@ -184,8 +184,8 @@ def evaluate(graph: LayerGraph, cluster: Cluster, prec: Precision, plan: Plan) -
         return Evaluation(step_time_s=outcome.step_time_s,
                           peak_memory_bytes=outcome.peak_bytes())
     by_name = {layer.module: layer for layer in plan.layers}
-    costs = [layer_cost(layer, by_name[layer.name].option, plan.mesh, cluster, prec,
-                        plan.gradient_accumulation) for layer in graph.layers]
+    costs = layer_costs(graph.layers, lambda layer: by_name[layer.name].option, plan.mesh,
+                        cluster, prec, plan.gradient_accumulation)
     memory = plan_memory(costs, cluster.memory_margin_fraction)
     # Megatron-LM's data parallelism is its own DDP: none of FSDP2's copies, host time or
     # per-layer waits, which the layer costs price for autopar's runtime. (Pipelined rows

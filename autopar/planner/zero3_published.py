@@ -29,7 +29,7 @@ import io
 from dataclasses import dataclass
 from importlib import resources
 
-from autopar.planner.costs import LayerCost, layer_cost
+from autopar.planner.costs import LayerCost, layer_costs
 from autopar.planner.one_stage import plan_memory
 from autopar.planner.published import MegatronRow, megatron_graph, paper_flops
 from cost_models.calibrate import fit_software_efficiency_with
@@ -114,9 +114,14 @@ class Zero3Prediction:
     step_time_s: float
     exposed_comm_s: float
     """Per step: the gathers and reduce-scatters compute did not hide."""
-    peak_memory_bytes: float
-    """Per rank, with the cluster's memory margin (``one_stage.plan_memory``)."""
     costs: tuple[LayerCost, ...]
+    memory_margin: float
+
+    @functools.cached_property
+    def peak_memory_bytes(self) -> float:
+        """Per rank, with the cluster's memory margin (``one_stage.plan_memory``); walked
+        only when asked (the fit predicts rows many times for their speed alone)."""
+        return plan_memory(self.costs, self.memory_margin).total_bytes
 
 
 def predict(row: Table2Row, *, blocks: str | None = None,
@@ -133,15 +138,13 @@ def predict(row: Table2Row, *, blocks: str | None = None,
                                  fsdp_bandwidth_share=fsdp_bandwidth_share)
     block_class = max(graph.classes, key=lambda c: len(graph.classes[c]))
     mesh = Mesh(pp=1, dp=row.gpus, tp=1)
-    costs = tuple(layer_cost(layer, f"{blocks}+full" if layer.layer_class == block_class
-                             else "fsdp", mesh, cluster, precision("float16"))
-                  for layer in graph.layers)
+    costs = tuple(layer_costs(graph.layers, lambda layer: f"{blocks}+full"
+                              if layer.layer_class == block_class else "fsdp",
+                              mesh, cluster, precision("float16")))
     step = sum(c.time_s for c in costs)
     return Zero3Prediction(tflops_per_gpu=paper_flops(row.megatron) / step / row.gpus / 1e12,
                            step_time_s=step, exposed_comm_s=sum(c.comm_s for c in costs),
-                           peak_memory_bytes=plan_memory(
-                               costs, cluster.memory_margin_fraction).total_bytes,
-                           costs=costs)
+                           costs=costs, memory_margin=cluster.memory_margin_fraction)
 
 
 @functools.cache
