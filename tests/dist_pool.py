@@ -3,8 +3,8 @@
 Starting ranks costs seconds (each imports torch); a job on ranks that are already up costs
 milliseconds. So each world size gets one pool, started on first use, and every test sends
 it jobs: a module-level function plus picklable arguments, run on every rank, returning one
-result per rank. Ranks are forked by a forkserver that imported torch once (``PRELOAD``):
-8 ranks start in ~6 s on 2 cores, where spawning them, each importing torch, took ~27 s.
+result per rank. Ranks start as ``runtime.launch.spawn``'s do, forked by a forkserver that
+imported torch once (``runtime.launch.RANK_PRELOAD``).
 
 A failed job never hangs the suite: the parent waits at most ``timeout_s`` (the process
 group times out too), then raises ``DistJobError`` naming each failing rank with its
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import importlib
 import itertools
-import multiprocessing as mp
 import pickle
 import queue
 import time
@@ -26,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from runtime.launch import free_port, init_local_process_group
+from runtime.launch import free_port, init_local_process_group, rank_context
 
 PG_TIMEOUT_S = 30.0
 """Process-group timeout inside the workers: a collective one rank never joins fails."""
@@ -34,12 +33,6 @@ JOB_TIMEOUT_S = 90.0
 """Default time the parent waits for all ranks of one job."""
 FAILURE_GRACE_S = 5.0
 """After one rank fails, how long to wait for the others before giving up on them."""
-
-PRELOAD = ["torch", "torch.distributed.fsdp", "torch.distributed.pipelining",
-           "torch.distributed.tensor", "runtime.train"]
-"""Imported once, by the forkserver that forks every rank: a rank then starts in a fraction
-of the seconds an import of torch costs on 2 cores (the server runs no torch op, so it has
-no threads a fork could break)."""
 
 RANKS = pytest.mark.xdist_group("ranks")
 """Tests that run gloo ranks: on the pools (tests/conftest.py marks them) or spawned by the
@@ -92,8 +85,7 @@ class DistPool:
         """How many times ranks were spawned (1 unless a job failed)."""
 
     def _start(self) -> None:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
+        ctx = rank_context()
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.world_size)]
         port = free_port()
