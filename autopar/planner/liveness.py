@@ -179,6 +179,13 @@ class _Walk:
         self.uncosted = uncosted or Uncosted()
         self.ddp_copies = ddp and uncosted is not None  # rule 9
         self.params = sum(la.cost.params_bytes for la in layers)  # rule 1
+        # Per layer, the bytes ``record`` sums over the live sets, looked up by index (sum()
+        # over map() adds the same floats in the same order as a generator, at C speed).
+        self.grad_bytes = [la.cost.grads_bytes for la in layers]
+        self.gathered_bytes = [la.cost.gathered_bytes for la in layers]
+        self.members = {}  # stage -> its layers' indices, in order
+        for i, la in enumerate(layers):
+            self.members.setdefault(la.stage, []).append(i)
         self.optimizer = sum(la.cost.optimizer_bytes for la in layers)
         self.gathered: set[int] = set()  # rule 2
         self.forwarded: set[int] = set()  # rule 6: layers past their first forward
@@ -199,9 +206,9 @@ class _Walk:
     def record(self, event: str | tuple[str, str, str], buffer: float) -> None:
         """One event's usage; ``event`` as text, or as (verb, layer, suffix) joined only
         when it is kept (peak_only keeps few)."""
-        grads = sum(self.layers[i].cost.grads_bytes for i in self.grads)
-        grads += sum(self.layers[i].cost.grads_bytes for i in self.second)
-        gathered = sum(self.layers[i].cost.gathered_bytes for i in self.gathered)
+        grads = sum(map(self.grad_bytes.__getitem__, self.grads))
+        grads += sum(map(self.grad_bytes.__getitem__, self.second))
+        gathered = sum(map(self.gathered_bytes.__getitem__, self.gathered))
         params, activations = self.params + gathered, sum(self.saved.values())
         if self.peak_only:  # Usage.total_bytes, summed in its order; the first of equals
             total = params + grads + self.optimizer + activations + buffer
@@ -217,7 +224,7 @@ class _Walk:
 
     def run(self, actions: list[tuple[str, int, int]]) -> RankLiveness:
         for action, stage, mb in actions:
-            members = [i for i, la in enumerate(self.layers) if la.stage == stage]
+            members = self.members.get(stage, [])
             for i in members if action == "F" else members[::-1]:
                 self.event(action, i, mb)
         self.grads.update(range(len(self.layers)))
