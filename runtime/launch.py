@@ -47,7 +47,7 @@ class LaunchError(AutoparError, RuntimeError):
 RANK_PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.pipelining",
                 "torch.distributed.tensor", "runtime.train")
 """What the forkserver imports before it forks local ranks, so that no rank imports torch
-itself: 8 ranks start in ~6 s on 2 cores, where spawning them took ~27 s. The server runs
+itself: a rank then starts without importing torch itself. The server runs
 no torch op, so it holds no thread pool or CUDA context that a fork would break."""
 
 
