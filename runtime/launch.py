@@ -1,9 +1,10 @@
 """Start ranks: local processes for tests and small runs, or torchrun's environment.
 
 ``spawn`` runs a function on ``nproc`` fresh local processes (forked by a forkserver that
-imported torch once: ``rank_context``) with the default process group initialised (127.0.0.1, a free port) and returns each rank's result. A failing rank
-is reported in the parent with its rank, exception and traceback; nothing waits forever:
-the process group has a timeout and the parent gives up after ``timeout_s``.
+imported torch once: ``rank_context``) with the default process group initialised
+(127.0.0.1, a free port) and returns each rank's result. A failing rank is reported in the
+parent with its rank, exception and traceback; nothing waits forever: the process group
+has a timeout and the parent gives up after ``timeout_s``.
 
 ``init_from_env`` is the torchrun path: it reads RANK / WORLD_SIZE / LOCAL_RANK, picks NCCL
 and the local CUDA device when one is available and gloo on CPU otherwise.
@@ -47,8 +48,8 @@ class LaunchError(AutoparError, RuntimeError):
 RANK_PRELOAD = ("torch", "torch.distributed.fsdp", "torch.distributed.pipelining",
                 "torch.distributed.tensor", "runtime.train")
 """What the forkserver imports before it forks local ranks, so that no rank imports torch
-itself: a rank then starts without importing torch itself. The server runs
-no torch op, so it holds no thread pool or CUDA context that a fork would break."""
+itself (bench/rank_start.py measures the start-up against spawn). The server runs no torch
+op, so it holds no thread pool or CUDA context that a fork would break."""
 
 
 def rank_context() -> Any:
