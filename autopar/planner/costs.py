@@ -330,8 +330,16 @@ def layer_cost(
     *,
     hsdp_shard_size: int | None = None,
     estimators: Estimators = ANALYTIC,
+    shared: dict | None = None,
 ) -> LayerCost:
-    """One layer's time and memory under one option, composed from ``estimators``."""
+    """One layer's time and memory under one option, composed from ``estimators``.
+
+    ``shared``: the parts of this layer's cost that its options on this mesh and micro-batch
+    count have in common, filled as they are priced (``layer_options`` passes one per layer,
+    mesh and micro-batch count). A layer's ~40 options share a handful of compute times and
+    collectives: the analytic estimators' results depend on the option only through the
+    fields ``_once``'s keys name, so each is computed once per key. Other estimators may
+    read any field of the option: with them nothing is shared."""
     if layer.moe:  # its experts priced apart, at the option's expert-parallel degree
         return moe_layer_cost(layer, option, mesh, cluster, prec, microbatches,
                               hsdp_shard_size=hsdp_shard_size,
@@ -360,8 +368,9 @@ def layer_cost(
         tp_params = float(layer.param_count)
     shards = s.shard_ranks(dp, tp, hsdp_shard_size)
     local_params = tp_params / shards
+    once = _Once(shared if estimators is ANALYTIC else None)
 
-    compute = estimators.compute(layer, ctx)
+    compute = once(("compute", is_tp, sp), estimators.compute, layer, ctx)
     # Recomputing a layer that modifies its inputs in place copies them before its forward
     # and again for the rerun (runtime/recompute.py); each copy reads and writes them.
     inplace = (0.0 if recompute == "none" else
@@ -370,20 +379,22 @@ def layer_cost(
     fwd_compute = compute.fwd_s + copy_s
     bwd_compute = compute.bwd_s
 
-    tp_fwd, tp_bwd = estimators.tp_comm(layer, ctx)
-    tp_hidden = _async_tp_hidden_s(layer, ctx, estimators, tp_fwd, tp_bwd) if overlap else 0.0
-    ring = estimators.ring_attention(layer, ctx, fwd_compute)
+    tp_fwd, tp_bwd = once(("tp_comm", is_tp, sp, overlap), estimators.tp_comm, layer, ctx)
+    tp_hidden = (_async_tp_hidden_s(layer, ctx, estimators, tp_fwd, tp_bwd, once)
+                 if overlap else 0.0)
+    ring = once(("ring", is_tp, fwd_compute), estimators.ring_attention, layer, ctx, fwd_compute)
     tp_fwd, tp_bwd = tp_fwd + ring.fwd_s, tp_bwd + ring.bwd_s
     batch_norm = batch_norm_sync_s(layer, mesh, cluster)
     tp_fwd, tp_bwd = tp_fwd + batch_norm, tp_bwd + batch_norm
-    rerun = estimators.recompute(layer, ctx, compute, tp_fwd)
+    rerun = once(("recompute", recompute, is_tp, sp, tp_fwd), estimators.recompute, layer, ctx,
+                 compute, tp_fwd)
     activations, rematerialized = rerun.kept_bytes, rerun.rematerialized_bytes
     recompute_s, recompute_comm = rerun.compute_s, rerun.comm_s
     if inplace:  # the copy is the layer's alone, held to backward; the rerun copies it again
         activations, rematerialized = max(activations, inplace), rematerialized + inplace
         recompute_s += copy_s
     loss_kept, loss_transient = loss_bytes(layer, dp * m, pipelined=mesh.pp > 1)
-    dp_comm = estimators.dp_comm(ctx, tp_params, shards)
+    dp_comm = once(("dp_comm", strategy), estimators.dp_comm, ctx, tp_params, shards)
     host = estimators.offload(layer, ctx, local_params) if offload else Offload(0.0, 0.0, 0.0)
     if offload:
         optimizer = host.optimizer_s
@@ -460,12 +471,29 @@ def layer_costs(layers: Sequence[LayerInfo], option_of: Callable[[LayerInfo], st
     return costs
 
 
+class _Once:
+    """Calls of the estimators a layer's options share (``layer_cost``'s ``shared``), by key:
+    what in the option the analytic estimator reads (the layer, mesh, cluster, precision
+    and micro-batches are the store's own). Without a store every call is made."""
+
+    def __init__(self, store: dict | None) -> None:
+        self.store = store
+
+    def __call__(self, key: tuple, estimator: Callable, *args):
+        if self.store is None:
+            return estimator(*args)
+        if key not in self.store:
+            self.store[key] = estimator(*args)
+        return self.store[key]
+
+
 def _async_tp_hidden_s(layer: LayerInfo, ctx: CostContext, estimators: Estimators,
-                       fwd: float, bwd: float) -> float:
+                       fwd: float, bwd: float, once: _Once) -> float:
     """Per micro-batch, the TP collectives async TP hides (net of what splitting costs): the
     plain collectives' time less the exposed ``fwd`` and ``bwd``, the forward's twice under
     full recomputation (its rerun repeats them)."""
-    plain_fwd, plain_bwd = estimators.tp_comm(layer, replace(ctx, async_tp=False))
+    plain = ("tp_comm", ctx.tensor_parallel, ctx.sequence_parallel, False)
+    plain_fwd, plain_bwd = once(plain, estimators.tp_comm, layer, replace(ctx, async_tp=False))
     reruns = 2 if ctx.recompute == "full" else 1
     return reruns * (plain_fwd - fwd) + (plain_bwd - bwd)
 
@@ -591,8 +619,9 @@ def layer_options(layer: LayerInfo, seq_len: int | None, mesh: Mesh, cluster: Cl
         selective=selective, offload=cluster.host.offload,
         async_tp=async_tp_offered(cluster, mesh)), prec.name)
     priced = {} if priced is None else priced
+    shared: dict = {}
     for o in labels:
         if o not in priced:
             priced[o] = layer_cost(layer, o, mesh, cluster, prec, microbatches,
-                                   hsdp_shard_size=hsdp, estimators=estimators)
+                                   hsdp_shard_size=hsdp, estimators=estimators, shared=shared)
     return prune_dominated({o: priced[o] for o in labels})

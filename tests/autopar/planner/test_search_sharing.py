@@ -224,3 +224,41 @@ def test_one_stage_programs_with_shared_options_equal_those_priced_per_mesh():
             alone = class_options(graph, mesh, cluster, prec, k)
             assert [(c.name, c.count, c.costs) for c in program] == [
                 (c.name, c.count, c.costs) for c in alone]
+
+
+def test_options_sharing_their_estimates_equal_options_priced_each_alone():
+    # costs.layer_cost's ``shared``: a layer's options on one mesh compute each analytic
+    # estimate once per key. A copy of ANALYTIC is another set of estimators to
+    # layer_cost, which shares nothing with it: every option priced from scratch.
+    import dataclasses
+
+    from autopar.planner.costs import layer_options
+    from autopar.planner.estimators import ANALYTIC
+    from autopar.zoo import get_model
+    from cost_models.hardware import Cluster
+    from cost_models.memory import precision
+    from passes.layer_graph import build_layer_graph
+    from runtime.plan import Mesh
+
+    spec = get_model("gpt2-small")
+    graph = build_layer_graph(spec.build("meta"), spec.example_inputs(64, device="meta"),
+                              model_name="gpt2-small")
+    alone = dataclasses.replace(ANALYTIC)
+    assert alone == ANALYTIC and alone is not ANALYTIC
+    seen: set[str] = set()
+    for cluster in (Cluster.preset("dgx-h100", nodes=2), Cluster.preset("dgx-a100-80g")):
+        for prec in (precision("float32"), precision("bfloat16")):
+            # tp with SP and async TP (H100), ring attention (cp), HSDP across 2 nodes,
+            # offload, pipelines, micro-batches
+            n = cluster.world_size
+            for mesh, m in [(Mesh(dp=n // 8, tp=4, cp=2), 2), (Mesh(dp=n // 4, tp=4), 1),
+                            (Mesh(dp=n), 4), (Mesh(pp=2, dp=n // 4, tp=2), 4)]:
+                for layer in {la.layer_class: la for la in graph.layers}.values():
+                    shared = layer_options(layer, graph.seq_len, mesh, cluster, prec, m)
+                    each = layer_options(layer, graph.seq_len, mesh, cluster, prec, m,
+                                         estimators=alone)
+                    assert list(shared) == list(each)
+                    assert shared == each
+                    seen.update(shared)
+    for kind in ("+sp", "+async", "+offload", "+selective", "+full", "hsdp", "tp_fsdp"):
+        assert any(kind in o for o in seen), kind  # the options sharing serves
