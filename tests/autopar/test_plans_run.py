@@ -9,6 +9,8 @@ search report them 'refused' with the runtime's reason and return another.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from real_models import MODELS, planning_inputs
@@ -44,12 +46,19 @@ def _model(name: str):
         return MODELS[name].make()
 
 
+@functools.cache
+def _captured(name: str):
+    """The planning inputs and layer graph of a model, captured once for all clusters (the
+    capture does not depend on the cluster)."""
+    spec = MODELS[name]
+    inputs = as_inputs(planning_inputs(spec, spec.batch(BATCH)))
+    return inputs, build_layer_graph(_model(name), inputs)
+
+
 @pytest.mark.parametrize("cluster", list(CLUSTERS))
 @pytest.mark.parametrize("name", list(MODELS))
 def test_every_feasible_candidate_passes_runtime_validation(name, cluster):
-    spec = MODELS[name]
-    model, inputs = _model(name), as_inputs(planning_inputs(spec, spec.batch(BATCH)))
-    graph = build_layer_graph(model, inputs)
+    model, (inputs, graph) = _model(name), _captured(name)
     asked = []
 
     def check(plan):
