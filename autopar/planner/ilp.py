@@ -32,6 +32,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import pulp
@@ -134,6 +135,14 @@ def ilp_relevant(c: ClassOptions) -> ClassOptions:
     return ClassOptions(name=c.name, count=c.count, costs=kept, inflight=c.inflight)
 
 
+def _linear(terms: Iterable[tuple[pulp.LpVariable, float]]) -> pulp.LpAffineExpression:
+    """Σ coefficient · variable, built as one expression: ``lpSum`` of products builds an
+    expression per term and merges them, the larger part of the time a pipeline search
+    spends in PuLP. Each variable appears once and zero terms are dropped, as ``lpSum``
+    drops them, so HiGHS gets the same program."""
+    return pulp.LpAffineExpression([(v, c) for v, c in terms if c != 0])
+
+
 class StrategyILP:
     """Builds and solves the program above; one method per constraint category."""
 
@@ -180,8 +189,8 @@ class StrategyILP:
             self.b = self.prob.add_variable("buffer_gib", lowBound=0)
         else:
             self.b = fixed_buffer_bytes / GIB
-        self._memory_expr = pulp.lpSum(
-            cost.resident_with(c.inflight) / GIB * self.y[c.name, s]
+        self._memory_expr = _linear(
+            (self.y[c.name, s], cost.resident_with(c.inflight) / GIB)
             for c in classes
             for s, cost in c.costs.items()
         ) + self.b
@@ -195,8 +204,8 @@ class StrategyILP:
         self.add_host_fits()
 
     def add_objective_time(self) -> None:
-        self.prob += pulp.lpSum(
-            cost.time_s * MS * self.y[c.name, s]
+        self.prob += _linear(
+            (self.y[c.name, s], cost.time_s * MS)
             for c in self.classes
             for s, cost in c.costs.items()
         )
