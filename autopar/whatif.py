@@ -42,15 +42,18 @@ def scaling_points(graph: LayerGraph, cluster: Cluster, nodes: Iterable[int], *,
     points = []
     for n in nodes:
         c = cluster.with_nodes(n)
-        plan, why = plan_or_none(graph, c, precision)
-        if plan is None or plan.prediction is None:
-            points.append(ScalingPoint(gpus=c.world_size, samples_per_s=None,
-                                       shape=why.split(";")[0]))
-        else:
-            points.append(ScalingPoint(gpus=c.world_size,
-                                       samples_per_s=plan.global_batch / plan.prediction.step_time_s,
-                                       shape=shape(plan.mesh, plan.pipeline)))
+        points.append(scaling_point(c, *plan_or_none(graph, c, precision)))
     return points
+
+
+def scaling_point(cluster: Cluster, plan: Plan | None, why: str = "") -> ScalingPoint:
+    """One point of a scaling curve: ``plan_or_none``'s answer on ``cluster``."""
+    if plan is None or plan.prediction is None:
+        return ScalingPoint(gpus=cluster.world_size, samples_per_s=None,
+                            shape=why.split(";")[0])
+    return ScalingPoint(gpus=cluster.world_size,
+                        samples_per_s=plan.global_batch / plan.prediction.step_time_s,
+                        shape=shape(plan.mesh, plan.pipeline))
 
 
 def with_memory(cluster: Cluster, memory_gib: float) -> Cluster:
