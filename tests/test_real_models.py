@@ -204,13 +204,11 @@ def _dp2_plan(name: str) -> Plan:
     capture and solve take seconds). It searches ``_layer_graph``'s capture with the runtime's
     check, as ``autopar.plan`` does, rather than capture the same model at the same batch
     again; the "planned" variant trains ``autopar.plan``'s own plan."""
-    from functools import partial
-
     from autopar.planner import search
     from passes.trace import to_meta
     from runtime.validate import plan_problem
 
-    check = partial(plan_problem, to_meta(SPECS[name].build(seed=0)))
+    check = functools.partial(plan_problem, to_meta(SPECS[name].build(seed=0)))
     return search(_layer_graph(name), Cluster.local(2), mesh=Mesh(dp=2), check=check).plan
 
 
