@@ -1,8 +1,8 @@
 """The cost model against every published run autopar prices: Megatron-LM's SC'21 Table 1
 (autopar.planner.published), the ZeRO-3 rows of its Table 2 (autopar.planner.zero3_published)
 and the FSDP runs of fsdp_scaling.csv (autopar.planner.fsdp_published), row by row: published,
-predicted, error; then the H100 presets' GEMM curve against OpenXLA's sm_90 GEMM table
-(autopar.planner.gemm_published), with and without it; each ZeRO-3 row's peak memory and step
+predicted, error; then the presets' GEMM curves against the published GEMM timings they are
+fitted to (autopar.planner.gemm_published), with and without them; each ZeRO-3 row's peak memory and step
 with its blocks sharded one FSDP2 unit a block and one a weight matrix; each FSDP row's
 peak memory against its GPU and the published peak; and, for rows up to
 ``--plan-up-to`` GPUs,
@@ -26,7 +26,7 @@ import time
 from dataclasses import replace
 
 from autopar.planner.fsdp_published import fsdp_cluster, fsdp_graph, fsdp_rows, predict
-from autopar.planner.gemm_published import COLUMNS, relative_errors
+from autopar.planner.gemm_published import relative_errors, table_for
 from autopar.planner.published import (
     evaluate,
     megatron_cluster,
@@ -139,19 +139,22 @@ def fsdp_memory_table() -> None:
 
 
 def gemm_table() -> None:
-    """dgx-h100's GEMM curve on the table's GEMMs it was fitted to: |relative error| of the
-    modelled time, with the preset's d½ and with none (every GEMM at the ceiling)."""
-    device = Cluster.preset("dgx-h100").device
-    print(f"\n{'GEMMs (OpenXLA sm_90)':<22} {'d½':>6} {'GEMMs':>6} {'median':>7} {'worst':>7} "
+    """Each GEMM curve on the published GEMMs it was fitted to (dgx-h100: OpenXLA's sm_90
+    table; dgx-a100-80g: Vidur's A100 profiles): |relative error| of the modelled time, with
+    the preset's d½ and with none (every GEMM at the fitted asymptote)."""
+    print(f"\n{'GEMMs':<28} {'d½':>6} {'GEMMs':>6} {'median':>7} {'worst':>7} "
           f"{'no curve: median':>17} {'worst':>7}")
-    for dtype in COLUMNS:
-        cells = []
-        for d in (device, replace(device, matmul_half_dim={})):
-            errs = [abs(e) for e in relative_errors(d, dtype).values()]
-            cells.append((statistics.median(errs), max(errs), len(errs)))
-        (med, worst, n), (flat_med, flat_worst, _) = cells
-        print(f"{dtype:<22} {device.half_dim(dtype):>6.4g} {n:>6} {med:>7.1%} {worst:>7.1%} "
-              f"{flat_med:>17.1%} {flat_worst:>7.1%}")
+    for preset in ("dgx-h100", "dgx-a100-80g"):
+        device = Cluster.preset(preset).device
+        table = table_for(device)
+        for dtype in table.dtypes:
+            cells = []
+            for d in (device, replace(device, matmul_half_dim={})):
+                errs = [abs(e) for _, e in relative_errors(d, dtype)]
+                cells.append((statistics.median(errs), max(errs), len(errs)))
+            (med, worst, n), (flat_med, flat_worst, _) = cells
+            print(f"{f'{table.name} {dtype}':<28} {device.half_dim(dtype):>6.4g} {n:>6} "
+                  f"{med:>7.1%} {worst:>7.1%} {flat_med:>17.1%} {flat_worst:>7.1%}")
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ times (n×n·n×n), so that the roofline reproduces them:
 
     t(n) = floor + 2n³ / (R∞ · n/(n + d½))  =  floor + (2n³ + 2n²·d½) / R∞
 
-linear in (1/R∞, d½/R∞): weighted least squares on the relative residual as above. R∞ is
+linear in (1/R∞, d½/R∞): weighted least squares on the relative residual as above
+(``fit_gemm_shapes``: the same for GEMMs of any shape, d their smallest dimension). R∞ is
 the large-GEMM rate (peak × matmul_efficiency), d½ the half-efficiency dimension. A CPU
 process (shared cores, frequency scaling, threads) has no datasheet peak, so the profile
 takes peak := the larger of R∞ and the best rate measured. ``fit_matmul`` is the older
@@ -155,26 +156,42 @@ def fit_matmul(
 
 def fit_gemm_curve(sizes: Sequence[int], times_s: Sequence[float], *,
                    floor_s: float = 0.0) -> GemmCurve:
-    """R∞ and d½ reproducing square GEMM times (size n: n×n·n×n) through the roofline.
-
-    ``floor_s``: the kernel floor the roofline adds to every op, taken off the times first.
-    A negative d½ (noise, or no size effect) is refitted as 0.
-    """
+    """R∞ and d½ reproducing square GEMM times (size n: n×n·n×n) through the roofline
+    (``fit_gemm_shapes`` with F = 2n³, d = n)."""
     n = np.asarray(sizes, dtype=float)
-    t = np.asarray(times_s, dtype=float)
-    if n.size < 2 or n.shape != t.shape or np.any(t <= 0) or np.any(n <= 0):
+    if n.size < 2 or n.shape != np.shape(times_s) or np.any(n <= 0):
         raise CalibrationError("need at least two positive GEMM sizes and times of equal count")
+    return fit_gemm_shapes(2 * n**3, n, times_s, floor_s=floor_s)
+
+
+def fit_gemm_shapes(flops: Sequence[float], min_dims: Sequence[float],
+                    times_s: Sequence[float], *, floor_s: float = 0.0) -> GemmCurve:
+    """R∞ and d½ reproducing the times of GEMMs of any shape through the roofline:
+
+        t = floor + F·(d + d½)/(d·R∞)       F: a GEMM's FLOPs, d: its smallest dimension
+
+    linear in (1/R∞, d½/R∞). ``floor_s``: the kernel floor the roofline adds to every op,
+    taken off the times first. A negative d½ (noise, or no size effect) is refitted as 0.
+    """
+    f = np.asarray(flops, dtype=float)
+    d = np.asarray(min_dims, dtype=float)
+    t = np.asarray(times_s, dtype=float)
+    if f.size < 2 or not (f.shape == d.shape == t.shape):
+        raise CalibrationError("need at least two GEMMs' FLOPs, smallest dimensions and times "
+                               "of equal count")
+    if np.any(f <= 0) or np.any(d <= 0) or np.any(t <= 0):
+        raise CalibrationError("GEMM FLOPs, dimensions and times must be positive")
     w = 1.0 / t
     target = (t - floor_s) * w
-    a = np.column_stack([2 * n**3, 2 * n**2]) * w[:, None]
+    a = np.column_stack([f, f / d]) * w[:, None]
     (inv_rate, half_over_rate), *_ = np.linalg.lstsq(a, target, rcond=None)
     if half_over_rate < 0:
         x = a[:, 0]
         inv_rate, half_over_rate = float(x @ target / (x @ x)), 0.0
     if inv_rate <= 0:
         raise CalibrationError(
-            f"GEMM times do not grow with size ({n.min():.0f}..{n.max():.0f}); measure larger "
-            "GEMMs or more repeats")
+            f"GEMM times do not grow with size (FLOPs {f.min():.3g}..{f.max():.3g}); measure "
+            "larger GEMMs or more repeats")
     return GemmCurve(asymptote_flops=float(1 / inv_rate),
                      half_dim=float(half_over_rate / inv_rate))
 

@@ -33,12 +33,10 @@ MiB = 1024**2
 DEFAULT_MATMUL_HALF_DIM = 0.0
 """Smallest GEMM dimension (elements) at which a GEMM runs at half the large-GEMM efficiency,
 for dtypes a device does not list: none, i.e. every GEMM at ``matmul_efficiency``, until
-``autopar calibrate`` fits the curve on the device. No published GEMM-by-size curve for the
-presets' GPUs was found as numbers, and the software generations' factors
-(cost_models/software.py) are fitted on whole training steps, whose small GEMMs they hold: a
-curve on top, with a half-dimension taken from cuBLAS's tile width (128) rather than
-measured, counted the small-GEMM loss twice and put Megatron-LM's rows 3-15% low
-(bench/megatron_table.py, BENCHMARKS.md)."""
+``autopar calibrate`` fits the curve on the device. The presets list the curves fitted to
+published GEMM timings of their GPUs (autopar.planner.gemm_published), and only for the
+dtypes those timings measured: a half-dimension guessed (from cuBLAS's tile width, 128) once
+put Megatron-LM's rows 3-15% low (bench/megatron_table.py, BENCHMARKS.md)."""
 
 DEFAULT_OVERLAP_SLOWDOWN = 1.1
 """Compute slows by this factor while a collective runs beside it. An assumed default (NCCL

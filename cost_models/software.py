@@ -16,9 +16,9 @@ bandwidth its sharded-data-parallel collectives reached where they ran below NCC
 
 The generations live in ``software.toml`` beside this module. A fitted efficiency is
 fitted on NAMED calibration rows of its own published source (``calibrated_on``), never on
-the rows that check it (tests/cost_models/test_software.py, test_fsdp_scaling.py);
-torch-eager and megatron-lm-2021 keep the 0.7 of A100 peak the cost model was tuned with,
-and ``calibrated_on`` says so. A generation
+the rows that check it (tests/cost_models/test_software.py, test_fsdp_scaling.py), or, where
+its source has nothing to hold out, on all its rows (megatron-lm-2021); torch-eager keeps the
+0.7 of A100 peak the cost model was tuned with, and ``calibrated_on`` says so. A generation
 measured on several GPUs may carry one value per device (``efficiency_by_device``): the same
 software keeps a different share of a different chip (on the H100, FlashAttention-2 ran at
 35% of peak against the A100's 50-73%: Shah et al., FlashAttention-3, 2024, abstract; Dao,

@@ -359,19 +359,6 @@ def with_half_dim(device, half_dim: float):
     return replace(device, matmul_half_dim={"bfloat16": half_dim})
 
 
-def test_presets_carry_no_unmeasured_gemm_curve():
-    # A preset's GEMM curve is fitted to a published table (the H100s: OpenXLA's sm_90 GEMMs,
-    # tests/cost_models/test_gemm_published.py); where none was found as numbers (the
-    # presets' comments), a GEMM of any size runs at the ceiling times the software's share.
-    measured = {"dgx-h100", "grand-teton-h100"}
-    for name in Cluster.preset_names():
-        device = Cluster.preset(name).device
-        assert bool(device.matmul_half_dim) == (name in measured), name
-        if name not in measured:
-            assert gemm_efficiency(device, "bfloat16", 64) == pytest.approx(
-                device.matmul_efficiency * device.software_efficiency, rel=1e-15)
-
-
 def test_small_gemm_runs_far_from_peak():
     device = with_half_dim(Cluster.preset("dgx-a100-80g").device, 128)
     # 256³ in bf16: 2·256³ FLOPs at 0.7·256/(256 + 128) of 312 TFLOP/s beats the 0.39 MB

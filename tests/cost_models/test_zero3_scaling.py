@@ -5,12 +5,12 @@ Published: DeepSpeed's ZeRO-3 without model parallelism fell from 144 to 44 TFLO
 (175B, 384 → 1,536 A100s at batch 1,536) and from 138 to 48 (530B, 640 → 2,240), below
 Megatron-LM's 3D parallelism at every size. Its generation (deepspeed-zero3-2021) is fitted
 on two named rows, one per regime (``zero3_published.CALIBRATION``); the four others are
-predicted within 10%: 175B on 1,536 GPUs -3.4%, 530B +5.1%, -9.5%, -9.3%. Each row's
+predicted within 10%: 175B on 1,536 GPUs -3.4%, 530B +5.4%, -9.5%, -9.3%. Each row's
 blocks are sharded as they fit 80 GB (``zero3_published.runnable_blocks``): one FSDP2 unit
 a block, but for 530B on 640 GPUs one a weight matrix (per block: +7.2%).
 
 autopar's own runtime (FSDP2 on NCCL's rings, torch-eager) is predicted to fall only about
-10% over the same GPUs: its collectives run at the rails' bandwidth and hide behind the
+11% over the same GPUs: its collectives run at the rails' bandwidth and hide behind the
 recomputed backward even at one sample a rank (test at the end).
 """
 
@@ -149,8 +149,9 @@ def test_the_report_shows_the_exposed_gathers_of_a_1536_gpu_zero3_plan():
 def test_autopars_own_fsdp2_falls_little_over_the_same_gpus():
     """autopar's runtime on the same model and GPUs (torch-eager, FSDP2 at NCCL's ring
     cost: 21.8 ms a block's all-gather at 384 ranks, 33.3 at 1,536, behind the recomputed
-    backward): 192 → 186 → 173 TFLOP/s, about 10%, more than 3D's fall (5%) but nothing
-    like DeepSpeed's 2021 ZeRO-3."""
+    backward): 190 → 183 → 169 TFLOP/s, about 11% (a share of it the smaller GEMMs of fewer
+    samples a rank: the A100 GEMM curve), more than 3D's fall (5%) but nothing like
+    DeepSpeed's 2021 ZeRO-3."""
     def tflops(gpus: int) -> float:
         row = MegatronRow(params_b=175, heads=96, hidden=12288, layers=96, tp=1, pp=1,
                           gpus=gpus, global_batch=1536, tflops_per_gpu=0.0,
@@ -166,7 +167,7 @@ def test_autopars_own_fsdp2_falls_little_over_the_same_gpus():
     ours = {n: tflops(n) for n in (384, 768, 1536)}
     assert ours[384] > ours[768] > ours[1536]
     fall = 1 - ours[1536] / ours[384]
-    assert fall == pytest.approx(0.10, abs=0.02)
+    assert fall == pytest.approx(0.11, abs=0.02)
     assert fall > 1 - three_d(1536) / three_d(384)
 
 

@@ -7,8 +7,8 @@ Provenance: every expected value below was printed by ``plan_summary`` run on co
 cost model or the search changes these plans; then re-derive the numbers on the commit
 before that change and say why they moved in its message.
 
-Moved since, deliberately, by six changes, each recorded with the numbers before and after
-in its commit (the values below are those of all six together):
+Moved since, deliberately, by seven changes, each recorded with the numbers before and after
+in its commit (the values below are those of all seven together):
 - the pipeline search simulates the orders torch's schedule tables run
   (runtime.schedule_orders.runtime_orders), not the simulator's greedy ZBVZeroBubble and
   W-when-idle orders: GPT-3 175B's ZBVZeroBubble m=16 (2.0982 s greedy) is 2.2107 s as
@@ -32,9 +32,14 @@ in its commit (the values below are those of all six together):
   activation with no all-gather, on the same plans: GPT-3 175B 1.9243 → 1.9020 s, the
   Megatron 1T row 66.2567 → 66.2296 s (each back to its value before the change above,
   which priced the shard alone while the runtime gathered it).
+- the A100 presets' GEMM efficiency curve (d½ 42.9 in bf16 and fp16, fitted to Vidur's
+  published A100 GEMM times; autopar.planner.gemm_published): the same plans, every GEMM
+  slower by d½/d (the blocks' TP shards, d = 1,536 for GPT-3 175B and 3,200 for the 1T row,
+  and attention's head_dim 128 and 160): GPT-3 175B 1.9020 → 1.9335 s, the Megatron 1T row
+  66.2296 → 67.4885 s; gpt2-small runs float32, which has no A100 curve, and is unmoved.
 Together: GPT-3 175B keeps pp 16 × dp 8 × tp 8 InterleavedZeroBubble v=6, its blocks now
-tp_zero1+sp, 1.9020 s; the Megatron 1T row moves from pp 64 × dp 6 1F1B (78.17 s) to
-pp 32 × dp 12 × tp 8 ZBVZeroBubble m=256 with tp_zero1, 66.23 s (the distributed
+tp_zero1+sp, 1.9335 s; the Megatron 1T row moves from pp 64 × dp 6 1F1B (78.17 s) to
+pp 32 × dp 12 × tp 8 ZBVZeroBubble m=256 with tp_zero1, 67.49 s (the distributed
 optimizer's memory lets a shallower pipeline fit); gpt2-small takes zero1 for every layer
 (4.21670 s); gpt-tiny-tied zero1 for every layer (0.0106337 s).
 
@@ -103,12 +108,12 @@ CASES = {
         lambda: zoo_case("gpt3-175b", 128, "bfloat16", Cluster.preset("dgx-a100-80g", nodes=128)),
         dict(mesh=(16, 8, 1, 8), pipeline=("InterleavedZeroBubble", 16, 6), accumulation=1,
              options={"replicate": 1, "tp_zero1": 1, "tp_zero1+sp": 96, "zero1": 2},
-             layout="1a16664d29b673e7", step_time_s=1.9020375629286095)),
+             layout="1a16664d29b673e7", step_time_s=1.9334509150840447)),
     "Megatron 1T row on 3,072 A100": (
         lambda: megatron_case(1008.0),
         dict(mesh=(32, 12, 1, 8), pipeline=("ZBVZeroBubble", 256, 2), accumulation=1,
              options={"replicate": 1, "tp_zero1": 2, "tp_zero1+sp": 128, "zero1": 1},
-             layout="f7fbb961fe1f7da2", step_time_s=66.229573032639)),
+             layout="f7fbb961fe1f7da2", step_time_s=67.4885020383524)),
     "gpt2-small on 8 A100": (
         lambda: zoo_case("gpt2-small", 512, "float32", Cluster.preset("dgx-a100-80g", nodes=1)),
         dict(mesh=(1, 8, 1, 1), pipeline=None, accumulation=2,
