@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from importlib.abc import Traversable
@@ -105,6 +106,8 @@ def _vidur_rows(path: Traversable) -> list[PublishedGemm]:
 class GemmTable:
     name: str
     path: Traversable
+    read: Callable[[Traversable], list[PublishedGemm]]
+    """Its rows, from its file (each source has its own columns)."""
     devices: tuple[str, ...]
     """The presets' ``Device.name``s of the table's architecture."""
     dtypes: tuple[str, ...]
@@ -118,17 +121,16 @@ class GemmTable:
 
     def gemms(self) -> list[PublishedGemm]:
         """Every row of the table, in its order."""
-        read = _xla_rows if self.path.name.startswith("xla_") else _vidur_rows
-        return read(self.path)
+        return self.read(self.path)
 
 
 _DATA = resources.files("autopar") / "data"
 TABLES = (
-    GemmTable(name="OpenXLA sm_90", path=_DATA / "xla_gemm_sm90.csv",
+    GemmTable(name="OpenXLA sm_90", path=_DATA / "xla_gemm_sm90.csv", read=_xla_rows,
               devices=("H100-SXM5-80GB", "H100-SXM5-96GB-500W"), dtypes=("bfloat16", "tf32")),
     # A100's fp16 and bf16 tensor cores have one peak (312 TFLOP/s, the datasheet) and run
     # the same cuBLAS kernels: the fp16 curve is the bf16 one.
-    GemmTable(name="Vidur A100", path=_DATA / "vidur_gemm_a100.csv",
+    GemmTable(name="Vidur A100", path=_DATA / "vidur_gemm_a100.csv", read=_vidur_rows,
               devices=("A100-SXM4-80GB", "A100-PCIe-80GB"), dtypes=("float16",),
               same_curve={"bfloat16": "float16"}, compute_bound_only=True, own_asymptote=True),
 )
