@@ -2,9 +2,9 @@
 (autopar.planner.published), the ZeRO-3 rows of its Table 2 (autopar.planner.zero3_published)
 and the FSDP runs of fsdp_scaling.csv (autopar.planner.fsdp_published), row by row: published,
 predicted, error; then the presets' GEMM curves against the published GEMM timings they are
-fitted to (autopar.planner.gemm_published), with and without them; each ZeRO-3 row's peak memory and step
-with its blocks sharded one FSDP2 unit a block and one a weight matrix; each FSDP row's
-peak memory against its GPU and the published peak; and, for rows up to
+fitted to (autopar.planner.gemm_published), with and without them; each ZeRO-3 row's peak
+memory and step with its blocks sharded one FSDP2 unit a block and one a weight matrix;
+each FSDP row's peak memory against its GPU and the published peak; and, for rows up to
 ``--plan-up-to`` GPUs,
 autopar's own plan for the same model, cluster and global batch, with its predicted
 speed-up over the published configuration (both priced by the same model).
@@ -13,7 +13,8 @@ speed-up over the published configuration (both priced by the same model).
     python bench/published.py --plan-up-to 64    # and plans rows of at most 64 GPUs
 
 Megatron and ZeRO-3 rows are TFLOP/s per GPU counted the paper's way; FSDP rows tokens/s
-per GPU. "(cal.)" marks a row a software generation was fitted on. The
+per GPU. "(cal.)" marks a row a software generation was fitted on by name (Megatron-LM's
+generation is fitted on all ten of its rows, so none is marked). The
 speed-up compares like with like: a row that reduced gradients in float32 (torchtitan) is
 priced with bf16 gradients there, as the planner's bf16 plans reduce them.
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from dataclasses import replace
 
 from autopar.planner.fsdp_published import fsdp_cluster, fsdp_graph, fsdp_rows, predict
 from autopar.planner.gemm_published import relative_errors, table_for
@@ -141,7 +141,8 @@ def fsdp_memory_table() -> None:
 def gemm_table() -> None:
     """Each GEMM curve on the published GEMMs it was fitted to (dgx-h100: OpenXLA's sm_90
     table; dgx-a100-80g: Vidur's A100 profiles): |relative error| of the modelled time, with
-    the preset's d½ and with none (every GEMM at the fitted asymptote)."""
+    the preset's d½ and with none (every GEMM at the best single rate: the ceiling, or the
+    table's own level refitted without a curve)."""
     print(f"\n{'GEMMs':<28} {'d½':>6} {'GEMMs':>6} {'median':>7} {'worst':>7} "
           f"{'no curve: median':>17} {'worst':>7}")
     for preset in ("dgx-h100", "dgx-a100-80g"):
@@ -149,8 +150,8 @@ def gemm_table() -> None:
         table = table_for(device)
         for dtype in table.dtypes:
             cells = []
-            for d in (device, replace(device, matmul_half_dim={})):
-                errs = [abs(e) for _, e in relative_errors(d, dtype)]
+            for curve in (True, False):
+                errs = [abs(e) for _, e in relative_errors(device, dtype, size_effect=curve)]
                 cells.append((statistics.median(errs), max(errs), len(errs)))
             (med, worst, n), (flat_med, flat_worst, _) = cells
             print(f"{f'{table.name} {dtype}':<28} {device.half_dim(dtype):>6.4g} {n:>6} "

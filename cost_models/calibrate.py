@@ -165,13 +165,15 @@ def fit_gemm_curve(sizes: Sequence[int], times_s: Sequence[float], *,
 
 
 def fit_gemm_shapes(flops: Sequence[float], min_dims: Sequence[float],
-                    times_s: Sequence[float], *, floor_s: float = 0.0) -> GemmCurve:
+                    times_s: Sequence[float], *, floor_s: float = 0.0,
+                    size_effect: bool = True) -> GemmCurve:
     """R∞ and d½ reproducing the times of GEMMs of any shape through the roofline:
 
         t = floor + F·(d + d½)/(d·R∞)       F: a GEMM's FLOPs, d: its smallest dimension
 
     linear in (1/R∞, d½/R∞). ``floor_s``: the kernel floor the roofline adds to every op,
-    taken off the times first. A negative d½ (noise, or no size effect) is refitted as 0.
+    taken off the times first. A negative d½ (noise, or no size effect) is refitted as 0;
+    ``size_effect=False`` fits R∞ alone with d½ = 0 (every GEMM at one rate).
     """
     f = np.asarray(flops, dtype=float)
     d = np.asarray(min_dims, dtype=float)
@@ -180,12 +182,16 @@ def fit_gemm_shapes(flops: Sequence[float], min_dims: Sequence[float],
         raise CalibrationError("need at least two GEMMs' FLOPs, smallest dimensions and times "
                                "of equal count")
     if np.any(f <= 0) or np.any(d <= 0) or np.any(t <= 0):
-        raise CalibrationError("GEMM FLOPs, dimensions and times must be positive")
+        raise CalibrationError("GEMM FLOPs, sizes and times must be positive")
+    if size_effect and np.unique(d).size < 2:
+        raise CalibrationError(
+            f"every GEMM has smallest dimension {d[0]:.0f}: a size effect needs GEMMs of at "
+            "least two sizes")
     w = 1.0 / t
     target = (t - floor_s) * w
     a = np.column_stack([f, f / d]) * w[:, None]
     (inv_rate, half_over_rate), *_ = np.linalg.lstsq(a, target, rcond=None)
-    if half_over_rate < 0:
+    if half_over_rate < 0 or not size_effect:
         x = a[:, 0]
         inv_rate, half_over_rate = float(x @ target / (x @ x)), 0.0
     if inv_rate <= 0:

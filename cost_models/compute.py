@@ -76,9 +76,14 @@ def gemm_shortfall_flops(gemms: Iterable[tuple[float, float]], device: Device,
     return total
 
 
+def gemm_bytes(m: int, n: int, k: int, bytes_per_element: int = 2) -> int:
+    """Bytes one (m×k)·(k×n) GEMM moves: both inputs read and the output written once."""
+    return (m * k + k * n + m * n) * bytes_per_element
+
+
 def gemm_s(m: int, n: int, k: int, device: Device, dtype: str, *,
            bytes_per_element: int = 2) -> float:
-    """One (m×k)·(k×n) GEMM: reads both inputs and writes the output once."""
+    """One (m×k)·(k×n) GEMM, moving ``gemm_bytes``."""
     flops = 2.0 * m * n * k
-    moved = (m * k + k * n + m * n) * bytes_per_element
+    moved = gemm_bytes(m, n, k, bytes_per_element)
     return roofline_s(flops, moved, 1, device, dtype, gemm_min_dim=min(m, n, k))

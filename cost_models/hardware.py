@@ -34,9 +34,10 @@ DEFAULT_MATMUL_HALF_DIM = 0.0
 """Smallest GEMM dimension (elements) at which a GEMM runs at half the large-GEMM efficiency,
 for dtypes a device does not list: none, i.e. every GEMM at ``matmul_efficiency``, until
 ``autopar calibrate`` fits the curve on the device. The presets list the curves fitted to
-published GEMM timings of their GPUs (autopar.planner.gemm_published), and only for the
-dtypes those timings measured: a half-dimension guessed (from cuBLAS's tile width, 128) once
-put Megatron-LM's rows 3-15% low (bench/megatron_table.py, BENCHMARKS.md)."""
+published GEMM timings of their GPUs (autopar.planner.gemm_published), for the dtypes those
+timings measured and those running on the same tensor cores at the same rate (A100's bf16
+takes its fp16 curve): a half-dimension guessed (from cuBLAS's tile width, 128) once put
+Megatron-LM's rows 3-15% low (bench/megatron_table.py, BENCHMARKS.md)."""
 
 DEFAULT_OVERLAP_SLOWDOWN = 1.1
 """Compute slows by this factor while a collective runs beside it. An assumed default (NCCL

@@ -19,13 +19,13 @@ batched or not. ``fit_curves`` fits d½ per dtype to a table's GEMMs with the pr
 - sm_90: with the preset's ceiling kept (``cost_models.calibrate.fit_half_dim``). The table's
   fastest bf16 GEMM is within 2% of it: one device class, two sources that agree.
 - A100: with the table's own asymptote, fitted with d½ (``fit_gemm_shapes``), and only d½ goes
-  into the preset. Vidur's GEMMs of smallest dimension ≥ 1024 run at a median 226 TFLOP/s,
+  into the preset. Vidur's GEMMs of smallest dimension ≥ 1024 run at a median 225 TFLOP/s,
   16% under the ceiling (268, mamf-finder's best shape), from 160 to 272 by shape: a level
   set by how each shape's tiles fill the 108 SMs, not by its size. Fitted against the
-  ceiling, that gap passes for a size effect (d½ 116, every large GEMM priced 3–10% slow,
-  median error 9.8%); the table's own asymptote (233) leaves the size effect alone (d½ 43,
-  median error 4.7%). The preset keeps the ceiling, which the software generations'
-  efficiencies (cost_models/software.toml) are shares of.
+  ceiling, that gap passes for a size effect (d½ 116, median error 9.8%, and the large
+  GEMMs still about 10% faster than measured); with the table's own asymptote (233) the
+  size effect is d½ 43, median error 4.7%. The preset keeps the ceiling, which the software
+  generations' efficiencies (cost_models/software.toml) are shares of.
 
 Only GEMMs that take at least ``FIT_FLOOR_MULTIPLE`` kernel floors are fitted: below that the
 time is mostly the floor, and the sm_90 table's small GEMMs take about 6 µs where the preset's
@@ -40,14 +40,15 @@ Of that table only the GEMMs the roofline prices as compute-bound at the ceiling
 from __future__ import annotations
 
 import csv
+import functools
 import io
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
-from importlib.abc import Traversable
+from importlib.resources.abc import Traversable
 
 from cost_models.calibrate import GemmCurve, fit_gemm_shapes, fit_half_dim
-from cost_models.compute import gemm_efficiency, roofline_s
+from cost_models.compute import gemm_bytes, gemm_efficiency, roofline_s
 from cost_models.hardware import Device
 
 FIT_FLOOR_MULTIPLE = 10
@@ -62,7 +63,7 @@ class PublishedGemm:
     n: int
     k: int
     flops_per_s: dict[str, float]
-    """Measured rate per dtype (the keys of its table's ``columns``)."""
+    """Measured rate per dtype (its table's ``dtypes``)."""
 
     @property
     def flops(self) -> float:
@@ -73,9 +74,7 @@ class PublishedGemm:
         return min(self.m, self.n, self.k)
 
     def bytes(self, dtype: str) -> float:
-        """Both operands read and the result written once."""
-        return self.b * DTYPE_BYTES[dtype] * (self.m * self.k + self.k * self.n
-                                              + self.m * self.n)
+        return self.b * gemm_bytes(self.m, self.n, self.k, DTYPE_BYTES[dtype])
 
     def time_s(self, dtype: str) -> float:
         return self.flops / self.flops_per_s[dtype]
@@ -86,28 +85,31 @@ def _data_rows(path: Traversable) -> list[dict[str, str]]:
     return list(csv.DictReader(io.StringIO("\n".join(lines))))
 
 
-def _xla_rows(path: Traversable) -> list[PublishedGemm]:
-    return [PublishedGemm(b=int(c["b"]), m=int(c["m"]), n=int(c["n"]), k=int(c["k"]),
+@functools.cache
+def _xla_rows(path: Traversable) -> tuple[PublishedGemm, ...]:
+    return tuple(PublishedGemm(b=int(c["b"]), m=int(c["m"]), n=int(c["n"]), k=int(c["k"]),
                           flops_per_s={"bfloat16": float(c["bf16_flops_per_s"]),
                                        "tf32": float(c["f32_flops_per_s"])})
-            for c in _data_rows(path)]
+                 for c in _data_rows(path))
 
 
-def _vidur_rows(path: Traversable) -> list[PublishedGemm]:
+@functools.cache
+def _vidur_rows(path: Traversable) -> tuple[PublishedGemm, ...]:
+    """Times (ms) as rates, the form every table's rows share."""
     out = []
     for c in _data_rows(path):
         m, n, k = int(c["m"]), int(c["n"]), int(c["k"])
         out.append(PublishedGemm(b=1, m=m, n=n, k=k, flops_per_s={
             "float16": 2.0 * m * n * k / (float(c["median_ms"]) * 1e-3)}))
-    return out
+    return tuple(out)
 
 
 @dataclass(frozen=True, kw_only=True)
 class GemmTable:
     name: str
     path: Traversable
-    read: Callable[[Traversable], list[PublishedGemm]]
-    """Its rows, from its file (each source has its own columns)."""
+    read: Callable[[Traversable], tuple[PublishedGemm, ...]]
+    """Its rows, from its file (each source has its own columns; read once)."""
     devices: tuple[str, ...]
     """The presets' ``Device.name``s of the table's architecture."""
     dtypes: tuple[str, ...]
@@ -119,7 +121,7 @@ class GemmTable:
     own_asymptote: bool = False
     """Fit R∞ with d½ (the table's own level) rather than keep the device's ceiling."""
 
-    def gemms(self) -> list[PublishedGemm]:
+    def gemms(self) -> tuple[PublishedGemm, ...]:
         """Every row of the table, in its order."""
         return self.read(self.path)
 
@@ -128,8 +130,9 @@ _DATA = resources.files("autopar") / "data"
 TABLES = (
     GemmTable(name="OpenXLA sm_90", path=_DATA / "xla_gemm_sm90.csv", read=_xla_rows,
               devices=("H100-SXM5-80GB", "H100-SXM5-96GB-500W"), dtypes=("bfloat16", "tf32")),
-    # A100's fp16 and bf16 tensor cores have one peak (312 TFLOP/s, the datasheet) and run
-    # the same cuBLAS kernels: the fp16 curve is the bf16 one.
+    # A100's fp16 and bf16 tensor cores have one peak (the datasheet) and cuBLAS runs them
+    # with the same tile shapes: the fp16 curve is the bf16 one. The H100 presets list the
+    # dtypes OpenXLA measured (bf16, tf32); fp16 there has no curve.
     GemmTable(name="Vidur A100", path=_DATA / "vidur_gemm_a100.csv", read=_vidur_rows,
               devices=("A100-SXM4-80GB", "A100-PCIe-80GB"), dtypes=("float16",),
               same_curve={"bfloat16": "float16"}, compute_bound_only=True, own_asymptote=True),
@@ -168,9 +171,10 @@ def fitted_gemms(device: Device, dtype: str) -> list[PublishedGemm]:
             and (not table.compute_bound_only or g.flops >= ridge * g.bytes(dtype))]
 
 
-def fit_curves(device: Device) -> dict[str, GemmCurve]:
+def fit_curves(device: Device, *, size_effect: bool = True) -> dict[str, GemmCurve]:
     """R∞ and d½ per dtype the table measured, on ``device``'s floor (and ceiling, unless
-    the table fits its own asymptote: module docstring)."""
+    the table fits its own asymptote: module docstring). ``size_effect=False``: the best
+    curve with d½ = 0 (every GEMM at the ceiling, or at the table's own level refitted)."""
     table = table_for(device)
     out = {}
     for dtype in table.dtypes:
@@ -178,11 +182,13 @@ def fit_curves(device: Device) -> dict[str, GemmCurve]:
         flops, dims = [g.flops for g in rows], [g.min_dim for g in rows]
         times = [g.time_s(dtype) for g in rows]
         if table.own_asymptote:
-            out[dtype] = fit_gemm_shapes(flops, dims, times, floor_s=device.kernel_floor_s)
+            out[dtype] = fit_gemm_shapes(flops, dims, times, floor_s=device.kernel_floor_s,
+                                         size_effect=size_effect)
         else:
             ceiling = asymptote_flops(device, dtype)
-            out[dtype] = GemmCurve(asymptote_flops=ceiling, half_dim=fit_half_dim(
-                flops, dims, times, asymptote_flops=ceiling, floor_s=device.kernel_floor_s))
+            half = fit_half_dim(flops, dims, times, asymptote_flops=ceiling,
+                                floor_s=device.kernel_floor_s) if size_effect else 0.0
+            out[dtype] = GemmCurve(asymptote_flops=ceiling, half_dim=half)
     return out
 
 
@@ -190,7 +196,8 @@ def fit_half_dims(device: Device) -> dict[str, float]:
     """d½ per dtype, as ``device``'s preset lists it: every dtype its table measured, and
     those ``same_curve`` gives a measured one's curve."""
     half = {dtype: c.half_dim for dtype, c in fit_curves(device).items()}
-    return half | {dtype: half[measured] for dtype, measured in table_for(device).same_curve.items()}
+    shared = table_for(device).same_curve
+    return half | {dtype: half[measured] for dtype, measured in shared.items()}
 
 
 def model_time_s(g: PublishedGemm, device: Device, dtype: str,
@@ -204,10 +211,14 @@ def model_time_s(g: PublishedGemm, device: Device, dtype: str,
     return roofline_s(g.flops, 0.0, 1, alone, dtype, gemm_min_dim=g.min_dim)
 
 
-def relative_errors(device: Device, dtype: str) -> list[tuple[PublishedGemm, float]]:
+def relative_errors(device: Device, dtype: str, *, size_effect: bool = True
+                    ) -> list[tuple[PublishedGemm, float]]:
     """(modelled − published) / published time of each GEMM ``fit_half_dims`` fits, at
     ``device``'s own d½ and the R∞ it was fitted with, in the table's order (a shape can
-    appear more than once: the A100 table has it for each model that runs it)."""
-    asymptote = fit_curves(device)[dtype].asymptote_flops
+    appear more than once: the A100 table has it for each model that runs it).
+    ``size_effect=False``: no curve, every GEMM at the R∞ fitted without one."""
+    asymptote = fit_curves(device, size_effect=size_effect)[dtype].asymptote_flops
+    if not size_effect:
+        device = replace(device, matmul_half_dim={})
     return [(g, model_time_s(g, device, dtype, asymptote) / g.time_s(dtype) - 1)
             for g in fitted_gemms(device, dtype)]

@@ -14,7 +14,7 @@ simulator. TFLOP/s per GPU are counted the paper's way
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 import torch
@@ -24,8 +24,9 @@ from autopar.planner.engine import evaluate_plan
 from autopar.planner.one_stage import plan_memory
 from autopar.whatif import repeat_blocks
 from autopar.zoo import GPT, GPTConfig
+from cost_models.calibrate import fit_software_efficiency
 from cost_models.hardware import Cluster
-from cost_models.memory import Precision
+from cost_models.memory import Precision, precision
 from cost_models.software import with_software
 from passes.layer_graph import build_layer_graph
 from passes.records import LayerGraph
@@ -193,3 +194,25 @@ def evaluate(graph: LayerGraph, cluster: Cluster, prec: Precision, plan: Plan) -
     ddp = sum(c.fsdp_only_s + c.fsdp_wait_s for c in costs)
     return Evaluation(step_time_s=sum(c.time_s for c in costs) - ddp,
                       peak_memory_bytes=memory.total_bytes)
+
+
+def fit_software() -> float:
+    """megatron-lm-2021's efficiency (cost_models/software.toml): the factor at which the
+    ten rows' predicted / published TFLOP/s have a geometric mean of 1, each row's published
+    plan priced in fp16 (about 20 pricings of the ten rows)."""
+    rows = megatron_rows()
+    graphs = [megatron_graph(row) for row in rows]
+    plans = [megatron_plan(graph, row) for graph, row in zip(graphs, rows, strict=True)]
+    fp16 = precision("float16")
+
+    def ratios(efficiency: float) -> list[float]:
+        out = []
+        for row, graph, plan in zip(rows, graphs, plans, strict=True):
+            cluster = megatron_cluster(row)
+            cluster = replace(cluster, device=replace(cluster.device,
+                                                      software_efficiency=efficiency))
+            step = evaluate(graph, cluster, fp16, plan).step_time_s
+            out.append(predicted_tflops(row, step) / row.tflops_per_gpu)
+        return out
+
+    return fit_software_efficiency(ratios, low=0.5, high=1.0, rel_tol=1e-5)

@@ -37,8 +37,9 @@ def test_the_generations_named_by_the_issue_exist_and_state_their_source():
 
 
 def test_the_default_keeps_the_a100s_seventy_percent_of_peak():
-    """Plans on A100 presets do not move: the MAMF ceiling (85.9%) times torch-eager's
-    factor is the 0.7 the cost model was built with."""
+    """The large-GEMM rate on A100 presets stays what the cost model was built with: the
+    MAMF ceiling (85.9%) times torch-eager's factor is 0.7 of peak (smaller GEMMs run below
+    it by the A100 GEMM curve)."""
     cluster = Cluster.preset("dgx-a100-80g")
     assert cluster.software == DEFAULT_SOFTWARE
     assert gemm_efficiency(cluster.device, "bfloat16") == pytest.approx(0.7, rel=1e-12)
