@@ -24,6 +24,7 @@ from autopar.planner.estimators import ANALYTIC, Estimators
 from autopar.planner.search import ProgressFn
 from cost_models.hardware import Cluster
 from passes.layer_graph import build_layer_graph
+from passes.records import LayerGraph
 from passes.split_stages import split_pipeline
 from passes.trace import inputs_to_meta, to_meta
 from runtime.batch import Inputs, as_inputs
@@ -56,6 +57,7 @@ def search_plans(
     time_limit_s: float = 60.0,
     progress: ProgressFn | None = None,
     estimators: Estimators = ANALYTIC,
+    graph: LayerGraph | None = None,
 ) -> SearchResult:
     """The best plan and every candidate the search considered.
 
@@ -65,8 +67,11 @@ def search_plans(
     carry the samples, found as ``runtime.batch`` says) is the global batch the plan is
     made for. ``progress`` is called after each candidate the search evaluates (see
     ``autopar.progress``). ``estimators`` prices every option (autopar/planner/estimators.py:
-    replace one of ``ANALYTIC``'s with a calibrated or your own). The plan carries its rationale: every option's cost per layer
-    class and the best alternatives (``autopar.explain``).
+    replace one of ``ANALYTIC``'s with a calibrated or your own). ``graph``: the layer graph
+    of ``model`` already captured on these inputs (``passes.layer_graph.build_layer_graph``),
+    searched instead of capturing it again (several searches of one model: meshes,
+    clusters). The plan carries its rationale: every option's cost per layer class and the
+    best alternatives (``autopar.explain``).
 
     Whatever this returns, the runtime runs: the search asks the runtime's own validator
     (``runtime.validate``) about every feasible candidate's plan, and a pipeline plan is
@@ -75,8 +80,9 @@ def search_plans(
     check_model(model)
     cluster = as_cluster(cluster)
     inputs = as_inputs(example_inputs)
-    graph = build_layer_graph(model, inputs, model_name=model_name, opaque=tuple(opaque),
-                              seq_len=seq_len)
+    if graph is None:
+        graph = build_layer_graph(model, inputs, model_name=model_name, opaque=tuple(opaque),
+                                  seq_len=seq_len)
     meta_model = to_meta(model)
     result = search(graph, cluster, precision_name=precision, mesh=mesh,
                     time_limit_s=time_limit_s, progress=progress,

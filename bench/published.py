@@ -24,9 +24,17 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 
 from autopar.planner.fsdp_published import fsdp_cluster, fsdp_graph, fsdp_rows, predict
-from autopar.planner.gemm_published import relative_errors, table_for
+from autopar.planner.gemm_published import (
+    asymptote_flops,
+    fit_curves,
+    fitted_gemms,
+    model_time_s,
+    relative_errors,
+    table_for,
+)
 from autopar.planner.published import (
     evaluate,
     megatron_cluster,
@@ -38,6 +46,7 @@ from autopar.planner.published import (
 from autopar.planner.search import search
 from autopar.planner.zero3_published import CALIBRATION, zero3_cluster, zero3_graph, zero3_rows
 from autopar.planner.zero3_published import predict as predict_zero3
+from cost_models.calibrate import fit_half_dim
 from cost_models.hardware import Cluster
 from cost_models.memory import precision
 
@@ -108,6 +117,7 @@ def main() -> None:
         print(f"{name}: worst |error| {max(absolute):.1%}, median {statistics.median(absolute):.1%}"
               f" over {len(errs)} rows")
     gemm_table()
+    own_level_fits()
 
 
 def zero3_units_table() -> None:
@@ -151,11 +161,48 @@ def gemm_table() -> None:
         for dtype in table.dtypes:
             cells = []
             for curve in (True, False):
-                errs = [abs(e) for _, e in relative_errors(device, dtype, size_effect=curve)]
-                cells.append((statistics.median(errs), max(errs), len(errs)))
-            (med, worst, n), (flat_med, flat_worst, _) = cells
+                errs = [(abs(e), g) for g, e in relative_errors(device, dtype, size_effect=curve)]
+                worst, g = max(errs, key=lambda x: x[0])
+                cells.append((statistics.median(e for e, _ in errs), worst, len(errs),
+                              f"{g.b} × {g.m}·{g.n}·{g.k}"))
+            (med, worst, n, shape), (flat_med, flat_worst, _, _) = cells
             print(f"{f'{table.name} {dtype}':<28} {device.half_dim(dtype):>6.4g} {n:>6} "
-                  f"{med:>7.1%} {worst:>7.1%} {flat_med:>17.1%} {flat_worst:>7.1%}")
+                  f"{med:>7.1%} {worst:>7.1%} {flat_med:>17.1%} {flat_worst:>7.1%}   "
+                  f"worst: {shape}")
+
+
+def own_level_fits() -> None:
+    """The A100 fit's figures (autopar.planner.gemm_published's docstring): the table's level
+    against the preset's ceiling, the fit against the ceiling it does not keep, and the mean
+    error by smallest dimension with and without the curve."""
+    device = Cluster.preset("dgx-a100-80g").device
+    table = table_for(device)
+    for dtype in table.dtypes:
+        rows = fitted_gemms(device, dtype)
+        ceiling = asymptote_flops(device, dtype)
+        best = max(g.flops_per_s[dtype] for g in table.gemms())
+        large = [g.flops_per_s[dtype] for g in rows if g.min_dim >= 1024]
+        level = fit_curves(device)[dtype].asymptote_flops
+        print(f"\n{table.name} {dtype}: best {best / 1e12:.0f} TFLOP/s, ceiling "
+              f"{ceiling / 1e12:.0f}, own level {level / 1e12:.0f}; fitted GEMMs of d ≥ 1024 "
+              f"at a median {statistics.median(large) / 1e12:.0f} "
+              f"({min(large) / 1e12:.0f}..{max(large) / 1e12:.0f})")
+        half = fit_half_dim([g.flops for g in rows], [g.min_dim for g in rows],
+                            [g.time_s(dtype) for g in rows], asymptote_flops=ceiling,
+                            floor_s=device.kernel_floor_s)
+        kept = replace(device, matmul_half_dim={dtype: half})
+        errs = [model_time_s(g, kept, dtype) / g.time_s(dtype) - 1 for g in rows]
+        large_errs = [e for g, e in zip(rows, errs, strict=True) if g.min_dim >= 1024]
+        print(f"  with the ceiling kept instead: d½ {half:.0f}, median |error| "
+              f"{statistics.median(map(abs, errs)):.1%}, mean error of d ≥ 1024 "
+              f"{statistics.mean(large_errs):+.1%}")
+        flat = fit_curves(device, size_effect=False)[dtype].asymptote_flops
+        for label, curve in (("curve", True), (f"no curve, level {flat / 1e12:.0f}", False)):
+            errs = relative_errors(device, dtype, size_effect=curve)
+            means = [statistics.mean(e for g, e in errs if low <= g.min_dim < high)
+                     for low, high in ((0, 512), (512, 1024), (1024, 2**20))]
+            print(f"  mean error by d < 512, 512-1023, ≥ 1024 ({label}): "
+                  + ", ".join(f"{m:+.1%}" for m in means))
 
 
 if __name__ == "__main__":

@@ -201,15 +201,12 @@ def _layer_graph(name: str):
 @functools.cache
 def _dp2_plan(name: str) -> Plan:
     """The planner's plan on dp = 2, which the forced variants change (planned once per model:
-    capture and solve take seconds). It searches ``_layer_graph``'s capture with the runtime's
-    check, as ``autopar.plan`` does, rather than capture the same model at the same batch
-    again; the "planned" variant trains ``autopar.plan``'s own plan."""
-    from autopar.planner import search
-    from passes.trace import to_meta
-    from runtime.validate import plan_problem
-
-    check = functools.partial(plan_problem, to_meta(SPECS[name].build(seed=0)))
-    return search(_layer_graph(name), Cluster.local(2), mesh=Mesh(dp=2), check=check).plan
+    capture and solve take seconds), searched on ``_layer_graph``'s capture; the "planned"
+    variant trains ``autopar.plan``'s own plan."""
+    spec = SPECS[name]
+    return autopar.search_plans(spec.build(seed=0), Cluster.local(2),
+                                planning_inputs(spec, spec.batch(BATCH)), mesh=Mesh(dp=2),
+                                graph=_layer_graph(name)).plan
 
 
 def _tp2(model, name: str, plan: Plan) -> Plan:

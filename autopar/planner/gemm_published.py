@@ -19,9 +19,10 @@ batched or not. ``fit_curves`` fits d½ per dtype to a table's GEMMs with the pr
 - sm_90: with the preset's ceiling kept (``cost_models.calibrate.fit_half_dim``). The table's
   fastest bf16 GEMM is within 2% of it: one device class, two sources that agree.
 - A100: with the table's own asymptote, fitted with d½ (``fit_gemm_shapes``), and only d½ goes
-  into the preset. Vidur's GEMMs of smallest dimension ≥ 1024 run at a median 225 TFLOP/s,
-  16% under the ceiling (268, mamf-finder's best shape), from 160 to 272 by shape: a level
-  set by how each shape's tiles fill the 108 SMs, not by its size. Fitted against the
+  into the preset (``python bench/published.py`` prints these figures). Vidur's fitted
+  GEMMs of smallest dimension ≥ 1024 run at a median 225 TFLOP/s, 16% under the ceiling
+  (268, mamf-finder's best shape), from 160 to 272 by shape: a level set by how each
+  shape's tiles fill the 108 SMs, not by its size. Fitted against the
   ceiling, that gap passes for a size effect (d½ 116, median error 9.8%, and the large
   GEMMs still about 10% faster than measured); with the table's own asymptote (233) the
   size effect is d½ 43, median error 4.7%. The preset keeps the ceiling, which the software

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -86,6 +87,30 @@ def test_plan_accepts_a_hugging_face_model_built_from_a_config():
     assert "transformer.h.0" in names and "transformer.h.1" in names
     assert plan.layer("transformer.h.0").layer_class == plan.layer("transformer.h.1").layer_class
     assert all(not lp.is_tp for lp in plan.layers), "fused qkv (Conv1D) offers no exact TP split"
+
+
+def test_a_search_of_a_graph_already_captured_plans_as_a_capture_does(monkeypatch):
+    """Several searches of one model share one capture (``graph=``); the plan is the one
+    capturing it again gives, rationale included (all but the solver's wall time)."""
+    from passes.layer_graph import build_layer_graph
+
+    def saved(plan) -> dict:
+        data = json.loads(plan.to_json())
+        del data["solver"]["solve_time_s"]
+        return data
+
+    spec = get_model("gpt-tiny")
+    model, inputs = spec.build("meta"), spec.example_inputs(8, device="meta")
+    graph = build_layer_graph(model, inputs)
+    captured = {n: autopar.search_plans(model, Cluster.local(n), inputs).plan for n in (2, 4)}
+
+    def no_capture(*args, **kwargs):
+        raise AssertionError("captured again")
+
+    monkeypatch.setattr("autopar.api.build_layer_graph", no_capture)
+    for n, plan in captured.items():
+        reused = autopar.search_plans(model, Cluster.local(n), inputs, graph=graph).plan
+        assert saved(reused) == saved(plan)
 
 
 def test_uncapturable_model_names_the_line_and_the_opaque_option():

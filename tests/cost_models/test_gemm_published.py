@@ -11,7 +11,7 @@ Seen on these tables (fitted GEMMs; |relative error| of the modelled time):
     A100 fp16  d½ 42.9  627 GEMMs  median 4.7%, worst 47% (256×7680×5120)       no curve: 5.8%, 52%
                (at the table's own asymptote, 233 TFLOP/s, or 222 refitted without a curve;
                mean error by smallest dimension d < 512: -1.8%, 512-1023: -2.1%, ≥ 1024:
-               -0.6%; no curve: -11.4%, -5.0%, +1.8%)
+               -0.5%; no curve: -11.4%, -5.0%, +1.8%)
 
 Modelled too fast, worst: H100 bf16 GEMMs whose smallest dimension is the reduction (k = 256
 or 512), tf32 ones of m = n = 1024 at any k; on the A100, single shapes either way by up to
